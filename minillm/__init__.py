@@ -1,0 +1,22 @@
+"""minillm: LLM inference optimization, one technique at a time, on a real model (SmolLM2-135M).
+
+    model, tok = minillm.load_model("smollm2-135m", dtype="bfloat16")
+    print(minillm.generate(model, tok, "What is the capital of France?").text)
+"""
+
+from .config import ModelConfig
+from .generate import GenerationResult, generate
+from .kv_cache import KVCache, kv_bytes, kv_bytes_per_token
+from .loader import load_model
+from .sampling import SamplingParams
+
+__all__ = ["ModelConfig", "GenerationResult", "generate", "KVCache", "kv_bytes", "kv_bytes_per_token", "load_model",
+           "SamplingParams", "LLM"]
+
+
+def __getattr__(name):  # the engine imports lazily: `import minillm` stays fast
+    if name == "LLM":
+        from .engine import LLM
+
+        return LLM
+    raise AttributeError(f"module 'minillm' has no attribute {name!r}")

@@ -1,0 +1,113 @@
+"""The graded exercises: which tasks each lesson has, and `minillm grade` that runs their graders.
+
+Graders live in tests/graders/test_exNN_*.py, one pytest marker per task (`task_NN_name`). They import the learner's
+exercises/ when MINILLM_GRADE=exercises and the reference solutions/ otherwise (see tests/graders/conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+# lesson -> [(task marker, what the task asks)]
+TASKS: dict[str, list[tuple[str, str]]] = {
+    "00": [
+        ("task_00_rmsnorm", "RMSNorm in float32"),
+        ("task_00_rope", "rotary position embedding (rotate-half pairing)"),
+        ("task_00_attention", "causal GQA attention from scores"),
+        ("task_00_sampler", "temperature, top-k, top-p sampling"),
+    ],
+    "01": [
+        ("task_01_cache_append", "write new keys/values at the right cache positions"),
+        ("task_01_cached_attention", "one decode step attending over the filled cache only"),
+    ],
+    "02": [
+        ("task_02_grouped_attention", "attention with n_kv_heads < n_heads (query head h uses KV head h // group)"),
+        ("task_02_mean_pool", "GQA -> fewer KV heads by mean-pooling groups"),
+    ],
+    "03": [
+        ("task_03_merge", "merge two partial softmax results (online softmax)"),
+        ("task_03_flash", "tiled flash-attention forward in torch"),
+        ("task_03_triton", "optional: Triton flash forward, graded under the interpreter"),
+    ],
+    "04": [
+        ("task_04_allocator", "block allocator: allocate, free, ref counts"),
+        ("task_04_paged_attention", "paged decode attention by gathering through the block table"),
+    ],
+    "05": [
+        ("task_05_schedule", "one scheduler step: admit, preempt, finish"),
+        ("task_05_static_vs_continuous", "the static and continuous batching loops"),
+    ],
+}
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def all_markers() -> list[tuple[str, str]]:
+    return [t for tasks in TASKS.values() for t in tasks]
+
+
+def run_graders(lesson: str, target: str = "exercises", extra: list[str] | None = None) -> dict[str, str]:
+    """Run lesson's graders against `target` ('exercises' or 'solutions'); {task marker: 'pass' | 'fail' | 'skip'}."""
+    if lesson not in TASKS:
+        raise ValueError(f"unknown lesson {lesson!r}; lessons with exercises: {', '.join(TASKS)}")
+    files = sorted((ROOT / "tests" / "graders").glob(f"test_ex{lesson}_*.py"))
+    if not files:
+        raise FileNotFoundError(f"no graders for lesson {lesson} under {ROOT / 'tests' / 'graders'}")
+    env = dict(os.environ, MINILLM_GRADE=target)
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "report.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
+               "-o", "junit_family=xunit2", *map(str, files), *(extra or [])]
+        subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if not xml.exists():
+            raise RuntimeError("pytest did not run; is the dev extra installed? pip install -e '.[dev]'")
+        outcomes = _outcomes_by_marker(xml, files)
+    return {m: outcomes.get(m, "missing") for m, _ in TASKS[lesson]}
+
+
+def _outcomes_by_marker(xml: Path, files: list[Path]) -> dict[str, str]:
+    """Every test of a task must pass for the task to pass. Markers are read back from the test modules."""
+    import importlib.util
+
+    marker_of: dict[str, str] = {}  # test name -> task marker
+    for f in files:
+        spec = importlib.util.spec_from_file_location(f"_grader_{f.stem}", f)
+        mod = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(ROOT))
+        try:
+            spec.loader.exec_module(mod)
+        finally:
+            sys.path.remove(str(ROOT))
+        for name, obj in vars(mod).items():
+            for mark in getattr(obj, "pytestmark", []):
+                if mark.name.startswith("task_"):
+                    marker_of[name] = mark.name
+    result: dict[str, str] = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        base = case.get("name", "").split("[")[0]
+        task = marker_of.get(base)
+        if task is None:
+            continue
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcome = "fail"
+        elif case.find("skipped") is not None:
+            outcome = "skip"
+        else:
+            outcome = "pass"
+        prev = result.get(task)
+        result[task] = "fail" if "fail" in (prev, outcome) else ("pass" if "pass" in (prev, outcome) else outcome)
+    return result
+
+
+def print_table(lesson: str, outcomes: dict[str, str], target: str) -> None:
+    print(f"lesson {lesson} graded against {target}/")
+    width = max(len(m) for m in outcomes)
+    for (marker, what) in TASKS[lesson]:
+        print(f"  {outcomes[marker].upper():5s}  {marker:<{width}s}  {what}")
+    n_pass = sum(v == "pass" for v in outcomes.values())
+    print(f"  {n_pass}/{len(outcomes)} tasks pass")
