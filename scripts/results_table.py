@@ -1,0 +1,47 @@
+"""Rewrite the README's results table from results/*.json (written by `minillm bench NAME`).
+
+    python scripts/results_table.py          # updates README.md between the results markers
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ORDER = ["decode", "kv-cache", "gqa", "attention", "paged", "batching"]
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+
+
+def _fmt(x) -> str:
+    return f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
+def table() -> str:
+    lines = ["| benchmark | measure | value | target | hardware |", "|---|---|---|---|---|"]
+    found = {json.loads(p.read_text())["name"]: json.loads(p.read_text()) for p in (ROOT / "results").glob("*.json")}
+    for name in ORDER + sorted(set(found) - set(ORDER)):
+        r = found.get(name)
+        if r is None or r.get("quick"):
+            continue
+        hw = r.get("hardware", {})
+        where = hw.get("gpu") or f"{hw.get('cpu', '?')}, {hw.get('threads', '?')} threads"
+        targets = r.get("targets", {})
+        for key, value in r.get("ratios", {}).items():
+            t = targets.get(key)
+            target = f"{t[0]} {_fmt(t[1])}" if t else ""
+            lines.append(f"| `minillm bench {name}` | {key} | {_fmt(value)} | {target} | {where} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    new = re.sub(f"{re.escape(BEGIN)}.*?{re.escape(END)}", f"{BEGIN}\n{table()}\n{END}", text, flags=re.S)
+    readme.write_text(new)
+    print(table())
+
+
+if __name__ == "__main__":
+    main()
