@@ -4,11 +4,20 @@
     print(minillm.generate(model, tok, "What is the capital of France?").text)
 """
 
+import os as _os
+
+import torch as _torch
+
 from .config import ModelConfig
 from .generate import GenerationResult, generate
 from .kv_cache import KVCache, kv_bytes, kv_bytes_per_token
 from .loader import load_model
 from .sampling import SamplingParams
+
+# Triton picks its interpreter or a GPU driver when it is first imported, and torch imports it lazily (dynamo,
+# flop_counter): without CUDA, choose the interpreter before anything else can (kernels/_triton_env.py, lesson 03)
+if not _torch.cuda.is_available():
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
 
 __all__ = ["ModelConfig", "GenerationResult", "generate", "KVCache", "kv_bytes", "kv_bytes_per_token", "load_model",
            "SamplingParams", "LLM"]

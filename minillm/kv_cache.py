@@ -8,7 +8,8 @@ The price is memory. This cache preallocates, per sequence, room for `max_len` t
 the over-reservation that paged attention (lesson 04) removes. `kv_bytes_per_token` is the formula lesson 00
 introduces: 2 (K and V) x layers x kv_heads x head_dim x bytes per value.
 
-Lesson 01 measures what the cache buys; exercise 01 implements `attend`.
+Lesson 01 measures what the cache buys; exercise 01 implements `append_kv` and `decode_attention` (the attention
+of one decode step over the filled cache, written out; the model itself calls its attention backend).
 """
 
 from __future__ import annotations
@@ -33,6 +34,53 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype | int = torch.float1
 def kv_bytes(cfg: ModelConfig, n_tokens: int, batch: int = 1, dtype: torch.dtype | int = torch.float16) -> int:
     """Bytes of KV cache for `batch` sequences of `n_tokens` tokens each."""
     return kv_bytes_per_token(cfg, dtype) * n_tokens * batch
+
+
+def max_tokens_in_budget(cfg: ModelConfig, budget_bytes: int, dtype: torch.dtype | int = torch.float16) -> int:
+    """How many cached tokens fit in `budget_bytes` of KV memory: batch x context must stay below this.
+
+    E.g. with 2 GiB for the cache, SmolLM2-135M in fp16 (23,040 B/token) holds 93,206 tokens: a batch of 45 at
+    2,048 tokens each; Llama-2-7B (524,288 B/token) holds 4,096 tokens: one sequence at its full context.
+    """
+    if budget_bytes < 0:
+        raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+    return int(budget_bytes) // kv_bytes_per_token(cfg, dtype)
+
+
+def append_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, start: int) -> int:
+    """Write k, v (batch, n_kv_heads, new, head_dim) into one layer's buffers (batch, n_kv_heads, max_len, head_dim)
+    at positions start .. start + new - 1; return the new filled length (start + new). If that is past the buffer's
+    capacity, raise CacheFullError naming the capacity and write nothing: never wrap around or truncate."""
+    end = start + k.shape[2]
+    capacity = k_cache.shape[2]
+    if end > capacity:
+        raise CacheFullError(
+            f"KV cache capacity is {capacity} tokens; writing positions {start}..{end - 1} would overflow. "
+            f"Allocate the cache with a larger max_len (prompt + max_new_tokens)."
+        )
+    k_cache[:, :, start:end] = k
+    v_cache[:, :, start:end] = v
+    return end
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, n_filled: int) -> Tensor:
+    """One decode step: q (batch, n_heads, 1, head_dim) attends over the first `n_filled` cached positions of
+    k_cache/v_cache (batch, n_kv_heads, max_len, head_dim). Returns (batch, n_heads, 1, head_dim) in q's dtype.
+
+    The newest token is the last query, so it may see every filled key: no causal mask. Slots from n_filled on
+    were never written (zeros, or another request's keys): reading them would corrupt the softmax.
+    """
+    b, n_heads, q_len, d = q.shape
+    n_kv_heads = k_cache.shape[1]
+    if q_len != 1:
+        raise ValueError(f"decode_attention takes one new token per sequence, got q_len={q_len}")
+    group = n_heads // n_kv_heads
+    k = k_cache[:, :, :n_filled].float()  # (b, n_kv_heads, n_filled, d): the filled prefix only
+    v = v_cache[:, :, :n_filled].float()
+    qg = q.float().reshape(b, n_kv_heads, group, d)  # query head h = g * group + j reads KV head g
+    scores = torch.einsum("bgjd,bgnd->bgjn", qg, k) * d**-0.5  # (b, n_kv_heads, group, n_filled)
+    out = torch.einsum("bgjn,bgnd->bgjd", scores.softmax(dim=-1), v)  # (b, n_kv_heads, group, d)
+    return out.reshape(b, n_heads, 1, d).to(q.dtype)
 
 
 class KVCache:
@@ -61,14 +109,7 @@ class KVCache:
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, attn: AttentionFn) -> Tensor:
         """Write k, v (batch, n_kv_heads, new, head_dim) after the cached positions; attend q over all of them."""
-        start, end = self.seq_len, self.seq_len + k.shape[2]
-        if end > self.max_len:
-            raise CacheFullError(
-                f"KV cache capacity is {self.max_len} tokens; writing positions {start}..{end - 1} would overflow. "
-                f"Allocate the cache with a larger max_len (prompt + max_new_tokens)."
-            )
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
+        end = append_kv(self.k[layer], self.v[layer], k, v, self.seq_len)
         # read only the filled prefix: slots past `end` hold zeros (or a previous request's data), never valid keys
         return attn(q, self.k[layer, :, :, :end], self.v[layer, :, :, :end], causal=True)
 

@@ -35,6 +35,13 @@ class KVCacheLike(Protocol):
     def advance(self, n_tokens: int) -> None: ...
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, normalised in float32, returned in x's dtype."""
+    # normalise in float32: bf16's 8-bit mantissa loses the mean of squares for large activations
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -42,9 +49,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # normalise in float32: bf16's 8-bit mantissa loses the mean of squares for large activations
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -133,8 +138,9 @@ class Transformer(nn.Module):
         return self.embed.weight.dtype
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, kv_cache: KVCacheLike | None = None,
-                last_only: bool = False) -> Tensor:
-        """input_ids (batch, seq) -> logits (batch, seq, vocab), or (batch, 1, vocab) with last_only.
+                last_only: bool = False, logits_at: Tensor | None = None) -> Tensor:
+        """input_ids (batch, seq) -> logits (batch, seq, vocab), or (batch, 1, vocab) with last_only, or
+        (batch, len(logits_at), vocab) with logits_at (indices along seq: the engine's last token of each sequence).
 
         positions (seq,) or (batch, seq) default to the tokens following what `kv_cache` already holds.
         """
@@ -156,4 +162,6 @@ class Transformer(nn.Module):
             kv_cache.advance(s)
         if last_only:
             x = x[:, -1:]
+        elif logits_at is not None:  # packed batches (engine): only each sequence's last row needs the LM head
+            x = x[:, logits_at]
         return self.lm_head(self.norm(x))

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+# Triton picks interpreter or driver when it is first imported, and some test modules import it indirectly
+# (torch.utils.flop_counter does) before minillm_kernels can choose: decide here, first (kernels/_triton_env.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,72 @@
+"""Exercise 00: the pieces of one decoder step (lesson 00, "anatomy of inference").
+
+Fill in each function, then grade your work:
+
+    minillm grade 00
+
+Every function keeps the signature and docstring of minillm's own version; the graders compare yours with
+independent references (torch's own RMSNorm and attention, a loop over complex numbers for RoPE, sampling
+frequencies for the sampler). Calling those library ops (or minillm) inside your answer is rejected.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# task 00.rmsnorm --------------------------------------------------------------------------------------------
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, normalised in float32, returned in x's dtype."""
+    raise NotImplementedError(
+        "task 00.rmsnorm: upcast x to float32, divide by sqrt(mean of squares over the last dim + eps), "
+        "cast back to x.dtype, multiply by weight"
+    )
+
+
+# task 00.rope -----------------------------------------------------------------------------------------------
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (batch, heads, seq, head_dim); cos/sin (batch, 1, seq, head_dim). The 'rotate half' pairing (HF layout)."""
+    raise NotImplementedError(
+        "task 00.rope: split the last dim into halves x1, x2; dim i pairs with dim i + head_dim/2; "
+        "x * cos + cat(-x2, x1) * sin, computed in float32, returned in x's dtype"
+    )
+
+
+# task 00.attention ------------------------------------------------------------------------------------------
+
+def causal_mask(q_len: int, kv_len: int, device=None) -> Tensor:
+    """Bool (q_len, kv_len), True where query i may attend key j (bottom-right aligned)."""
+    raise NotImplementedError(
+        "task 00.attention: query i is position i + (kv_len - q_len); it may see keys j <= that position"
+    )
+
+
+def repeat_kv(x: Tensor, group: int) -> Tensor:
+    """(b, h_kv, s, d) -> (b, h_kv * group, s, d): KV head g serves query heads g*group ... g*group+group-1."""
+    raise NotImplementedError(
+        "task 00.attention: repeat each KV head `group` times next to itself (h0 h0 h0 h1 h1 h1, not h0 h1 h0 h1)"
+    )
+
+
+def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
+    raise NotImplementedError(
+        "task 00.attention: check_shapes(q, k, v); repeat_kv to n_heads; scores = q k^T / sqrt(head_dim) in "
+        "float32; mask with causal_mask (-inf where not allowed); softmax over keys; @ v; return q's dtype"
+    )
+
+
+# task 00.sampler --------------------------------------------------------------------------------------------
+
+def sample_from_logits(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0,
+                       generator: torch.Generator | None = None) -> Tensor:
+    """logits (batch, vocab) -> token ids (batch,).
+
+    Order matters and matches the common convention: temperature scales, top-k keeps the k largest, top-p keeps the
+    smallest set of most likely tokens whose probability reaches p (always at least one), then we draw.
+    """
+    raise NotImplementedError(
+        "task 00.sampler: temperature 0 -> argmax; else divide by temperature, set logits outside the top k to "
+        "-inf, sort and keep the shortest prefix whose probability reaches top_p, torch.multinomial(generator=...)"
+    )

@@ -1,0 +1,47 @@
+"""Exercise 01: the KV cache (lesson 01, "stop recomputing the past").
+
+A decode step projects only the newest token; its key and value go into a preallocated buffer after the ones
+already there, and its query attends over everything written so far. Fill in both functions, then grade your work:
+
+    minillm grade 01
+
+The graders compare yours with torch SDPA over the filled prefix, fill the unwritten slots with NaN (a read past
+the filled length shows up), and plug your functions into a cache that the real model class decodes with. Calling
+torch's attention (or minillm) inside your answer is rejected.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from minillm.kv_cache import CacheFullError  # the error to raise, given: not part of the task
+
+
+# task 01.cache_append ---------------------------------------------------------------------------------------
+
+def append_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, start: int) -> int:
+    """Write k, v (batch, n_kv_heads, new, head_dim) into one layer's buffers (batch, n_kv_heads, max_len, head_dim)
+    at positions start .. start + new - 1; return the new filled length (start + new). If that is past the buffer's
+    capacity, raise CacheFullError naming the capacity and write nothing: never wrap around or truncate."""
+    raise NotImplementedError(
+        "task 01.cache_append: end = start + number of new tokens (k.shape[2]); if end > the buffer's capacity "
+        "(k_cache.shape[2]) raise CacheFullError mentioning the capacity, before writing anything; else copy k, v "
+        "into positions start..end-1 of the sequence dim (dim 2) and return end"
+    )
+
+
+# task 01.cached_attention -----------------------------------------------------------------------------------
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, n_filled: int) -> Tensor:
+    """One decode step: q (batch, n_heads, 1, head_dim) attends over the first `n_filled` cached positions of
+    k_cache/v_cache (batch, n_kv_heads, max_len, head_dim). Returns (batch, n_heads, 1, head_dim) in q's dtype.
+
+    The newest token is the last query, so it may see every filled key: no causal mask. Slots from n_filled on
+    were never written (zeros, or another request's keys): reading them would corrupt the softmax.
+    """
+    raise NotImplementedError(
+        "task 01.cached_attention: slice the first n_filled positions of the caches; query head h reads KV head "
+        "h // (n_heads // n_kv_heads); scores = q k^T / sqrt(head_dim) in float32, softmax over keys (no mask: the "
+        "newest token sees every filled key), @ v; return (batch, n_heads, 1, head_dim) in q's dtype"
+    )

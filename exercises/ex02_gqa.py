@@ -1,0 +1,43 @@
+"""Exercise 02: MHA -> GQA -> MQA (lesson 02, "share key/value heads").
+
+With n_kv_heads < n_heads, groups of adjacent query heads share one key/value head: fewer KV bytes to store and to
+read per decode step. Fill in both functions, then grade your work:
+
+    minillm grade 02
+
+The graders compare yours with torch SDPA on K/V repeated per query head, and with a per-head loop for the pooling.
+Calling torch's attention, minillm's repeat_kv (or minillm at all) inside your answer is rejected.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+# task 02.grouped_attention ----------------------------------------------------------------------------------
+
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
+    """softmax(q k^T / sqrt(d)) v where n_kv_heads divides n_heads, without copying K/V once per query head.
+
+    q (batch, n_heads, q_len, head_dim); k, v (batch, n_kv_heads, kv_len, head_dim). Query head h reads KV head
+    h // (n_heads // n_kv_heads). The causal mask is bottom-right aligned (the queries are the last q_len positions).
+    """
+    raise NotImplementedError(
+        "task 02.grouped_attention: reshape q to (b, n_kv_heads, group, q_len, d) so adjacent query heads share a "
+        "KV head (h // group, not h % n_kv_heads); scores q k^T / sqrt(d) in float32 broadcast over the group; "
+        "if causal, mask key j > i + (kv_len - q_len) with -inf; softmax, @ v, reshape back, return q's dtype"
+    )
+
+
+# task 02.mean_pool ------------------------------------------------------------------------------------------
+
+def mean_pool_kv_heads(w: Tensor, n_kv_heads: int, new_n_kv_heads: int) -> Tensor:
+    """Pool a k or v projection weight (n_kv_heads * head_dim, dim) down to (new_n_kv_heads * head_dim, dim) by
+    averaging each group of n_kv_heads / new_n_kv_heads adjacent heads' rows (GQA paper, section 2.1). Averages in
+    float32, returns w's dtype; a new_n_kv_heads that does not divide n_kv_heads is a ValueError."""
+    raise NotImplementedError(
+        "task 02.mean_pool: check new_n_kv_heads divides n_kv_heads (else ValueError); view w as "
+        "(new_n_kv_heads, group, head_dim, dim) (adjacent heads form a group), average over the group dim in "
+        "float32, reshape to (new_n_kv_heads * head_dim, dim), cast back to w.dtype"
+    )

@@ -1,0 +1,81 @@
+"""Exercise 03: flash attention, from the online-softmax merge to a tiled loop (and, optionally, a Triton kernel).
+
+Fill in each function, then grade your work:
+
+    minillm grade 03
+
+The graders compare with torch's SDPA on random shapes (q_len and kv_len not multiples of the block size, GQA,
+decode, chunked prefill), check that flash_attention never builds a q_len x kv_len tensor and skips the key blocks
+above the causal diagonal, and reject answers that call SDPA, softmax or minillm's own attention.
+"""
+
+from __future__ import annotations
+
+import torch  # noqa: F401  (you will need it)
+from torch import Tensor
+
+from minillm.attention import check_shapes  # noqa: F401  input validation, given: not part of the task
+
+try:  # triton is optional: task 03.triton is skipped without it (sets TRITON_INTERPRET=1 on a CPU-only machine)
+    from minillm_kernels._triton_env import tl, triton
+except ImportError:
+    triton = tl = None
+
+
+# task 03.merge ----------------------------------------------------------------------------------------------
+
+def merge_partials(o1: Tensor, m1: Tensor, l1: Tensor, o2: Tensor, m2: Tensor, l2: Tensor
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """Combine the softmax-attention partials of two disjoint key sets into the partial of their union.
+
+    A partial over keys J is (o, m, l) with m = max_j s_j, l = sum_j exp(s_j - m), o = sum_j exp(s_j - m) v_j:
+    o is *unnormalised* (o / l is the attention output over J alone). Shapes: o (..., head_dim); m, l (...,).
+    An empty key set is m = -inf, l = 0, o = 0. Both partials are rescaled to the common maximum m = max(m1, m2),
+    so exp never sees a positive argument (no overflow), and the result is exact, not an approximation.
+    """
+    raise NotImplementedError(
+        "task 03.merge: m = max(m1, m2); rescale each side by exp(m_i - m) (an empty side, m_i = -inf, gets 0; "
+        "guard the case where both are -inf); l = sum of rescaled l's, o = sum of rescaled o's"
+    )
+
+
+# task 03.flash ----------------------------------------------------------------------------------------------
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, block_q: int = 64, block_k: int = 64
+                    ) -> Tensor:
+    """Tiled attention with the online softmax; same result as naive_attention, O(block_q x block_k) temporaries.
+
+    q (batch, n_heads, q_len, head_dim), k/v (batch, n_kv_heads, kv_len, head_dim); causal is bottom-right aligned
+    (query i sees keys j <= i + kv_len - q_len). Accumulates in float32, returns q's dtype.
+    """
+    raise NotImplementedError(
+        "task 03.flash: for each block of queries keep m (running max), l (running sum of exp), acc (unnormalised "
+        "output) in float32; for each key block: scores tile, mask the tile only if it crosses the diagonal, "
+        "m_new = max(m, tile max), rescale l and acc by exp(m - m_new), add exp(scores - m_new) and its @ v; "
+        "stop at the last key the block's last query may see; finally acc / l. GQA: reshape q to "
+        "(b, n_kv_heads, group, q_len, d) and broadcast k[:, :, None]"
+    )
+
+
+# task 03.triton (optional) ----------------------------------------------------------------------------------
+
+def attend_key_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, kv_len, causal_offset, qk_scale,
+                     stride_kn, stride_vn, MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+    """Fold keys [start_n, start_n + BLOCK_N) into the running (acc, m_i, l_i) of a BLOCK_M tile of queries.
+
+    The inner step of minillm_kernels.flash_attn's kernel (read `_flash_fwd_kernel` there for how it is called;
+    the grader runs that kernel with your function in place of the engine's). Decorate it with @triton.jit.
+      acc (BLOCK_M, D) float32 unnormalised output; m_i, l_i (BLOCK_M,) float32 running max / sum, in log2 units
+      q (BLOCK_M, D) the query tile; k_ptrs, v_ptrs (BLOCK_N, D) pointers to keys/values 0..BLOCK_N-1 of this
+      head: add start_n * stride_kn (stride_vn) to reach this tile. offs_m (BLOCK_M,) query positions, offs_n
+      (BLOCK_N,) = arange(0, BLOCK_N). Query i sees key j <= i + causal_offset when CAUSAL.
+      qk_scale = log2(e) / sqrt(D): scores * qk_scale are in log2 units, so use tl.exp2.
+      MASKED: the tile may run past kv_len or cross the diagonal; mask the loads (other=0.0) and set invisible
+      scores to -inf. Unmasked tiles need neither. UPCAST: convert loaded k, v to float32 (the interpreter's bf16
+      math is wrong). Return (acc, m_i, l_i) updated.
+    """
+    raise NotImplementedError(
+        "task 03.triton: load k, v (masked if MASKED), s = tl.dot(q, tl.trans(k)) * qk_scale, mask with "
+        "tl.where, m_new = max(m_i, row max), p = exp2(s - m_new), rescale = exp2(m_i - m_new), "
+        "l = l * rescale + sum(p), acc = acc * rescale + p @ v; decorate with @triton.jit"
+    )

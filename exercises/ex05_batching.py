@@ -1,0 +1,68 @@
+"""Exercise 05: continuous batching. One scheduler step (admit, preempt, finish) and the two batching loops.
+
+Read lessons/05_continuous_batching.py first. The scheduler works on plain data: Sequence objects (tokens, status,
+block table), a BlockManager whose verbs you call (can_allocate / allocate / can_append / may_append / deallocate),
+and the `preempt` helper. Grade with `minillm grade 05`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, TypeVar
+
+# given, not part of the task: the plain-data types and the preemption helper (minillm/engine/scheduler.py)
+from minillm.engine.block_manager import BlockManager
+from minillm.engine.scheduler import Schedule, ScheduledSeq, preempt
+from minillm.engine.sequence import Sequence, SequenceStatus
+
+R = TypeVar("R")
+
+
+# task 05.schedule -------------------------------------------------------------------------------------------
+
+def schedule_step(waiting: deque[Sequence], running: deque[Sequence], block_manager: BlockManager,
+                  max_num_seqs: int, max_num_batched_tokens: int) -> Schedule:
+    """Pick this step's work. Mutates `waiting`/`running` (admissions, preemptions) and block tables."""
+    raise NotImplementedError(
+        "task 05.schedule: running sequences first (oldest first; a decode may need may_append, and"
+        " when can_append fails preempt the most recently admitted running sequence), then admit "
+        "waiting ones in order while blocks, max_num_seqs and the token budget allow; chunk prompts"
+        " with min(num_uncached_tokens, budget)"
+    )
+
+
+def postprocess_step(schedule: Schedule, sampled: list[int | None], running: deque[Sequence],
+                     block_manager: BlockManager, now: float) -> list[Sequence]:
+    """Record what the step computed, append sampled tokens, retire finished sequences. Returns the finished ones.
+
+    `sampled[i]` is the token sampled for schedule.scheduled[i], or None for a prefill chunk that did not reach the
+    end of its sequence (nothing to sample yet).
+    """
+    raise NotImplementedError(
+        "task 05.schedule: advance num_cached_tokens, append sampled tokens, and for a sequence "
+        "whose stop_reason() is not None mark it FINISHED, free its blocks and remove it from "
+        "running"
+    )
+
+
+# task 05.static_vs_continuous -------------------------------------------------------------------------------
+
+def static_batching_loop(requests: list[R], max_batch: int, step_fn: Callable[[list[R]], list[bool]]) -> list[int]:
+    """Run `requests` in fixed batches of `max_batch` (arrival order); a batch ends when all its requests are done.
+
+    `step_fn(active)` runs one step for the batch's unfinished requests and returns, per request, whether it
+    finished. Returns the number of busy slots at each step: the occupancy timeline (out of max_batch).
+    """
+    raise NotImplementedError(
+        "task 05.static_vs_continuous: take requests max_batch at a time; call step_fn on the "
+        "batch's unfinished requests until all are done; record len(active) before each step"
+    )
+
+
+def continuous_batching_loop(requests: list[R], max_batch: int, step_fn: Callable[[list[R]], list[bool]]
+                             ) -> list[int]:
+    """Refill free slots from the waiting queue before every step (arrival order); same contract as the static loop."""
+    raise NotImplementedError(
+        "task 05.static_vs_continuous: before each step move waiting requests into free slots "
+        "(arrival order); drop finished ones after the step; record len(active) before each step"
+    )

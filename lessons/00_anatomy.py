@@ -1,0 +1,261 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 00 — Anatomy of inference: prefill vs decode, the roofline, the KV cache
+#
+# Before optimising anything we take the plain model apart and measure it on this machine. Three questions:
+#
+# 1. **What is the model?** A file of weights (GGUF) plus a handful of numbers (layers, heads, dims).
+# 2. **Where does the time go?** Generation has two phases. *Prefill* runs the whole prompt through the model at
+#    once: every weight is used for many tokens, so it is **compute-bound** and judged by **MFU** (model FLOP/s
+#    utilisation). *Decode* produces one token per step: every weight is read from memory to do just 2 FLOPs,
+#    so it is **memory-bound** and judged by **MBU** (model bandwidth utilisation). The **roofline** puts both on
+#    one picture.
+# 3. **What does remembering the past cost?** The KV cache: bytes per token = 2 × layers × kv_heads × head_dim ×
+#    bytes per value.
+#
+# The course's model is SmolLM2-135M-Instruct, loaded from a GGUF file by `minillm.load_model`.
+
+# %%
+import inspect
+import time
+from collections import Counter
+
+import matplotlib.pyplot as plt
+import torch
+from gguf import GGUFReader
+
+import minillm
+from minillm.bench.decode import cast_model, measure_decode, measure_prefill
+from minillm.bench.harness import (
+    decode_bytes_per_token,
+    hardware_info,
+    hardware_summary,
+    model_flops_per_token,
+    prefill_flops,
+    weight_bytes,
+)
+from minillm.config import LLAMA2_7B
+from minillm.kv_cache import kv_bytes, kv_bytes_per_token
+from minillm.lesson import QUICK, hardware_line, pick
+from minillm.weights import gguf_path
+
+print(hardware_line())
+hw = hardware_info("cpu")
+print("measured roofs:", hardware_summary(hw))
+
+t0 = time.perf_counter()
+model, tok = minillm.load_model("smollm2-135m", dtype="float32", device="cpu")
+print(f"loaded in {time.perf_counter() - t0:.1f} s (read + dequantize the GGUF, build the model)")
+
+# %% [markdown]
+# ## 1. What is in the GGUF file
+#
+# GGUF holds metadata (architecture numbers, the tokenizer's vocabulary) and the tensors, here mostly quantized to
+# 4 bits (Q4_1: blocks of 32 weights sharing a scale and a minimum). `load_model` dequantizes them to the dtype we
+# ask for. The config is all we need to count parameters, FLOPs and cache bytes.
+
+# %%
+path = gguf_path()
+reader = GGUFReader(str(path))
+print(f"{path.name}: {path.stat().st_size / 2**20:.1f} MiB on disk, {len(reader.tensors)} tensors:",
+      dict(Counter(t.tensor_type.name for t in reader.tensors)))
+cfg = model.config
+print(cfg)
+n_params = cfg.n_params()
+print(f"parameters: {n_params:,} (config formula) vs {sum(p.numel() for p in model.parameters()):,} (in the model;"
+      " the LM head is tied to the embedding, so it is counted once)")
+for dtype, size in (("float32", 4), ("bfloat16", 2)):
+    print(f"  weights in {dtype:9s}: {n_params * size / 2**20:6.0f} MiB")
+print(f"  weights as stored (mostly Q4_1): {path.stat().st_size / 2**20:6.0f} MiB")
+
+# %% [markdown]
+# The decoder itself is short; this is one attention layer (the `kv_cache` branch is the seam lessons 01 and 04
+# plug into):
+
+# %%
+print(inspect.getsource(minillm.model.Attention.forward))
+
+# %% [markdown]
+# ## 2. Tokens, not characters
+#
+# The model reads token ids from a byte-level BPE vocabulary of 49,152 entries. Common English words are one token;
+# digits are always split one per token by this tokenizer; rarer scripts cost several tokens per character. Every
+# cost below (FLOPs, cache bytes, time) is per *token*.
+
+# %%
+texts = {
+    "English": "The quick brown fox jumps over the lazy dog.",
+    "Python": "def add(a, b):\n    return a + b",
+    "number": "3.14159265358979",
+    "French": "Où est la gare, s'il vous plaît ?",
+    "Japanese": "東京は日本の首都です。",
+}
+print(f"{'text':9s} {'chars':>5s} {'tokens':>6s} {'chars/token':>11s}  pieces")
+for name, text in texts.items():
+    ids = tok.encode(text)
+    # a token is a byte string; one character may span several tokens (shown as escaped bytes)
+    pieces = [tok.token_bytes(i).decode("utf-8", "backslashreplace") for i in ids][:8]
+    print(f"{name:9s} {len(text):5d} {len(ids):6d} {len(text) / len(ids):11.2f}  {pieces}")
+
+# %% [markdown]
+# ## 3. Prefill vs decode, measured
+#
+# Prefill of `n` tokens does about `2 × params × n` FLOPs while reading the weights once; a decode step does
+# `2 × params` FLOPs for the same weight bytes (plus the KV cache). We time both on the real model, in float32 and
+# bfloat16, with the benchmark's own functions (`minillm bench decode` runs the same measurements).
+
+# %%
+prefill_sizes = pick([128, 512], [16, 32])
+prompt_len, new_tokens = pick(128, 16), pick(64, 8)
+repeat = pick(3, 1)
+model_bf16 = cast_model(model, torch.bfloat16)  # same weights, rounded to bf16
+rows = []
+for dtype, m in (("float32", model), ("bfloat16", model_bf16)):
+    for n in prefill_sizes:
+        rows.append({"dtype": dtype, **measure_prefill(m, n, repeat)})
+    rows.append({"dtype": dtype, **measure_decode(m, tok, prompt_len, new_tokens, "contiguous", repeat)})
+print(hardware_line())
+print(f"{'dtype':9s} {'phase':8s} {'tokens':>6s} {'ms':>9s} {'tokens/s':>9s} {'MFU':>6s} {'MBU':>6s}")
+
+
+def fmt(v):
+    return f"{v:6.1%}" if v is not None else "     -"
+
+
+for r in rows:
+    print(f"{r['dtype']:9s} {r['phase']:8s} {r['tokens']:6d} {r['ms']:9.1f} {r['tokens_per_s']:9.1f} "
+          f"{fmt(r['MFU'])} {fmt(r['MBU'])}")
+by = {(r["dtype"], r["phase"], r["tokens"]): r for r in rows}
+fp32_prefill = by["float32", "prefill", prefill_sizes[-1]]
+fp32_decode = by["float32", "decode", new_tokens]
+bf16_decode = by["bfloat16", "decode", new_tokens]
+print(f"\nper token, prefill ({prefill_sizes[-1]} tokens) is {fp32_prefill['tokens_per_s'] / fp32_decode['tokens_per_s']:.0f}x "
+      f"faster than decode (float32)")
+print(f"bfloat16 decode vs float32 decode: {bf16_decode['tokens_per_s'] / fp32_decode['tokens_per_s']:.2f}x "
+      f"(bytes per token: {decode_bytes_per_token(model_bf16, prompt_len) / 2**20:.0f} vs "
+      f"{decode_bytes_per_token(model, prompt_len) / 2**20:.0f} MiB)")
+
+# %% [markdown]
+# ## 4. The roofline
+#
+# A kernel that does `F` FLOPs while moving `B` bytes has **arithmetic intensity** `I = F / B`. It cannot run
+# faster than `min(peak FLOP/s, I × bandwidth)`: the roof. Left of the ridge point (`peak / bandwidth`) the
+# bandwidth caps it (memory-bound), right of it the ALUs do (compute-bound). Both roofs below are *measured* on this
+# machine (a large matmul and a large copy), and both phases of the real model are plotted on it.
+
+# %%
+bandwidth_Bps = hw["bandwidth_GBps"] * 1e9
+peak = {"float32": hw["flops_float32"], "bfloat16": hw["flops_bfloat16"] or hw["flops_float32"]}
+points = []
+for dtype, m in (("float32", model), ("bfloat16", model_bf16)):
+    r = by[dtype, "prefill", prefill_sizes[-1]]
+    n = r["tokens"]
+    flops = prefill_flops(cfg, n)
+    moved = weight_bytes(m) + kv_bytes(cfg, n, dtype=m.dtype)  # weights once, plus writing the new K/V
+    points.append((f"prefill {n} ({dtype})", flops / moved, flops / (r["ms"] / 1e3)))
+    r = by[dtype, "decode", new_tokens]
+    flops = model_flops_per_token(cfg, r["context"])
+    moved = decode_bytes_per_token(m, r["context"])
+    points.append((f"decode ({dtype})", flops / moved, flops * r["tokens_per_s"]))
+print(f"ridge point: {peak['float32'] / bandwidth_Bps:.1f} FLOP/byte (fp32), {peak['bfloat16'] / bandwidth_Bps:.1f} (bf16)")
+for name, intensity, attained in points:
+    print(f"{name:24s} intensity {intensity:8.2f} FLOP/byte, attained {attained / 1e9:8.1f} GFLOP/s")
+
+fig, ax = plt.subplots(figsize=(7, 4.5))
+xs = [2.0**e for e in range(-4, 13)]
+for dtype, style in (("float32", "-"), ("bfloat16", "--")):
+    ax.plot(xs, [min(peak[dtype], x * bandwidth_Bps) / 1e9 for x in xs], style, color="gray",
+            label=f"roof ({dtype}): min(peak, I x {hw['bandwidth_GBps']:.0f} GB/s)")
+for name, intensity, attained in points:
+    ax.plot(intensity, attained / 1e9, "o", markersize=8, label=name)
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+ax.set_ylabel("attained GFLOP/s")
+ax.set_title("Roofline: decode sits on the bandwidth slope, prefill near the compute roof")
+ax.legend(fontsize=8)
+ax.grid(alpha=0.3, which="both")
+plt.show()
+
+# %% [markdown]
+# **Reading the plot.** Decode's intensity is about 0.5 FLOP/byte in float32 (2 FLOPs per 4-byte weight): far left
+# of the ridge, so its speed is set by bytes/second, and the way to speed it up is to move fewer bytes: bfloat16
+# (half the bytes), quantization, or serving many sequences per weight read (batching, lesson 05). Prefill's
+# intensity grows with the prompt length, so it runs against the compute roof; its MFU is below 100% partly because
+# the model's matrices (576 wide) are smaller than the square matmul that measured the peak. On a shared CPU the
+# measurements are noisy: compare the ratios, not the absolute numbers.
+
+# %% [markdown]
+# ## 5. The KV cache: what remembering costs
+#
+# To avoid recomputing the past, decode keeps every token's keys and values for every layer (lesson 01). Per token
+# that is `2 (K and V) × n_layers × n_kv_heads × head_dim × bytes per value`. Grouped-query attention (lesson 02)
+# shrinks `n_kv_heads`: SmolLM2 has 3 KV heads for 9 query heads.
+
+# %%
+print(inspect.getsource(kv_bytes_per_token))
+for name, c, dtype_bytes, label in (("SmolLM2-135M", cfg, 2, "bf16"), ("SmolLM2-135M", cfg, 4, "fp32"),
+                                    ("Llama-2-7B", LLAMA2_7B, 2, "fp16")):
+    per_token = kv_bytes_per_token(c, dtype_bytes)
+    print(f"{name:13s} {label}: 2 x {c.n_layers} x {c.n_kv_heads} x {c.head_dim} x {dtype_bytes} = "
+          f"{per_token:,} bytes/token; {kv_bytes(c, 4096, dtype=dtype_bytes) / 2**30:.3f} GiB at 4096 tokens; "
+          f"weights {c.n_params() * dtype_bytes / 2**30:.2f} GiB")
+llama_kv, llama_weights = kv_bytes(LLAMA2_7B, 4096, dtype=2), LLAMA2_7B.n_params() * 2
+print(f"Llama-2-7B: one 4096-token sequence's cache is {llama_kv / llama_weights:.0%} of the fp16 weights; "
+      f"{-(-llama_weights // llama_kv)} such sequences need more memory than the weights themselves")
+smol_match = cfg.n_params() * 2 // kv_bytes_per_token(cfg, 2)
+print(f"SmolLM2-135M: the bf16 cache equals the bf16 weights at {smol_match:,} tokens (batch x context)")
+
+contexts = [256 * 2**i for i in range(6)]
+fig, ax = plt.subplots(figsize=(6.5, 4))
+for name, c, weights_gib in (("SmolLM2-135M (bf16)", cfg, cfg.n_params() * 2 / 2**30),
+                             ("Llama-2-7B (fp16)", LLAMA2_7B, LLAMA2_7B.n_params() * 2 / 2**30)):
+    line, = ax.plot(contexts, [kv_bytes(c, n, dtype=2) / 2**30 for n in contexts], "o-", label=f"{name}: KV cache")
+    ax.axhline(weights_gib, color=line.get_color(), ls=":", label=f"{name}: weights")
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xlabel("tokens in the cache (one sequence)")
+ax.set_ylabel("GiB")
+ax.set_title("KV cache grows linearly with context")
+ax.legend(fontsize=8)
+ax.grid(alpha=0.3, which="both")
+plt.show()
+
+# %% [markdown]
+# Llama-2-7B has 32 KV heads (no GQA): a single 4096-token sequence's cache is already a sizeable fraction of its
+# weights, and a handful of such sequences outweigh the model (printed above). SmolLM2's cache is small per token
+# thanks to GQA, but a batch of long sequences still reaches the size of the weights. Memory for the cache is what
+# limits how many sequences a server can decode at once, which is why lessons 02 (fewer KV heads) and 04 (paged
+# allocation, no over-reservation) matter.
+
+# %% [markdown]
+# ## 6. Putting it together: a short greedy generation
+#
+# `minillm.generate` = tokenize with the chat template, prefill, then decode greedily with the KV cache until the
+# end-of-turn token. The time to first token (TTFT) is the prefill; the rest is decode.
+
+# %%
+res = minillm.generate(model, tok, "What is the capital of France?", max_new_tokens=pick(32, 12))
+print(repr(res.text))
+print(f"prompt {res.prompt_tokens} tokens, generated {len(res.token_ids)}, TTFT {res.ttft_s * 1e3:.0f} ms, "
+      f"decode {res.decode_tokens_per_s:.1f} tokens/s, stop: {res.stop_reason}")
+if QUICK:
+    print("[QUICK mode: small sizes; run without MINILLM_QUICK for the numbers the text discusses]")
+
+# %% [markdown]
+# **Summary.** Decode at batch 1 is memory-bound: its speed is the bytes per token divided by the bandwidth, which
+# is why MBU, not MFU, is its figure of merit. Prefill is compute-bound. The KV cache trades memory for not
+# recomputing the past; its size per token follows directly from the config. Next, lesson 01 measures what that
+# cache buys over the no-cache baseline (`minillm bench kv-cache`); exercise 00 has you write the decoder's
+# pieces: `minillm grade 00`.

@@ -1,0 +1,7 @@
+"""`python -m minillm ...` is the `minillm` command."""
+
+import sys
+
+from minillm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,55 @@
+"""Benchmarks: one entry per lesson, each measuring the previous technique against the next in one run.
+
+    minillm bench --list
+    minillm bench kv-cache --quick
+    python -c "from minillm.bench import run_entry; run_entry('decode', quick=True)"
+
+An entry is a function `run(quick: bool = False) -> BenchResult` registered below as "module:function"; the module is
+imported only when its entry runs, so one broken or slow benchmark never affects the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from .harness import BenchResult, Timing, hardware_info, time_fn
+
+# name -> "module:function"; each lesson's helper adds one line
+ENTRIES: dict[str, str] = {
+    "decode": "minillm.bench.decode:run",
+    "kv-cache": "minillm.bench.kv_cache:run",
+    "gqa": "minillm.bench.gqa:run",
+    "attention": "minillm.bench.attention:run",
+    "paged": "minillm.bench.paged:run",
+    "batching": "minillm.bench.batching:run",
+}
+
+__all__ = ["ENTRIES", "BenchResult", "Timing", "hardware_info", "load_entry", "run_entry", "time_fn"]
+
+
+def load_entry(name: str):
+    """The `run` function registered under `name`."""
+    if name not in ENTRIES:
+        raise ValueError(f"unknown benchmark {name!r}; available: {', '.join(ENTRIES)}")
+    module, fn = ENTRIES[name].split(":")
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name == module:
+            raise ValueError(f"benchmark {name!r} is registered as {ENTRIES[name]} but {module} does not exist yet") from e
+        raise
+    return getattr(mod, fn)
+
+
+def run_entry(name: str, quick: bool = False, save: bool = True, out: str | os.PathLike = "results") -> BenchResult:
+    """Run benchmark `name`, print its table, and (with save) write <out>/<name>.json. Returns the result."""
+    result = load_entry(name)(quick=quick)
+    if not isinstance(result, BenchResult):
+        raise TypeError(f"benchmark {name!r} returned {type(result).__name__}, expected BenchResult")
+    result.quick = quick
+    result.print_table()
+    if save:
+        path = result.save(out)
+        print(f"saved {path}")
+    return result

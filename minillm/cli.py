@@ -1,0 +1,180 @@
+"""The `minillm` command: generate text, run a benchmark, grade an exercise, describe the model.
+
+    minillm generate "What is the capital of France?" --max-new-tokens 32 --dtype bfloat16
+    minillm bench decode --quick          minillm bench --list
+    minillm grade 00 [--solutions]        minillm info
+
+Bad arguments print one line and exit with status 2; no tracebacks for user mistakes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A user mistake: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints usage + message; we want one clear line
+        raise UsageError(f"{message} (see: {self.prog} --help)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from minillm.attention import backend_names
+    from minillm.generate import CACHE_KINDS
+    from minillm.loader import DTYPES
+
+    parser = _Parser(prog="minillm", description="LLM inference, one technique at a time, on SmolLM2-135M.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt, streaming it, then print timing stats")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default="smollm2-135m")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=_positive_int, default=None)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    gen.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
+    gen.add_argument("--cache", choices=list(CACHE_KINDS), default="contiguous")
+    gen.add_argument("--attn", choices=backend_names(), default="sdpa", help="attention backend")
+    gen.add_argument("--raw", action="store_true", help="continue the prompt as plain text (no chat template)")
+
+    bench = sub.add_parser("bench", help="run a benchmark (minillm bench --list)")
+    bench.add_argument("name", nargs="?")
+    bench.add_argument("--list", action="store_true", help="list the benchmarks")
+    bench.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for CI)")
+    bench.add_argument("--out", default="results", help="folder for <name>.json (default: results)")
+    bench.add_argument("--no-save", action="store_true")
+
+    grade = sub.add_parser("grade", help="grade a lesson's exercises (exit 0 only if every task passes)")
+    grade.add_argument("lesson", help="lesson number, e.g. 00")
+    grade.add_argument("--solutions", action="store_true", help="grade the reference solutions instead")
+
+    info = sub.add_parser("info", help="model config, parameter count, bytes, KV-cache bytes per token")
+    info.add_argument("--model", default="smollm2-135m")
+    return parser
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from minillm import generate, load_model
+    from minillm.bench.harness import bandwidth, decode_bytes_per_token, mbu
+    from minillm.sampling import validate_sampling
+
+    validate_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)  # fail before the slow load
+    if not args.prompt.strip():
+        raise UsageError("the prompt is empty: give some text to continue or a question to answer")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but torch sees no CUDA GPU; use --device cpu")
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, attn_backend=args.attn)
+
+    def emit(text: str) -> None:
+        print(text, end="", flush=True)
+
+    res = generate(model, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache, chat=not args.raw,
+                   on_text=emit)
+    print()
+    n = len(res.token_ids)
+    tps = res.decode_tokens_per_s
+    stats = [
+        f"load {model.load_seconds:.2f} s ({args.dtype}, {model.device.type}, attn={args.attn}, cache={args.cache})",
+        f"prompt {res.prompt_tokens} tokens, generated {n}",
+        f"TTFT {res.ttft_s * 1e3:.1f} ms",
+    ]
+    if n > 1 and not math.isnan(tps):  # nan when only one token came out
+        line = f"decode {tps:.1f} tokens/s"
+        if args.cache != "none":
+            moved = decode_bytes_per_token(model, res.prompt_tokens + n // 2)
+            line += (f", MBU {mbu(moved, 1 / tps, bandwidth(model.device)):.0%} "
+                     f"({moved / 2**20:.0f} MiB read per token)")
+        stats.append(line)
+    stats.append(f"stop: {res.stop_reason}")
+    print("--- " + " | ".join(stats))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from minillm.bench import ENTRIES, run_entry
+
+    if args.list:
+        width = max(map(len, ENTRIES))
+        for name, target in ENTRIES.items():
+            print(f"{name:<{width}s}  {target}")
+        return 0
+    if not args.name:
+        raise UsageError(f"give a benchmark name or --list; benchmarks: {', '.join(ENTRIES)}")
+    if args.name not in ENTRIES:
+        raise UsageError(f"unknown benchmark {args.name!r}; available: {', '.join(ENTRIES)}")
+    run_entry(args.name, quick=args.quick, save=not args.no_save, out=args.out)
+    return 0
+
+
+def cmd_grade(args) -> int:
+    from minillm.grading import TASKS, print_table, run_graders
+
+    lesson = args.lesson.zfill(2)
+    if lesson not in TASKS:
+        raise UsageError(f"unknown lesson {args.lesson!r}; lessons with exercises: {', '.join(TASKS)}")
+    target = "solutions" if args.solutions else "exercises"
+    outcomes = run_graders(lesson, target)
+    print_table(lesson, outcomes, target)
+    return 0 if all(v == "pass" for v in outcomes.values()) else 1
+
+
+def cmd_info(args) -> int:
+    from minillm.config import ModelConfig
+    from minillm.kv_cache import kv_bytes, kv_bytes_per_token
+    from minillm.weights import gguf_path, read_gguf_metadata
+
+    cfg = ModelConfig.from_gguf_metadata(read_gguf_metadata(gguf_path(args.model)))
+    n = cfg.n_params()
+    print(f"{args.model}: llama decoder")
+    for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "group_size", "ffn_dim",
+                "rope_theta", "norm_eps", "max_seq_len", "tie_embeddings"):
+        print(f"  {key:<15s} {getattr(cfg, key):g}" if isinstance(getattr(cfg, key), float)
+              else f"  {key:<15s} {getattr(cfg, key)}")
+    print(f"parameters       {n:,} ({n / 1e6:.1f}M): {n * 4 / 2**20:.0f} MiB float32, {n * 2 / 2**20:.0f} MiB bfloat16")
+    for name, size in (("float32", 4), ("bf16/fp16", 2)):
+        print(f"KV cache {name:<9s} {kv_bytes_per_token(cfg, size):,} bytes/token "
+              f"(2 x {cfg.n_layers} layers x {cfg.n_kv_heads} kv heads x {cfg.head_dim} dims x {size} bytes); "
+              f"{kv_bytes(cfg, cfg.max_seq_len, dtype=size) / 2**20:.0f} MiB at {cfg.max_seq_len} tokens")
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "grade": cmd_grade, "info": cmd_info}
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command](args)
+    except (UsageError, ValueError) as e:  # ValueError: the library's checks on values (temperature, prompt...)
+        print(f"minillm: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

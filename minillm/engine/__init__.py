@@ -1,0 +1,13 @@
+"""The serving engine (lesson 05): continuous batching over the paged KV cache, split by job like nano-vllm.
+
+    sequence.py      one request's state          block_manager.py  which KV blocks each sequence owns
+    scheduler.py     who runs this step (plain data, no tensors)
+    model_runner.py  schedule -> packed tensors -> model -> per-request sampling
+    llm.py           LLM: add_request / step / generate / stream / abort
+    static.py        the static-batching baseline it is measured against
+"""
+
+from .llm import LLM, RequestOutput, StreamEvent
+from .sequence import Sequence, SequenceStatus
+
+__all__ = ["LLM", "RequestOutput", "StreamEvent", "Sequence", "SequenceStatus"]

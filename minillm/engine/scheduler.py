@@ -1,0 +1,185 @@
+"""The scheduler of continuous (in-flight) batching: every step, decide which sequences run and how many tokens each.
+
+Static batching fixes a batch, runs it until its longest request is done, and only then takes the next batch: a
+request that finishes early leaves an idle slot (a *bubble*) until the whole batch ends. Continuous batching
+re-decides at every step. Finished sequences leave at once (their KV blocks go back to the pool) and waiting ones take
+their place, so the batch stays full and every read of the weights (decode is memory bound: one read serves the whole
+batch) produces as many tokens as possible.
+
+One step here:
+  1. running sequences go first, oldest first: a decode costs one token; a prompt that did not fit the last step's
+     token budget gets its next chunk (chunked prefill). A decode may need a new KV block; when none is free, the most
+     recently admitted running sequence is *preempted*: its blocks are freed and it goes back to the head of the
+     waiting queue, to be *recomputed* later (its prompt + the tokens generated so far become its new prefill). The
+     oldest sequence therefore always makes progress, and no request is ever dropped.
+  2. then, if nothing was preempted, waiting sequences are admitted in arrival order while there are free blocks for
+     their tokens, a free slot (max_num_seqs) and token budget (max_num_batched_tokens) left.
+`postprocess_step` appends the sampled tokens, checks the stop conditions and retires finished sequences, freeing
+their blocks at once. Everything here is plain Python: no tensors, testable without a model (tests/test_scheduler.py).
+
+Lesson 05 (lessons/05_continuous_batching.py) teaches it; exercise 05 task_05_schedule asks for schedule_step and
+postprocess_step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """Run tokens all_ids[start : start + num_new_tokens] of `seq` this step."""
+
+    seq: Sequence
+    num_new_tokens: int
+    start: int = field(init=False)  # num_cached_tokens when scheduled
+    samples: bool = field(init=False)  # the chunk reaches the last token: the step samples the next one
+    is_decode: bool = field(init=False)  # one new token after a cached history that includes output
+
+    def __post_init__(self) -> None:
+        self.start = self.seq.num_cached_tokens
+        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
+        self.is_decode = self.num_new_tokens == 1 and self.samples and self.seq.num_output_tokens > 0 \
+            and self.start > 0
+
+
+@dataclass
+class Schedule:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if not s.is_decode)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(s.is_decode for s in self.scheduled)
+
+    def __len__(self) -> int:
+        return len(self.scheduled)
+
+
+def preempt(seq: Sequence, block_manager: BlockManager, waiting: deque[Sequence]) -> None:
+    """Free `seq`'s blocks and put it back at the head of `waiting`: it will be recomputed (prompt + output so far)."""
+    block_manager.deallocate(seq)
+    seq.status = SequenceStatus.WAITING
+    seq.num_preemptions += 1
+    waiting.appendleft(seq)
+
+
+def schedule_step(waiting: deque[Sequence], running: deque[Sequence], block_manager: BlockManager,
+                  max_num_seqs: int, max_num_batched_tokens: int) -> Schedule:
+    """Pick this step's work. Mutates `waiting`/`running` (admissions, preemptions) and block tables."""
+    schedule = Schedule()
+    budget = max_num_batched_tokens
+    # 1. running sequences, oldest first; the youngest are the preemption victims
+    pending = list(running)
+    running.clear()
+    while pending:
+        seq = pending.pop(0)
+        n_new = min(seq.num_uncached_tokens, budget)
+        if n_new == 0:  # the token budget is spent: it keeps its blocks and runs next step
+            running.append(seq)
+            continue
+        while not block_manager.can_append(seq):
+            victim = pending.pop() if pending else seq  # most recently admitted first; itself as a last resort
+            preempt(victim, block_manager, waiting)
+            schedule.preempted.append(victim)
+            if victim is seq:
+                break
+        else:
+            block_manager.may_append(seq)
+            running.append(seq)
+            schedule.scheduled.append(ScheduledSeq(seq, n_new))
+            budget -= n_new
+    # 2. admit waiting sequences in arrival order (not after a preemption: the pool is short of blocks)
+    while not schedule.preempted and waiting and budget > 0 and len(running) < max_num_seqs:
+        seq = waiting[0]
+        if not block_manager.can_allocate(seq):
+            break
+        waiting.popleft()
+        block_manager.allocate(seq)
+        seq.status = SequenceStatus.RUNNING
+        n_new = min(seq.num_uncached_tokens, budget)
+        running.append(seq)
+        schedule.scheduled.append(ScheduledSeq(seq, n_new))
+        budget -= n_new
+    return schedule
+
+
+def postprocess_step(schedule: Schedule, sampled: list[int | None], running: deque[Sequence],
+                     block_manager: BlockManager, now: float) -> list[Sequence]:
+    """Record what the step computed, append sampled tokens, retire finished sequences. Returns the finished ones.
+
+    `sampled[i]` is the token sampled for schedule.scheduled[i], or None for a prefill chunk that did not reach the
+    end of its sequence (nothing to sample yet).
+    """
+    if len(sampled) != len(schedule.scheduled):
+        raise ValueError(f"got {len(sampled)} sampled tokens for {len(schedule.scheduled)} scheduled sequences")
+    finished = []
+    for item, token in zip(schedule.scheduled, sampled):
+        seq = item.seq
+        if (token is None) == item.samples:
+            raise ValueError(f"request {seq.request_id}: a token must be sampled exactly when its chunk ends")
+        seq.num_cached_tokens += item.num_new_tokens
+        if token is None:
+            continue
+        seq.append_token(token, now)
+        reason = seq.stop_reason()
+        if reason is not None:
+            seq.status, seq.finish_reason, seq.finish_time = SequenceStatus.FINISHED, reason, now
+            block_manager.deallocate(seq)  # its blocks serve the next admission right away
+            running.remove(seq)
+            finished.append(seq)
+    return finished
+
+
+class Scheduler:
+    """Holds the two queues and the block manager; `schedule()` / `postprocess()` run one step's bookkeeping."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int = 16, max_num_batched_tokens: int = 512):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, "
+                             f"got {max_num_seqs}, {max_num_batched_tokens}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Schedule:
+        schedule = schedule_step(self.waiting, self.running, self.block_manager, self.max_num_seqs,
+                                 self.max_num_batched_tokens)
+        self.num_preemptions += len(schedule.preempted)
+        return schedule
+
+    def postprocess(self, schedule: Schedule, sampled: list[int | None], now: float) -> list[Sequence]:
+        return postprocess_step(schedule, sampled, self.running, self.block_manager, now)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Cancel a waiting or running request; its blocks return to the pool. None if it is not in flight."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.block_manager.deallocate(seq)
+                    seq.status, seq.finish_reason = SequenceStatus.ABORTED, "abort"
+                    return seq
+        return None

@@ -1,0 +1,121 @@
+"""Static batching, the baseline continuous batching beats, and the two batching loops side by side.
+
+Static batching takes requests max_batch at a time in arrival order and runs each batch until its *longest* request
+is done. A request that finishes early leaves its slot idle (a bubble) until then, and the next batch waits for the
+whole batch: with long-tailed output lengths most slots idle most of the time. Continuous batching refills a slot the
+step after it frees up.
+
+`static_batching_loop` and `continuous_batching_loop` are the two policies with the model abstracted away as
+`step_fn(active) -> finished flags`: lesson 05 drives them with a fake model to count steps and occupancy, exercise
+05 (task_05_static_vs_continuous) asks for them. `StaticBatchEngine` drives `static_batching_loop` with the real
+model, through the same ModelRunner, sampler, paged cache and stop rules as the `LLM` engine, so the comparison
+measures the policy alone. It is the *favourable* static baseline: prompts are packed with their own lengths rather
+than padded, and a finished row stops computing (HF-style static batching keeps decoding padding for it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable, TypeVar
+
+import torch
+
+from ..block_allocator import blocks_needed
+from ..paged import PagedKVCache
+from ..sampling import SamplingParams
+from .block_manager import BlockManager
+from .llm import RequestOutput
+from .model_runner import ModelRunner
+from .scheduler import Schedule, ScheduledSeq, postprocess_step
+from .sequence import Sequence, SequenceStatus
+
+R = TypeVar("R")
+
+
+def static_batching_loop(requests: list[R], max_batch: int, step_fn: Callable[[list[R]], list[bool]]) -> list[int]:
+    """Run `requests` in fixed batches of `max_batch` (arrival order); a batch ends when all its requests are done.
+
+    `step_fn(active)` runs one step for the batch's unfinished requests and returns, per request, whether it
+    finished. Returns the number of busy slots at each step: the occupancy timeline (out of max_batch).
+    """
+    occupancy = []
+    for start in range(0, len(requests), max_batch):
+        active = list(requests[start:start + max_batch])  # this batch, and only it, until every request is done
+        while active:
+            occupancy.append(len(active))
+            done = step_fn(active)
+            active = [r for r, finished in zip(active, done) if not finished]
+    return occupancy
+
+
+def continuous_batching_loop(requests: list[R], max_batch: int, step_fn: Callable[[list[R]], list[bool]]
+                             ) -> list[int]:
+    """Refill free slots from the waiting queue before every step (arrival order); same contract as the static loop."""
+    waiting = deque(requests)
+    active: list[R] = []
+    occupancy = []
+    while waiting or active:
+        while waiting and len(active) < max_batch:  # a slot freed by the last step is refilled right away
+            active.append(waiting.popleft())
+        occupancy.append(len(active))
+        done = step_fn(active)
+        active = [r for r, finished in zip(active, done) if not finished]
+    return occupancy
+
+
+class StaticBatchEngine:
+    """The real model under static batching: same runner, sampler, cache and stop rules as minillm.LLM."""
+
+    def __init__(self, model, tokenizer=None, max_batch: int = 16, block_size: int = 16):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model, self.tokenizer, self.max_batch, self.block_size = model, tokenizer, max_batch, block_size
+        self.step_log: list[dict] = []
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts) or not prompts or any(not p for p in prompts):
+            raise ValueError("give one SamplingParams per prompt and non-empty token-id prompts")
+        ctx = self.model.config.max_seq_len
+        stops = set(getattr(self.tokenizer, "stop_ids", ()))
+        now = time.perf_counter()
+        seqs = []
+        for i, (ids, p) in enumerate(zip(prompts, params)):
+            if len(ids) + p.max_tokens > ctx or p.max_tokens < 1:
+                raise ValueError(f"request {i}: need 1 <= max_tokens and prompt + max_tokens <= {ctx}")
+            gen = torch.Generator(device=self.model.device).manual_seed(p.seed) if p.seed is not None else None
+            seqs.append(Sequence(str(i), list(ids), p, frozenset(set() if p.ignore_eos else stops | p.stop_ids),
+                                 ctx, arrival_time=now, generator=gen))
+        # room for a full batch of the longest request: static batching reserves for the worst case
+        longest = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs)
+        cache = PagedKVCache(self.model.config, self.max_batch * blocks_needed(longest, self.block_size),
+                             self.block_size, self.model.dtype, self.model.device)
+        block_manager, runner = BlockManager(cache.allocator), ModelRunner(self.model, cache)
+
+        def step(active: list[Sequence]) -> list[bool]:
+            t0 = time.perf_counter()
+            schedule = Schedule()
+            for seq in active:
+                if seq.status == SequenceStatus.WAITING:  # first step of its batch: prefill the whole prompt
+                    block_manager.allocate(seq)
+                    seq.status, seq.first_scheduled_time = SequenceStatus.RUNNING, t0
+                else:
+                    block_manager.may_append(seq)
+                schedule.scheduled.append(ScheduledSeq(seq, seq.num_uncached_tokens))
+            sampled = runner.run(schedule)
+            finished = postprocess_step(schedule, sampled, deque(active), block_manager, time.perf_counter())
+            self.step_log.append({"t_start": t0, "t_end": time.perf_counter(), "num_seqs": len(active),
+                                  "occupancy": len(active) / self.max_batch,
+                                  "num_tokens": schedule.num_batched_tokens})
+            return [seq in finished for seq in active]
+
+        static_batching_loop(seqs, self.max_batch, step)
+        outputs = []
+        for seq in seqs:
+            text_ids = [t for t in seq.output_ids if t not in seq.stop_ids]
+            text = self.tokenizer.decode(text_ids) if self.tokenizer is not None else ""
+            outputs.append(RequestOutput(seq.request_id, seq.prompt_ids, seq.output_ids, text, seq.finish_reason,
+                                         seq.metrics()))
+        return outputs

@@ -1,0 +1,356 @@
+"""Grader for exercise 03: merge two softmax partials, tiled flash attention in torch, and (optional) the Triton
+kernel's inner online-softmax step.
+
+Oracles: a full softmax over the union of keys (merge), torch's F.scaled_dot_product_attention with an explicit
+bottom-right mask and repeated KV heads (flash, Triton). Beyond the values, flash_attention must never create a tensor
+as big as one head's q_len x kv_len score matrix (a TorchFunctionMode records every op's output) and must skip the
+key blocks above the causal diagonal (torch's FlopCounterMode: causal runs must do clearly fewer matmul FLOPs). The
+`*_rejects_wrong_answers` tests run the same checks on common mistakes (skipped when grading exercises/).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from tests.graders.conftest import TARGET, forbid_calls, load_impl
+
+impl = load_impl("ex03_flash")
+grader_selftest = pytest.mark.skipif(TARGET == "exercises", reason="checks the grader itself, not your code")
+
+
+def _qkv(batch, n_heads, n_kv_heads, q_len, kv_len, head_dim, seed=0, scale=1.0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, n_heads, q_len, head_dim, generator=g) * scale
+    k = torch.randn(batch, n_kv_heads, kv_len, head_dim, generator=g) * scale
+    v = torch.randn(batch, n_kv_heads, kv_len, head_dim, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def oracle(q, k, v, causal):
+    """torch SDPA in float32, KV heads repeated, bottom-right causal mask built here."""
+    group = q.shape[1] // k.shape[1]
+    kf, vf = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    mask = None
+    if causal:
+        q_len, kv_len = q.shape[2], k.shape[2]
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(diagonal=kv_len - q_len)
+    return F.scaled_dot_product_attention(q.float(), kf, vf, attn_mask=mask)
+
+
+# ================================================================================================= task 03.merge
+
+
+def _partial(s, v):
+    """(o, m, l) of score rows s (..., n) over values v (n, d); n may be 0 (the empty partial)."""
+    if s.shape[-1] == 0:
+        return torch.zeros(*s.shape[:-1], v.shape[-1]), torch.full(s.shape[:-1], float("-inf")), torch.zeros(s.shape[:-1])
+    m = s.amax(-1)
+    p = torch.exp(s - m[..., None])
+    return p @ v, m, p.sum(-1)
+
+
+def check_merge(merge) -> None:
+    g = torch.Generator().manual_seed(3)
+    for n1, n2, spread in [(5, 7, 1.0), (1, 30, 10.0), (30, 1, 10.0), (0, 9, 3.0), (9, 0, 3.0), (16, 16, 30.0)]:
+        s = torch.randn(4, 3, n1 + n2, generator=g) * spread  # (batch, rows, keys): large spread -> exp overflow
+        s[..., n1:] += 5.0  # the second half holds the larger scores: the first partial must be rescaled down
+        v = torch.randn(n1 + n2, 8, generator=g)
+        o, m, l = merge(*_partial(s[..., :n1], v[:n1]), *_partial(s[..., n1:], v[n1:]))
+        assert o.shape == (4, 3, 8) and m.shape == (4, 3) and l.shape == (4, 3), "keep the shapes of the inputs"
+        torch.testing.assert_close(m, s.amax(-1), msg="m must be the maximum score over both key sets")
+        torch.testing.assert_close(l, torch.exp(s - s.amax(-1, keepdim=True)).sum(-1), atol=1e-5, rtol=1e-5,
+                                   msg="l must be sum(exp(s - m)) over both key sets, relative to the new max")
+        torch.testing.assert_close(o / l[..., None], s.softmax(-1) @ v, atol=1e-5, rtol=1e-5,
+                                   msg="o / l must equal the full softmax(s) @ v")
+    # two empty partials merge into an empty one, not into nan
+    empty = _partial(torch.zeros(2, 0), torch.zeros(0, 4))
+    o, m, l = merge(*empty, *empty)
+    assert not torch.isnan(o).any() and not torch.isnan(l).any(), "merging two empty partials produced nan"
+    assert torch.equal(l, torch.zeros(2)) and torch.equal(o, torch.zeros(2, 4)), "empty + empty must stay empty"
+
+
+@pytest.mark.task_03_merge
+def test_merge_partials_equals_full_softmax():
+    check_merge(impl.merge_partials)
+    forbid_calls(impl.merge_partials, ["softmax", "logsumexp", "scaled_dot_product_attention", "minillm"])
+
+
+def _merge_without_rescale(o1, m1, l1, o2, m2, l2):
+    return o1 + o2, torch.maximum(m1, m2), l1 + l2
+
+
+def _merge_without_empty_guard(o1, m1, l1, o2, m2, l2):
+    m = torch.maximum(m1, m2)
+    a1, a2 = torch.exp(m1 - m), torch.exp(m2 - m)
+    return a1[..., None] * o1 + a2[..., None] * o2, m, a1 * l1 + a2 * l2
+
+
+def _merge_rescale_inverted(o1, m1, l1, o2, m2, l2):
+    m = torch.maximum(m1, m2)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    a1, a2 = torch.exp(m_safe - m1).nan_to_num(0.0, 0.0), torch.exp(m_safe - m2).nan_to_num(0.0, 0.0)
+    return a1[..., None] * o1 + a2[..., None] * o2, m, a1 * l1 + a2 * l2
+
+
+@grader_selftest
+@pytest.mark.parametrize("wrong", [_merge_without_rescale, _merge_without_empty_guard, _merge_rescale_inverted])
+def test_merge_grader_rejects_wrong_answers(wrong):
+    with pytest.raises(AssertionError):
+        check_merge(wrong)
+
+
+# ================================================================================================= task 03.flash
+
+
+class _LargestTensor(TorchFunctionMode):
+    """Records the largest tensor any torch op returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+CASES = [  # (batch, n_heads, n_kv_heads, q_len, kv_len, head_dim, block_q, block_k)
+    (1, 1, 1, 1, 1, 8, 16, 16),
+    (2, 4, 2, 50, 50, 16, 16, 16),  # not a multiple of the block
+    (1, 6, 2, 1, 100, 16, 32, 32),  # decode: one query over a longer cache
+    (1, 6, 3, 37, 100, 16, 16, 32),  # chunked prefill: the queries are the last 37 positions
+    (2, 2, 1, 70, 70, 32, 64, 16),
+    (1, 4, 4, 129, 129, 8, 32, 64),
+]
+
+
+def check_flash(fn) -> None:
+    for case in CASES:
+        *shape, block_q, block_k = case
+        for causal in (True, False):
+            q, k, v = _qkv(*shape, seed=sum(case), scale=1.5)
+            out = fn(q, k, v, causal=causal, block_q=block_q, block_k=block_k)
+            assert out.shape == q.shape, f"output shape {tuple(out.shape)} != q's {tuple(q.shape)}"
+            torch.testing.assert_close(out, oracle(q, k, v, causal), atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, c=case, cz=causal: f"{m}\n(case {c}, causal={cz})")
+    # low precision in, same dtype out, float32 accumulation
+    q, k, v = _qkv(1, 2, 1, 40, 60, 16, dtype=torch.bfloat16)
+    out = fn(q, k, v, causal=True, block_q=16, block_k=16)
+    assert out.dtype == torch.bfloat16, f"output dtype must be the input's (bfloat16), got {out.dtype}"
+    torch.testing.assert_close(out.float(), oracle(q, k, v, True), atol=2e-2, rtol=2e-2)
+    # only tiles: no temporary bigger than q itself or a few block_q x block_k score tiles per head
+    q, k, v = _qkv(1, 2, 1, 256, 256, 16)
+    with _LargestTensor() as work:
+        fn(q, k, v, causal=True, block_q=32, block_k=32)
+    limit = max(q.numel(), 4 * 2 * 32 * 32)
+    assert work.largest <= limit, (
+        f"a tensor of {work.largest} elements was created (limit {limit}): scores of whole rows (here 2 heads x "
+        f"256 x 256) must never exist; work on block_q x block_k tiles")
+    # causal attention skips key blocks above the diagonal: 36 of 64 tiles here, so clearly fewer matmul FLOPs
+    q, k, v = _qkv(1, 1, 1, 512, 512, 16)
+    flops = {}
+    for causal in (True, False):
+        with FlopCounterMode(display=False) as counter:
+            fn(q, k, v, causal=causal, block_q=64, block_k=64)
+        flops[causal] = counter.get_total_flops()
+    assert flops[True] < 0.75 * flops[False], (
+        f"causal attention did {flops[True] / max(flops[False], 1):.2f}x the matmul FLOPs of non-causal: skip key "
+        f"blocks that lie entirely above the diagonal instead of computing and masking them")
+
+
+@pytest.mark.task_03_flash
+def test_flash_attention_matches_sdpa():
+    check_flash(impl.flash_attention)
+    forbid_calls(impl.flash_attention, ["scaled_dot_product_attention", "softmax", "naive_attention",
+                                        "sdpa_attention", "get_attention", "minillm"])
+
+
+@pytest.mark.task_03_flash
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 2), st.sampled_from([(1, 1), (2, 1), (4, 2), (6, 3), (6, 6)]), st.integers(1, 90),
+       st.integers(0, 60), st.sampled_from([16, 32]), st.booleans(), st.integers(0, 1000))
+def test_flash_attention_random_shapes(batch, heads, q_len, extra, block, causal, seed):
+    q, k, v = _qkv(batch, *heads, q_len, q_len + extra, 16, seed=seed)
+    out = impl.flash_attention(q, k, v, causal=causal, block_q=block, block_k=block)
+    torch.testing.assert_close(out, oracle(q, k, v, causal), atol=1e-5, rtol=1e-5)
+
+
+def _tiled(q, k, v, causal=True, block_q=64, block_k=64, *, rescale=True, offset_aware=True, skip=True):
+    """A compact flash attention with switches for common mistakes (the right one has every switch on)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    q_len, kv_len, d = q.shape[2], k.shape[2], q.shape[3]
+    offset = kv_len - q_len if offset_aware else 0
+    out = torch.empty(q.shape)
+    for qs in range(0, q_len, block_q):
+        qt = q[:, :, qs:qs + block_q].float() * d**-0.5
+        m = torch.full(qt.shape[:-1], float("-inf"))
+        l, acc = torch.zeros(qt.shape[:-1]), torch.zeros(qt.shape)
+        stop = min(kv_len, qs + qt.shape[2] + offset) if causal and skip else kv_len
+        for ks in range(0, stop, block_k):
+            s = qt @ k[:, :, ks:ks + block_k].transpose(-1, -2)
+            if causal:
+                qpos = torch.arange(qs, qs + qt.shape[2])[:, None] + offset
+                s = s.masked_fill(torch.arange(ks, ks + s.shape[-1])[None, :] > qpos, float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            p = torch.exp(s - m_new[..., None])
+            a = torch.exp(m - m_new) if rescale else torch.ones_like(m)
+            l, acc, m = a * l + p.sum(-1), a[..., None] * acc + p @ v[:, :, ks:ks + block_k], m_new
+        out[:, :, qs:qs + block_q] = acc / l[..., None]
+    return out.to(q.dtype)
+
+
+def _flash_no_rescale(q, k, v, causal=True, block_q=64, block_k=64):
+    return _tiled(q, k, v, causal, block_q, block_k, rescale=False)
+
+
+def _flash_top_left_mask(q, k, v, causal=True, block_q=64, block_k=64):
+    return _tiled(q, k, v, causal, block_q, block_k, offset_aware=False)
+
+
+def _flash_no_block_skipping(q, k, v, causal=True, block_q=64, block_k=64):
+    return _tiled(q, k, v, causal, block_q, block_k, skip=False)
+
+
+def _flash_whole_rows(q, k, v, causal=True, block_q=64, block_k=64):
+    """Tiles the queries but takes every key at once: the full score rows exist."""
+    return _tiled(q, k, v, causal, block_q, block_k=max(k.shape[2], 1))
+
+
+@grader_selftest
+def test_flash_grader_accepts_the_compact_right_answer():
+    check_flash(_tiled)  # so the switches below are what gets caught
+
+
+@grader_selftest
+@pytest.mark.parametrize("wrong", [_flash_no_rescale, _flash_top_left_mask, _flash_no_block_skipping,
+                                   _flash_whole_rows])
+def test_flash_grader_rejects_wrong_answers(wrong):
+    with pytest.raises(AssertionError):
+        check_flash(wrong)
+
+
+@grader_selftest
+def test_flash_grader_rejects_calling_sdpa():
+    def flash_attention(q, k, v, causal=True, block_q=64, block_k=64):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    with pytest.raises(pytest.fail.Exception):
+        forbid_calls(flash_attention, ["scaled_dot_product_attention", "softmax"])
+
+
+# ================================================================================================= task 03.triton
+
+try:
+    import minillm_kernels.flash_attn as fa
+    from minillm_kernels._triton_env import tl, triton
+    from triton.runtime.jit import KernelInterface
+except ImportError:  # triton not installed
+    fa = None
+
+needs_triton = pytest.mark.skipif(fa is None, reason="triton is not installed (pip install -e '.[kernels]'): "
+                                                      "task 03.triton is optional")
+TRITON_CASES = [  # (batch, n_heads, n_kv_heads, q_len, kv_len, head_dim, causal)
+    (1, 2, 1, 50, 50, 16, True),  # ragged end, diagonal tiles
+    (1, 2, 2, 100, 100, 32, True),  # more than one key tile per query tile
+    (1, 4, 2, 1, 90, 16, True),  # decode
+    (1, 2, 1, 20, 90, 16, True),  # chunked prefill: bottom-right alignment
+    (1, 2, 1, 40, 100, 32, False),
+]
+
+
+def _kernel_with(block_fn):
+    """The engine's flash kernel, but calling `block_fn` where it calls attend_key_block."""
+    base = fa._flash_fwd_kernel.fn
+    env = dict(base.__globals__, attend_key_block=block_fn)
+    return triton.jit(types.FunctionType(base.__code__, env, base.__name__, base.__defaults__, base.__closure__))
+
+
+def check_triton_block(block_fn) -> None:
+    if not isinstance(block_fn, KernelInterface):
+        # a stub raises its NotImplementedError here; anything else forgot the decorator
+        block_fn(*([None] * 14), MASKED=False, CAUSAL=False, UPCAST=False)
+        pytest.fail("attend_key_block must be a @triton.jit function")
+    kernel = _kernel_with(block_fn)
+    for *shape, causal in TRITON_CASES:
+        q, k, v = _qkv(*shape, seed=sum(shape))
+        out = fa.launch_fixed(kernel, q, k, v, causal, block_m=16 if shape[3] < 32 else 32, block_n=32)
+        torch.testing.assert_close(out, oracle(q, k, v, causal), atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, s=shape, c=causal: f"{m}\n(shape {s}, causal={c})")
+
+
+@pytest.mark.task_03_triton
+@needs_triton
+def test_triton_attend_key_block_in_the_kernel():
+    check_triton_block(impl.attend_key_block)
+
+
+if fa is not None:
+
+    @triton.jit
+    def _block_no_rescale(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, kv_len, causal_offset,
+                          qk_scale, stride_kn, stride_vn, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                          UPCAST: tl.constexpr):
+        offs_k = start_n + offs_n
+        in_bounds = offs_k < kv_len
+        k = tl.load(k_ptrs + start_n * stride_kn, mask=in_bounds[:, None], other=0.0).to(tl.float32)
+        v = tl.load(v_ptrs + start_n * stride_vn, mask=in_bounds[:, None], other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        visible = in_bounds[None, :]
+        if CAUSAL:
+            visible = visible & (offs_k[None, :] <= offs_m[:, None] + causal_offset)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i + tl.sum(p, 1)  # forgets to rescale l and acc by exp2(m_i - m_new)
+        acc = tl.dot(p, v, acc, input_precision="ieee")
+        return acc, m_new, l_i
+
+    @triton.jit
+    def _block_strict_causal(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, kv_len, causal_offset,
+                             qk_scale, stride_kn, stride_vn, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                             UPCAST: tl.constexpr):
+        offs_k = start_n + offs_n
+        in_bounds = offs_k < kv_len
+        k = tl.load(k_ptrs + start_n * stride_kn, mask=in_bounds[:, None], other=0.0).to(tl.float32)
+        v = tl.load(v_ptrs + start_n * stride_vn, mask=in_bounds[:, None], other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        visible = in_bounds[None, :]
+        if CAUSAL:
+            visible = visible & (offs_k[None, :] < offs_m[:, None] + causal_offset)  # off by one: hides the diagonal
+        s = tl.where(visible, s, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        rescale = tl.exp2(m_i - m_new)
+        l_i = l_i * rescale + tl.sum(p, 1)
+        acc = tl.dot(p, v, acc * rescale[:, None], input_precision="ieee")
+        return acc, m_new, l_i
+
+
+@grader_selftest
+@needs_triton
+@pytest.mark.parametrize("wrong", ["_block_no_rescale", "_block_strict_causal"])
+def test_triton_grader_rejects_wrong_answers(wrong):
+    with pytest.raises(AssertionError):
+        check_triton_block(globals()[wrong])
+
+
+@grader_selftest
+@needs_triton
+def test_triton_grader_rejects_a_plain_python_function():
+    def attend_key_block(*args, **kwargs):
+        return args[:3]
+
+    with pytest.raises(pytest.fail.Exception, match="triton.jit"):
+        check_triton_block(attend_key_block)

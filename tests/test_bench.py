@@ -1,0 +1,252 @@
+"""The benchmark harness: timing, hardware probe, results table/JSON/plot, inference metrics, the entry registry."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from minillm import bench
+from minillm.bench.harness import (
+    BenchResult,
+    decode_bytes_per_token,
+    hardware_info,
+    mbu,
+    mfu,
+    model_flops_per_token,
+    peak_memory,
+    prefill_flops,
+    time_fn,
+)
+from minillm.config import LLAMA2_7B, ModelConfig
+from minillm.model import Transformer
+
+# ---------------------------------------------------------------------------------------------------- time_fn
+
+
+def test_time_fn_counts_warmup_and_repeats():
+    calls = []
+    t = time_fn(lambda: calls.append(1), warmup=2, repeat=7)
+    assert len(calls) == 9 and len(t.runs) == 7
+    assert t.min <= t.median <= t.max and t.min >= 0
+    assert t.spread >= 0
+
+
+def test_time_fn_measures_elapsed_time():
+    import time
+
+    t = time_fn(lambda: time.sleep(0.01), warmup=0, repeat=3)
+    assert 0.009 <= t.min < 0.5
+
+
+@pytest.mark.parametrize("kw", [{"repeat": 0}, {"warmup": -1}])
+def test_time_fn_rejects_bad_counts(kw):
+    with pytest.raises(ValueError, match="repeat"):
+        time_fn(lambda: None, **kw)
+
+
+# ------------------------------------------------------------------------------------------------- hardware
+
+
+def test_hardware_info_measures_and_caches():
+    info = hardware_info("cpu")
+    for key in ("device", "cpu", "threads", "torch", "python", "bandwidth_GBps", "flops_float32", "flops_bfloat16"):
+        assert key in info
+    assert info["device"] == "cpu" and info["torch"] == torch.__version__
+    assert 0.1 < info["bandwidth_GBps"] < 1e5
+    assert 1e8 < info["flops_float32"] < 1e16
+    assert hardware_info("cpu") == info  # cached: the same measurement, not a new one
+    info["bandwidth_GBps"] = -1.0  # callers get a copy
+    assert hardware_info("cpu")["bandwidth_GBps"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_hardware_info_cuda_without_gpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="no CUDA"):
+        hardware_info("cuda")
+
+
+# ------------------------------------------------------------------------------------------------- results
+
+FAKE_HW = {"device": "cpu", "cpu": "test cpu", "gpu": None, "threads": 1, "torch": torch.__version__,
+           "python": "3", "platform": "test", "bandwidth_GBps": 10.0, "flops_float32": 1e11, "flops_bfloat16": None}
+
+
+def _result(**kw) -> BenchResult:
+    base = {"name": "unit", "rows": [{"method": "slow", "ms": 10.0, "n": 1}, {"method": "fast-one", "ms": 2.5, "n": 2}],
+            "ratios": {"speedup": 4.0, "saving": 0.5, "info_only": 1.0},
+            "targets": {"speedup": (">=", 3.0), "saving": ("<=", 0.25)}, "settings": {"device": "cpu"},
+            "notes": ["a note"], "hardware": dict(FAKE_HW)}
+    base.update(kw)
+    return BenchResult(**base)
+
+
+def test_print_table_aligns_rows_and_reports_targets(capsys):
+    r = _result()
+    r.print_table()
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("method"))
+    assert header.split() == ["method", "ms", "n"]
+    slow, fast = (next(line for line in lines if line.startswith(m)) for m in ("slow", "fast-one"))
+    assert len(slow) == len(fast) and slow.index("10") < fast.index("2.5") + 3  # right-aligned numbers
+    assert "speedup" in out and ">= 3" in out
+    assert next(line for line in lines if "speedup" in line).rstrip().endswith("PASS")
+    assert next(line for line in lines if "saving" in line).rstrip().endswith("MISS")
+    assert "no target" in next(line for line in lines if "info_only" in line)
+    assert "a note" in out
+    assert r.status() == {"speedup": "PASS", "saving": "MISS", "info_only": "-"} and not r.passed
+
+
+def test_save_writes_json_with_hardware_versions_and_flags(tmp_path):
+    r = _result(quick=True)
+    path = r.save(tmp_path / "res")
+    assert path == tmp_path / "res" / "unit.json"
+    data = json.loads(path.read_text())
+    assert data["name"] == "unit" and data["quick"] is True
+    assert data["hardware"]["cpu"] == "test cpu" and data["hardware"]["bandwidth_GBps"] == 10.0
+    assert data["versions"]["torch"] == torch.__version__ and "python" in data["versions"]
+    assert data["timestamp"][:2] == "20"
+    assert data["rows"][1] == {"method": "fast-one", "ms": 2.5, "n": 2}
+    assert data["ratios"]["speedup"] == 4.0 and data["targets"]["speedup"] == [">=", 3.0]
+    assert data["status"]["saving"] == "MISS"
+
+
+def test_plot_saves_png_next_to_json(tmp_path):
+    r = _result(rows=[{"len": n, "ms": n * 0.5, "kind": k} for n in (1, 2, 4) for k in ("a", "b")])
+    r.save(tmp_path)
+    fig = r.plot("len", "ms", series="kind", logy=True)
+    assert (tmp_path / "unit.png").stat().st_size > 1000
+    assert len(fig.axes[0].lines) == 2
+    with pytest.raises(ValueError, match="no row has"):
+        r.plot("len", "missing_column", path=tmp_path / "x.png")
+
+
+@pytest.mark.parametrize("targets, match", [({"nope": (">=", 1.0)}, "not reported"),
+                                            ({"speedup": ("=>", 1.0)}, "op in")])
+def test_bad_targets_are_rejected(targets, match):
+    with pytest.raises(ValueError, match=match):
+        _result(targets=targets)
+
+
+# --------------------------------------------------------------------------------------------------- metrics
+
+
+def test_decode_bytes_per_token_counts_tied_weights_once_plus_kv():
+    cfg = ModelConfig.tiny()
+    model = Transformer(cfg)
+    assert model.lm_head.weight is model.embed.weight
+    kv_per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4  # fp32
+    assert decode_bytes_per_token(model, 0) == cfg.n_params() * 4
+    assert decode_bytes_per_token(model, 100) == cfg.n_params() * 4 + 100 * kv_per_token
+    # a batch shares one read of the weights; every sequence reads its own cache
+    assert decode_bytes_per_token(model, 100, batch=4) == (cfg.n_params() * 4 + 4 * 100 * kv_per_token) // 4
+    assert decode_bytes_per_token(model.to(torch.bfloat16), 0) == cfg.n_params() * 2
+
+
+def test_utilisation_formulas():
+    assert mbu(bytes_per_token=1e9, seconds_per_token=0.1, bandwidth=20e9) == pytest.approx(0.5)
+    assert mfu(flops=1e12, seconds=2.0, peak=1e12) == pytest.approx(0.5)
+
+
+def test_flops_formulas():
+    cfg = ModelConfig.tiny()
+    attn_per_key = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim
+    assert model_flops_per_token(cfg, 0) == 2 * cfg.n_params()  # tied head: the embedding matmul counted once
+    assert model_flops_per_token(cfg, 10) == 2 * cfg.n_params() + 10 * attn_per_key
+    # prefill = sum of per-token costs, token i seeing i + 1 keys
+    assert prefill_flops(cfg, 5) == sum(model_flops_per_token(cfg, i + 1) for i in range(5))
+    # untied model: the input embedding is a lookup, not a matmul
+    assert model_flops_per_token(LLAMA2_7B, 0) == 2 * (LLAMA2_7B.n_params() - 32000 * 4096)
+
+
+def test_peak_memory_is_at_least_a_live_tensor():
+    x = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
+    assert peak_memory("cpu") >= x.numel()
+
+
+# ---------------------------------------------------------------------------------------------------- entries
+
+
+def test_entries_are_registered():
+    for name in ("decode", "kv-cache", "gqa", "attention", "paged", "batching"):
+        assert name in bench.ENTRIES and ":" in bench.ENTRIES[name]
+
+
+def test_run_entry_unknown_name_lists_entries():
+    with pytest.raises(ValueError, match="unknown benchmark 'nope'.*decode"):
+        bench.run_entry("nope")
+
+
+def test_run_entry_missing_module_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(bench.ENTRIES, "ghost", "minillm.bench.no_such_module:run")
+    with pytest.raises(ValueError, match="does not exist yet"):
+        bench.run_entry("ghost")
+
+
+def _fake_run(quick: bool = False) -> BenchResult:
+    return _result(name="fake", settings={"device": "cpu", "quick_arg": quick})
+
+
+def test_run_entry_prints_and_saves(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(bench.ENTRIES, "fake", f"{__name__}:_fake_run")
+    result = bench.run_entry("fake", quick=True, out=tmp_path)
+    assert result.quick and result.settings["quick_arg"] is True
+    assert "PASS" in capsys.readouterr().out
+    assert json.loads((tmp_path / "fake.json").read_text())["quick"] is True
+    bench.run_entry("fake", save=False, out=tmp_path / "none")
+    assert not (tmp_path / "none").exists()
+
+
+class _IdsTokenizer:
+    """Just what generate() needs when given token ids and no streaming."""
+
+    stop_ids = frozenset({2})
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def test_decode_entry_quick_on_a_tiny_model(monkeypatch):
+    import minillm
+
+    def tiny_load_model(name, dtype="float32", device="cpu", attn_backend="sdpa"):
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig.tiny()).eval().requires_grad_(False)
+        model.load_seconds = 0.01
+        return model, _IdsTokenizer()
+
+    monkeypatch.setattr(minillm, "load_model", tiny_load_model)
+    result = bench.load_entry("decode")(quick=True)
+    assert result.name == "decode"
+    phases = {(r["dtype"], r["phase"]) for r in result.rows}
+    assert {("float32", "load"), ("float32", "prefill"), ("float32", "decode"), ("float32", "decode, no cache"),
+            ("bfloat16", "prefill"), ("bfloat16", "decode")} <= phases
+    for r in result.rows:
+        if r["phase"] == "decode":
+            assert r["tokens_per_s"] > 0 and 0 < r["MBU"]
+        if r["phase"] == "prefill":
+            assert r["tokens_per_s"] > 0 and 0 < r["MFU"]
+    assert set(result.targets) <= set(result.ratios)
+    assert {"prefill_vs_decode_tokens_per_s", "bf16_vs_fp32_decode_speedup",
+            "cached_vs_nocache_decode_speedup", "decode_mbu_float32"} <= set(result.ratios)
+
+
+@pytest.mark.slow
+def test_decode_entry_quick_on_the_real_model(tmp_path):
+    result = bench.run_entry("decode", quick=True, out=tmp_path)
+    data = json.loads((tmp_path / "decode.json").read_text())
+    assert data["quick"] and data["settings"]["model"] == "smollm2-135m"
+    assert result.ratios["cached_vs_nocache_decode_speedup"] > 1
+
+
+def test_cast_model_keeps_rope_tables_float32():
+    from minillm.bench.decode import cast_model
+
+    model = Transformer(ModelConfig.tiny())
+    cast = cast_model(model, torch.bfloat16)
+    assert cast.dtype == torch.bfloat16 and model.dtype == torch.float32
+    assert cast.rope_cos.dtype == torch.float32 and torch.equal(cast.rope_cos, model.rope_cos)
+    assert cast.lm_head.weight is cast.embed.weight
+
