@@ -11,9 +11,8 @@ Calling torch's attention, minillm's repeat_kv (or minillm at all) inside your a
 
 from __future__ import annotations
 
-import torch
+import torch  # noqa: F401  (you will need it)
 from torch import Tensor
-
 
 # task 02.grouped_attention ----------------------------------------------------------------------------------
 

@@ -8,12 +8,13 @@ and the `preempt` helper. Grade with `minillm grade 05`.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 # given, not part of the task: the plain-data types and the preemption helper (minillm/engine/scheduler.py)
 from minillm.engine.block_manager import BlockManager
-from minillm.engine.scheduler import Schedule, ScheduledSeq, preempt
-from minillm.engine.sequence import Sequence, SequenceStatus
+from minillm.engine.scheduler import Schedule
+from minillm.engine.sequence import Sequence
 
 R = TypeVar("R")
 

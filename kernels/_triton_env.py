@@ -2,9 +2,12 @@
 
 Triton decides at the moment a `@triton.jit` function is *defined* whether it will run on a GPU driver or in the
 interpreter (TRITON_INTERPRET=1: every program of the grid runs on the CPU through numpy; slow but exact enough to
-check a kernel). So the environment variable has to be set before the kernel modules are imported. On a machine
-without CUDA we set TRITON_INTERPRET=1 (setdefault: an explicit TRITON_INTERPRET=0/1 from the user wins) -- note
-that this changes the variable for the whole process, which is what a CPU-only machine wants anyway.
+check a kernel), and triton's own library functions (tl.zeros, tl.max, ...) are defined when triton is first
+imported. So TRITON_INTERPRET has to be set before triton is imported at all -- and torch imports it lazily (dynamo,
+torch.utils.flop_counter). On a machine without CUDA we therefore set TRITON_INTERPRET=1 here *and* in
+minillm/__init__.py (setdefault: an explicit TRITON_INTERPRET=0/1 from the user wins). It changes the variable for
+the whole process, which is what a CPU-only machine wants anyway. If triton was already imported for a driver, the
+kernels could not run; importing this module then raises a RuntimeError that says so, instead of failing later.
 
 Interpreter traps this package's kernels respect (FACTS.md): bf16 arithmetic is wrong there, so kernels load and
 then `.to(tl.float32)`; tl.arange needs powers of 2; tiles stay >= 16; an unmasked out-of-bounds load segfaults

@@ -191,7 +191,7 @@ def triton_paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables:
         raise ValueError(f"num_splits must be a power of 2, got {splits}")
     tokens_per_split = -(-max(-(-max_context // splits), 1) // tile) * tile  # a whole number of tiles
 
-    f32 = dict(dtype=torch.float32, device=q.device)
+    f32 = {"dtype": torch.float32, "device": q.device}
     part_acc = torch.empty((n_seqs, n_heads, splits, head_dim), **f32)
     part_m = torch.empty((n_seqs, n_heads, splits), **f32)
     part_l = torch.empty((n_seqs, n_heads, splits), **f32)

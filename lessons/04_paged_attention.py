@@ -220,8 +220,8 @@ for i, n in enumerate(lens):
     print(f"seq {i} (len {n}): max |paged - SDPA over its own keys| = {(out[i] - ref).abs().max().item():.2e}")
 
 # %% [markdown]
-# The gather *copies* every cached key and value before attending: for decode, which is memory-bound, that is two
-# to three times the memory traffic of attending in place. The Triton kernel (`kernels/paged_decode.py`) instead
+# The gather *copies* every cached key and value before attending: for decode, which is memory-bound, that is
+# several times the memory traffic of attending in place. The Triton kernel (`kernels/paged_decode.py`) instead
 # computes addresses from the table inside the kernel — block ids loaded from the table are used as offsets — and
 # reads each key once. Its inner loop (one program per sequence, KV head and context split, all query heads of
 # the group as rows of one `tl.dot`, online softmax as in lesson 03):

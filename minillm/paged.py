@@ -94,7 +94,7 @@ class AttentionMetadata:
             slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx - n_new, ctx)]
         width = max(len(t) for t in block_tables)
         padded = [list(t) + [-1] * (width - len(t)) for t in block_tables]
-        i32 = dict(dtype=torch.int32, device=device)
+        i32 = {"dtype": torch.int32, "device": device}
         return cls(block_tables=torch.tensor(padded, **i32), context_lens=torch.tensor(context_lens, **i32),
                    cu_seqlens_q=torch.tensor([0, *accumulate(query_lens)], **i32),
                    slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),

@@ -109,7 +109,7 @@ def serve(llm, requests: list[Request]) -> tuple[list, float]:
 
 
 def percentiles(values, ps=(50, 90, 99)) -> dict[str, float]:
-    vals = [v for v in values if v == v]  # drop NaN (e.g. TPOT of a one-token answer)
+    vals = [v for v in values if not math.isnan(v)]  # drop NaN (e.g. TPOT of a one-token answer)
     if not vals:
         return {f"p{p}": float("nan") for p in ps}
     return {f"p{p}": float(np.percentile(vals, p)) for p in ps}

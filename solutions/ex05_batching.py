@@ -6,7 +6,8 @@ Each function is a verbatim copy of minillm's own (see SAME_AS); tests/test_exer
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 # given, not part of the task: the plain-data types and the preemption helper (minillm/engine/scheduler.py)
 from minillm.engine.block_manager import BlockManager

@@ -204,3 +204,14 @@ def test_flash_rejects_bad_block_sizes():
     q, k, v = make_qkv(1, 2, 2, 8, 8, 16)
     with pytest.raises(ValueError, match="block"):
         flash_attention(q, k, v, block_q=0)
+
+
+def test_measured_peak_memory_naive_vs_flash():
+    # the benchmark's measurement (RSS high-water mark in a fresh process) sees the N x N scores of naive attention
+    from minillm.bench.attention import BATCH, N_HEADS, measure_cpu_peaks
+
+    n = 512
+    peak = {r["method"]: r["peak_bytes"] for r in measure_cpu_peaks([("naive", n), ("flash", n)])}
+    scores = BATCH * N_HEADS * n * n * 4
+    assert peak["naive"] >= scores, f"naive peak {peak['naive']} below its own score matrix {scores}"
+    assert peak["flash"] < scores / 4, f"flash peak {peak['flash']} is not far below the score matrix {scores}"

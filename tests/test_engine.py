@@ -214,3 +214,19 @@ def test_real_model_batched_equals_solo(real_model):
         assert out.token_ids == solo(model, ids, params, tok.stop_ids), q
     assert outs[0].text.startswith("The capital of France is Paris")
     assert llm.num_free_blocks() == 64
+
+
+def test_serve_feeds_requests_at_their_arrival_times(tiny):
+    from minillm.workload import Request, serve
+
+    rng = random.Random(5)
+    reqs, t = [], 0.0
+    for _ in range(6):
+        t += rng.expovariate(50.0)
+        reqs.append(Request([rng.randrange(256) for _ in range(rng.randint(1, 10))], rng.randint(1, 6), t))
+    llm = LLM.from_model(tiny, num_blocks=40, block_size=4, max_num_seqs=3)
+    outs, wall = serve(llm, reqs)
+    assert wall >= reqs[-1].arrival_time
+    for r, o in zip(reqs, outs):
+        assert o.token_ids == solo(tiny, r.prompt_ids, r.params())
+        assert o.metrics["ttft"] >= 0

@@ -15,8 +15,16 @@ from hypothesis import strategies as st
 from minillm.attention import repeat_kv
 from minillm.config import ModelConfig
 from minillm.generate import generate_ids
-from minillm.gqa import (grouped_attention, kv_heads_for, mean_pool_kv_heads, regroup, repeat_kv_heads, to_mha,
-                         to_mqa, valid_kv_heads)
+from minillm.gqa import (
+    grouped_attention,
+    kv_heads_for,
+    mean_pool_kv_heads,
+    regroup,
+    repeat_kv_heads,
+    to_mha,
+    to_mqa,
+    valid_kv_heads,
+)
 from minillm.kv_cache import KVCache, kv_bytes_per_token
 from minillm.model import Transformer, apply_rope, rope_tables
 from minillm.sampling import SamplingParams

@@ -14,8 +14,15 @@ from hypothesis import strategies as st
 from minillm.attention import sdpa_attention
 from minillm.config import LLAMA2_7B, LLAMA2_70B, SMOLLM2_135M, ModelConfig
 from minillm.generate import generate
-from minillm.kv_cache import (CacheFullError, KVCache, append_kv, decode_attention, kv_bytes, kv_bytes_per_token,
-                              max_tokens_in_budget)
+from minillm.kv_cache import (
+    CacheFullError,
+    KVCache,
+    append_kv,
+    decode_attention,
+    kv_bytes,
+    kv_bytes_per_token,
+    max_tokens_in_budget,
+)
 from minillm.model import Transformer
 
 
@@ -88,9 +95,8 @@ def test_writing_past_capacity_raises_and_writes_nothing():
     assert cache.seq_len == 8
     torch.testing.assert_close(cache.k, before)  # nothing wrapped around to slot 0
     fresh = KVCache.for_model(model, 1, 8)
-    with pytest.raises(CacheFullError, match=r"positions 0\.\.8"):
-        with torch.inference_mode():
-            model(ids, kv_cache=fresh)  # a 9-token prompt does not fit either: no silent truncation
+    with pytest.raises(CacheFullError, match=r"positions 0\.\.8"), torch.inference_mode():
+        model(ids, kv_cache=fresh)  # a 9-token prompt does not fit either: no silent truncation
 
 
 def test_append_kv_raises_before_writing():
@@ -101,9 +107,8 @@ def test_append_kv_raises_before_writing():
     assert (k == 0).all()
     cache = KVCache.for_model(model, 1, 4)
     cache.advance(4)
-    with pytest.raises(CacheFullError):
-        with torch.inference_mode():
-            model(torch.tensor([[1]]), kv_cache=cache)
+    with pytest.raises(CacheFullError), torch.inference_mode():
+        model(torch.tensor([[1]]), kv_cache=cache)
 
 
 @settings(max_examples=15, deadline=None)

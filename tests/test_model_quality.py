@@ -17,7 +17,14 @@ import torch.nn.functional as F
 from minillm.config import ModelConfig
 from minillm.loader import unpermute_qk
 from minillm.model import Transformer
-from minillm.quality import eval_ids, kl_divergence, kl_to_reference, perplexity, perplexity_of_ids, pydoc_text
+from minillm.quality import (
+    eval_ids,
+    kl_divergence,
+    kl_to_reference,
+    perplexity,
+    perplexity_of_ids,
+    pydoc_text,
+)
 from minillm.weights import gguf_path
 
 N_TOKENS = 512

@@ -14,7 +14,7 @@ import pytest
 
 from minillm.block_allocator import BlockAllocator, blocks_needed
 from minillm.engine.block_manager import BlockManager
-from minillm.engine.scheduler import Scheduler, ScheduledSeq, postprocess_step, schedule_step
+from minillm.engine.scheduler import ScheduledSeq, Scheduler, postprocess_step, schedule_step
 from minillm.engine.sequence import Sequence, SequenceStatus
 from minillm.sampling import SamplingParams
 

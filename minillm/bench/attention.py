@@ -122,11 +122,11 @@ def run(quick: bool = False) -> BenchResult:
     rows = []
     for n in lengths:
         q, k, v = make_inputs(n, device=device)
-        long = n >= 2048 and device == "cpu"  # the torch flash loop takes seconds there: one timed run
+        long = n >= 2048 and device == "cpu"  # the torch flash loop takes seconds there: two timed runs, no warmup
         for m in methods:
             fn = get_attention(m)
             t = time_fn(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v, causal=True), warmup=0 if long else 1,
-                        repeat=1 if long else 3)
+                        repeat=2 if long else 3)
             rows.append({"N": n, "method": m, "peak_MiB": peak[(m, n)] / 2**20,
                          "scores_MiB": BATCH * N_HEADS * n * n * 4 / 2**20 if m == "naive" else 0.0,
                          "time_ms": t.median * 1e3, "min_ms": t.min * 1e3})

@@ -10,4 +10,4 @@
 from .llm import LLM, RequestOutput, StreamEvent
 from .sequence import Sequence, SequenceStatus
 
-__all__ = ["LLM", "RequestOutput", "StreamEvent", "Sequence", "SequenceStatus"]
+__all__ = ["LLM", "RequestOutput", "Sequence", "SequenceStatus", "StreamEvent"]

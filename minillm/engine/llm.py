@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -58,7 +59,7 @@ class LLM:
 
     @classmethod
     def from_model(cls, model, tokenizer=None, num_blocks: int | None = None, kv_cache_bytes: int | None = None,
-                   block_size: int = 16, max_num_seqs: int = 16, max_num_batched_tokens: int = 512) -> "LLM":
+                   block_size: int = 16, max_num_seqs: int = 16, max_num_batched_tokens: int = 512) -> LLM:
         """Serve an already loaded model (tokenizer None: prompts must be token ids; text comes back empty)."""
         llm = cls.__new__(cls)
         llm._setup(model, tokenizer, num_blocks, kv_cache_bytes, block_size, max_num_seqs, max_num_batched_tokens)
@@ -245,4 +246,4 @@ class LLM:
                 f"max_num_batched_tokens={self.scheduler.max_num_batched_tokens})")
 
 
-__all__ = ["LLM", "RequestOutput", "StreamEvent", "SequenceStatus"]
+__all__ = ["LLM", "RequestOutput", "SequenceStatus", "StreamEvent"]

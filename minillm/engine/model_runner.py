@@ -62,7 +62,7 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(len(ids) - 1)  # the sequence's last token predicts its next one
         meta = AttentionMetadata.build(tables, context_lens, query_lens, self.cache.block_size, self.device)
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
         return as_tensor([ids]), as_tensor([positions]), meta, as_tensor(sample_rows)
 
     @torch.inference_mode()

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 

@@ -191,7 +191,7 @@ def check_decode_attention(fn) -> None:
         assert out.shape == q.shape, f"output shape {tuple(out.shape)}, expected {tuple(q.shape)}"
         assert out.dtype == dtype, f"output dtype must be q's ({dtype}), got {out.dtype}"
         assert torch.isfinite(out).all(), "NaN in the output: the attention read slots past n_filled"
-        tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else {}
+        tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
         torch.testing.assert_close(out, _oracle_attention(q, k, v), **tol)
 
 

@@ -53,8 +53,8 @@ def check_grouped_attention(fn) -> None:
             out = fn(q, k, v, causal=causal)
             assert out.shape == q.shape, f"output shape {tuple(out.shape)}, expected {tuple(q.shape)}"
             torch.testing.assert_close(out, _oracle(q, k, v, causal),
-                                       msg=lambda m: f"n_kv_heads={n_kv} group={group} q_len={q_len} "
-                                                     f"kv_len={kv_len} causal={causal}: {m}")
+                                       msg=f"n_kv_heads={n_kv} group={group} q_len={q_len} kv_len={kv_len} "
+                                           f"causal={causal}: output differs from SDPA with h -> h // group")
     qb = torch.randn(1, 6, 4, 16, generator=_gen(9)).bfloat16()
     kb, vb = torch.randn(1, 2, 4, 16, generator=_gen(10)).bfloat16(), torch.randn(1, 2, 4, 16).bfloat16()
     out = fn(qb, kb, vb, causal=True)
@@ -123,7 +123,8 @@ def check_mean_pool(fn) -> None:
         for gi in range(new):  # new head gi = mean of old heads gi*group .. gi*group + group - 1 (adjacent heads)
             heads = torch.stack([w[h * head_dim:(h + 1) * head_dim] for h in range(gi * group, (gi + 1) * group)])
             torch.testing.assert_close(out[gi * head_dim:(gi + 1) * head_dim], heads.mean(0),
-                                       msg=lambda m: f"{n_kv} -> {new} KV heads, new head {gi}: {m}")
+                                       msg=f"{n_kv} -> {new} KV heads: new head {gi} is not the mean of old "
+                                           f"heads {gi * group}..{(gi + 1) * group - 1}")
     wb = torch.randn(6 * 4, 8, generator=_gen(7)).bfloat16()
     outb = fn(wb, 6, 2)
     assert outb.dtype == torch.bfloat16, f"output dtype must be w's (bfloat16), got {outb.dtype}"
@@ -185,7 +186,7 @@ def _pool_bf16_arithmetic(w, n_kv_heads, new_n_kv_heads):  # correct, but averag
 
 
 @grader_selftest
-@pytest.mark.parametrize("wrong", [_pool_strided, _pool_sum, _pool_rows])
+@pytest.mark.parametrize("wrong", [_pool_strided, _pool_sum, _pool_rows, _pool_bf16_arithmetic])
 def test_mean_pool_grader_rejects_wrong_answers(wrong):
     with pytest.raises(AssertionError):
         check_mean_pool(wrong)
