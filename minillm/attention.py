@@ -86,6 +86,13 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tens
     check_shapes(q, k, v)
     q_len, kv_len = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
+    if q_len == 1 and gqa:
+        # decode with GQA: fold each group of query heads into the query-length dim, (b, h, 1, d) -> (b, h_kv, group,
+        # d), so each KV head is read once for its whole group (exact: one query sees every key). torch's enable_gqa
+        # path on CPU costs as much as MHA here (lesson 02 measures it)
+        b, h, _, d = q.shape
+        out = F.scaled_dot_product_attention(q.reshape(b, k.shape[1], h // k.shape[1], d), k, v)
+        return out.reshape(b, h, 1, d)
     if not causal or q_len == 1:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     if q_len == kv_len:

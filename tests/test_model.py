@@ -17,7 +17,9 @@ PROMPTS = [
     "movable metal type with an oil-based ink and a screw press adapted from wine making. Within a few "
     "decades printing shops had spread across Europe, and the cost of books fell sharply. Scholars, "
     "merchants and reformers all found new audiences, and the spread of literacy changed how ideas moved "
-    "between cities. Historians still debate how quickly",
+    "between cities. Pamphlets, newspapers and cheap editions of the classics followed, and by the end of the "
+    "sixteenth century a reader in a provincial town could own more books than a monastery library had held "
+    "two hundred years before. Historians still debate how quickly",
     "def fibonacci(n: int) -> int:\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n"
     "        return n\n    a, b = 0, 1\n    for _ in range(n - 1):\n        a, b = b, a + b\n    return b\n\n\n"
     "def is_prime(n: int) -> bool:\n    \"\"\"Return True if n is prime.\"\"\"\n    if n < 2:\n        return False\n"
