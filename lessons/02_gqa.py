@@ -32,10 +32,12 @@ import inspect
 
 import matplotlib.pyplot as plt
 import torch
+import torch.nn.functional as F
 
 import minillm
+from minillm.attention import sdpa_attention
 from minillm.bench.gqa import decode_step_seconds
-from minillm.bench.harness import decode_bytes_per_token, hardware_info, hardware_summary
+from minillm.bench.harness import decode_bytes_per_token, hardware_info, hardware_summary, time_fn
 from minillm.config import LLAMA2_7B, LLAMA2_70B
 from minillm.gqa import grouped_attention, kv_heads_for, mean_pool_kv_heads, regroup, to_mha, to_mqa
 from minillm.kv_cache import kv_bytes_per_token, max_tokens_in_budget
@@ -65,7 +67,8 @@ print(inspect.getsource(grouped_attention))
 
 # %% [markdown]
 # `grouped_attention` reshapes the 9 query heads into (3 groups × 3) and broadcasts each KV head over its group, so
-# K/V are never copied per query head. minillm's SDPA backend does the same through `enable_gqa=True`.
+# K/V are never copied per query head. minillm's SDPA backend does the same for a decode step by folding the group
+# into the query-length dimension: (batch, 9, 1, d) becomes (batch, 3, 3, d), three "queries" per KV head.
 #
 # ## 2. Converting a trained model
 #
@@ -132,6 +135,22 @@ tps = {r["variant"]: r["tok_s"] for r in rows if r["context"] == long}
 names = list(variants)
 print(f"\nat {long} tokens: GQA-3 vs MHA {tps[names[1]] / tps[names[0]]:.2f}x, MQA vs GQA-3 "
       f"{tps[names[2]] / tps[names[1]]:.2f}x tokens/s")
+
+# %% [markdown]
+# Whether fewer KV heads pay off also depends on the kernel reading them *once*. Per layer, one decode step's
+# attention at the longest context: minillm's backend (group folded into the query length) against torch's own
+# `enable_gqa=True` path:
+
+# %%
+print(f"{'KV heads':>8s} {'K+V MB/layer':>12s} {'minillm sdpa ms':>15s} {'torch enable_gqa ms':>19s}")
+for n_kv in (9, 3, 1):
+    q = torch.randn(1, cfg.n_heads, 1, cfg.head_dim, dtype=dtype)
+    k, v = (torch.randn(1, n_kv, long, cfg.head_dim, dtype=dtype) for _ in range(2))
+    ours = time_fn(lambda q=q, k=k, v=v: sdpa_attention(q, k, v), repeat=pick(20, 5)).median
+    grouped = n_kv != cfg.n_heads
+    torchs = time_fn(lambda q=q, k=k, v=v, g=grouped: F.scaled_dot_product_attention(q, k, v, enable_gqa=g),
+                     repeat=pick(20, 5)).median
+    print(f"{n_kv:8d} {2 * k.numel() * k.element_size() / 1e6:12.2f} {ours * 1e3:15.3f} {torchs * 1e3:19.3f}")
 
 # %% [markdown]
 # ## 5. Quality: what mean-pooling costs

@@ -87,12 +87,12 @@ def run(quick: bool = False) -> BenchResult:
         "kl_mha_to_original": ("<=", 1e-3),
     }
     notes = [
-        "decode is memory-bound: a step reads every weight (~269 MB in bf16) plus the cached K/V of all layers; "
-        f"at {context} tokens MHA's cache adds {mha['kv_MB_at_context']:.0f} MB, GQA's {gqa['kv_MB_at_context']:.0f}, "
-        f"MQA's {mqa['kv_MB_at_context']:.0f}: the speedups follow the bytes, damped by the weights every variant reads",
+        ("decode is memory-bound: a step reads every weight (~269 MB in bf16) plus the cached K/V of all layers; "
+         f"at {context} tokens MHA's cache adds {mha['kv_MB_at_context']:.0f} MB, GQA's {gqa['kv_MB_at_context']:.0f}, "
+         f"MQA's {mqa['kv_MB_at_context']:.0f}: the speedups follow the bytes, damped by the weights every variant reads"),
         "roof_tok_s: speed at 100% of the measured copy bandwidth for weights + KV at that context",
-        "MHA by repeating KV heads is exact (KL ~ 0); MQA by mean-pooling 3 KV heads without uptraining breaks the "
-        "model (the GQA paper uptrains ~5% of pretraining compute after this initialisation)",
+        ("MHA by repeating KV heads is exact (KL ~ 0); MQA by mean-pooling 3 KV heads without uptraining breaks the "
+         "model (the GQA paper uptrains ~5% of pretraining compute after this initialisation)"),
         "quality in bfloat16 on the first pydoc tokens, windows of 512; one run per variant, same process",
     ]
     settings = {"context": context, "eval_tokens": eval_tokens, "dtype": "bfloat16", "batch": 1,

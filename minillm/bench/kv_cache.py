@@ -12,10 +12,18 @@
 from __future__ import annotations
 
 import time
+from itertools import pairwise
 
 import torch
 
-from minillm.bench.harness import BenchResult, decode_bytes_per_token, hardware_info, mbu, time_fn, weight_bytes
+from minillm.bench.harness import (
+    BenchResult,
+    decode_bytes_per_token,
+    hardware_info,
+    mbu,
+    time_fn,
+    weight_bytes,
+)
 from minillm.generate import generate_ids
 from minillm.sampling import SamplingParams
 
@@ -44,7 +52,7 @@ def timed_decode(model, ids: list[int], n_new: int, cache: str) -> tuple[list[in
 
 def decode_seconds_per_token(times: list[float]) -> float:
     """Median gap between consecutive tokens after the first (the first includes the prefill)."""
-    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    gaps = sorted(b - a for a, b in pairwise(times))
     return gaps[len(gaps) // 2]
 
 
@@ -150,16 +158,16 @@ def run(quick: bool = False) -> BenchResult:
         notes.append("quick mode skips the transformers comparison (loading its copy of the model takes ~10-30 s)")
     notes += [
         "one run per side, measured back to back: on a shared machine read the ratios, not the absolute tok/s",
-        "no-cache decode recomputes the whole sequence every step (work grows with position); the cache keeps "
-        "per-token work ~constant, so the speedup grows with the number of new tokens",
-        "MBU = (all weights + K/V at mid-generation context) / time per token / measured copy bandwidth; "
-        "'roof_tok_s' is the speed at 100%; 'matmul_only_mbu' is the same for the bare batch-1 matmuls of the "
-        "model's weights (torch's own kernels, no model code): the ceiling for this dtype on this machine",
-        "bfloat16 matrix-vector products on this CPU reach a lower fraction of the bandwidth than float32 ones; and "
-        "with more threads than free cores they slow down many-fold (oneDNN threads spin-wait): time on an idle "
-        "machine or with one thread per free core",
-        "same_tokens_as_hf: in bfloat16 the two implementations round differently, so greedy texts part ways "
-        "after a near-tie; in float32 they agree",
+        ("no-cache decode recomputes the whole sequence every step (work grows with position); the cache keeps "
+         "per-token work ~constant, so the speedup grows with the number of new tokens"),
+        ("MBU = (all weights + K/V at mid-generation context) / time per token / measured copy bandwidth; "
+         "'roof_tok_s' is the speed at 100%; 'matmul_only_mbu' is the same for the bare batch-1 matmuls of the "
+         "model's weights (torch's own kernels, no model code): the ceiling for this dtype on this machine"),
+        ("bfloat16 matrix-vector products on this CPU reach a lower fraction of the bandwidth than float32 ones; and "
+         "with more threads than free cores they slow down many-fold (oneDNN threads spin-wait): time on an idle "
+         "machine or with one thread per free core"),
+        ("same_tokens_as_hf: in bfloat16 the two implementations round differently, so greedy texts part ways "
+         "after a near-tie; in float32 they agree"),
     ]
     settings = {"prompt_tokens": PROMPT_LEN, "new_tokens": n_new, "peer_new_tokens": n_peer, "batch": 1,
                 "greedy": True, "threads": torch.get_num_threads(), "device": "cpu"}
