@@ -185,9 +185,10 @@ plt.show()
 # %%
 few = workload[: pick(8, 3)]
 need = max(len(r.prompt_ids) + r.max_tokens for r in few)
-tight = LLM.from_model(model, tok, num_blocks=-(-need // 16) + 2, block_size=16, max_num_seqs=max_batch)
+# a pool that holds exactly the largest request's peak, in small blocks of 4 tokens
+tight = LLM.from_model(model, tok, num_blocks=-(-need // 4), block_size=4, max_num_seqs=max_batch)
 tight_out = tight.generate([r.prompt_ids for r in few], [r.params() for r in few])
-print(f"{tight.block_manager.num_blocks} blocks of 16 tokens; preemptions: {tight.scheduler.num_preemptions}; "
+print(f"{tight.block_manager.num_blocks} blocks of 4 tokens; preemptions: {tight.scheduler.num_preemptions}; "
       f"per request: {[o.metrics['num_preemptions'] for o in tight_out]}")
 print("outputs equal the ample-budget run:",
       all(a.token_ids == b.token_ids for a, b in zip(tight_out, cont_out[: len(few)])))

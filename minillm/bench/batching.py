@@ -54,18 +54,34 @@ def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> Be
     params = [r.params() for r in reqs]
     slo = {"slo_ttft_s": 5.0, "slo_tpot_s": 0.25}
 
-    llm = LLM.from_model(model, tok, max_num_seqs=max_batch, max_num_batched_tokens=512)
-    llm.generate([reqs[0].prompt_ids], [params[0]])  # warm-up
-    llm.step_log.clear()
-    t0 = time.perf_counter()
-    cont_out = llm.generate([r.prompt_ids for r in reqs], params)
-    cont_wall = time.perf_counter() - t0
-    cont = summarize(cont_out, cont_wall, **slo)
+    prompts = [r.prompt_ids for r in reqs]
 
-    static_engine = StaticBatchEngine(model, tok, max_batch=max_batch)
-    t0 = time.perf_counter()
-    static_out = static_engine.generate([r.prompt_ids for r in reqs], params)
-    static_wall = time.perf_counter() - t0
+    def run_continuous():
+        llm = LLM.from_model(model, tok, max_num_seqs=max_batch, max_num_batched_tokens=512)
+        t0 = time.perf_counter()
+        out = llm.generate(prompts, params)
+        return time.perf_counter() - t0, out, llm
+
+    def run_static():
+        engine = StaticBatchEngine(model, tok, max_batch=max_batch)
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, params)
+        return time.perf_counter() - t0, out, engine
+
+    # warm-up both on a short slice, then alternate the two and keep each one's best run: this shared machine has
+    # slow phases (other jobs, first-touch effects) that would otherwise land on one engine only
+    warm = [r.params() for r in reqs[:max_batch]]
+    for p in warm:
+        p.max_tokens = min(p.max_tokens, 4)
+    LLM.from_model(model, tok, max_num_seqs=max_batch).generate(prompts[:max_batch], warm)
+    StaticBatchEngine(model, tok, max_batch=max_batch).generate(prompts[:max_batch], warm)
+    cont_runs, static_runs = [], []
+    for _ in range(1 if quick else 2):
+        cont_runs.append(run_continuous())
+        static_runs.append(run_static())
+    cont_wall, cont_out, llm = min(cont_runs, key=lambda r: r[0])
+    static_wall, static_out, static_engine = min(static_runs, key=lambda r: r[0])
+    cont = summarize(cont_out, cont_wall, **slo)
     static = summarize(static_out, static_wall, **slo)
 
     same = sum(a.token_ids == b.token_ids for a, b in zip(cont_out, static_out))
@@ -81,7 +97,7 @@ def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> Be
     ratios = {"continuous_vs_static_throughput": cont["output_tok_per_s"] / static["output_tok_per_s"]}
     targets = {"continuous_vs_static_throughput": (">=", 2.0)}
     if with_hf:
-        hf_wall, hf_tokens = hf_padded_generate(reqs, max_batch, dtype)
+        hf_wall, hf_tokens = hf_padded_generate(reqs, max_batch, dtype)  # one run: it is the slowest by far
         rows.append({"engine": "transformers padded generate", "output_tok_per_s": hf_tokens / hf_wall,
                      "requests_per_s": n / hf_wall, "wall_s": hf_wall})
         ratios["continuous_vs_hf_throughput"] = cont["output_tok_per_s"] / (hf_tokens / hf_wall)
