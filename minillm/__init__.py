@@ -19,8 +19,17 @@ from .sampling import SamplingParams
 if not _torch.cuda.is_available():
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
-__all__ = ["ModelConfig", "GenerationResult", "generate", "KVCache", "kv_bytes", "kv_bytes_per_token", "load_model",
-           "SamplingParams", "LLM"]
+__all__ = [
+    "LLM",
+    "GenerationResult",
+    "KVCache",
+    "ModelConfig",
+    "SamplingParams",
+    "generate",
+    "kv_bytes",
+    "kv_bytes_per_token",
+    "load_model",
+]
 
 
 def __getattr__(name):  # the engine imports lazily: `import minillm` stays fast

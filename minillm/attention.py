@@ -15,7 +15,7 @@ looked up lazily, so this file never imports them.
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

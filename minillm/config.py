@@ -47,15 +47,15 @@ class ModelConfig:
         head = 0 if self.tie_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.n_layers * per_layer + d + head
 
-    def with_(self, **changes) -> "ModelConfig":
+    def with_(self, **changes) -> ModelConfig:
         return replace(self, **changes)
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict) -> "ModelConfig":
+    def from_gguf_metadata(cls, meta: dict) -> ModelConfig:
         arch = meta["general.architecture"]
         if arch != "llama":
             raise ValueError(f"only llama-architecture GGUF files are supported, this one is {arch!r}")
-        g = lambda key: meta[f"{arch}.{key}"]  # noqa: E731
+        g = lambda key: meta[f"{arch}.{key}"]
         dim, n_heads = int(g("embedding_length")), int(g("attention.head_count"))
         rope_dims = meta.get(f"{arch}.rope.dimension_count", dim // n_heads)
         if rope_dims != dim // n_heads:
@@ -73,9 +73,9 @@ class ModelConfig:
         )
 
     @classmethod
-    def tiny(cls, **overrides) -> "ModelConfig":
+    def tiny(cls, **overrides) -> ModelConfig:
         """A few-hundred-thousand-parameter config for fast tests: same shape rules as the real model."""
-        base = dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=512)
+        base = {"vocab_size": 512, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128, "max_seq_len": 512}
         base.update(overrides)
         return cls(**base)
 

@@ -8,8 +8,8 @@ The loop is the same for all three; only where keys and values live changes.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 

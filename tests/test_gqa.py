@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm.attention import repeat_kv
-from minillm.config import ModelConfig
 from minillm.generate import generate_ids
 from minillm.gqa import (
     grouped_attention,
@@ -26,14 +25,9 @@ from minillm.gqa import (
     valid_kv_heads,
 )
 from minillm.kv_cache import KVCache, kv_bytes_per_token
-from minillm.model import Transformer, apply_rope, rope_tables
+from minillm.model import apply_rope, rope_tables
 from minillm.sampling import SamplingParams
-
-
-def tiny_model(seed: int = 0, **overrides) -> Transformer:
-    torch.manual_seed(seed)
-    return Transformer(ModelConfig.tiny(**overrides)).eval()
-
+from tests.conftest import tiny_model
 
 # ------------------------------------------------------------------------------------------- head mapping, attention
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from minillm.grading import TASKS, ROOT, run_graders
+from minillm.grading import ROOT, TASKS, run_graders
 
 LESSONS = [lesson for lesson in TASKS if list((ROOT / "tests" / "graders").glob(f"test_ex{lesson}_*.py"))]
 

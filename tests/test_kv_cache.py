@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minillm.attention import sdpa_attention
-from minillm.config import LLAMA2_7B, LLAMA2_70B, SMOLLM2_135M, ModelConfig
+from minillm.config import LLAMA2_7B, LLAMA2_70B, SMOLLM2_135M
 from minillm.generate import generate
 from minillm.kv_cache import (
     CacheFullError,
@@ -24,11 +24,7 @@ from minillm.kv_cache import (
     max_tokens_in_budget,
 )
 from minillm.model import Transformer
-
-
-def tiny_model(seed: int = 0, **overrides) -> Transformer:
-    torch.manual_seed(seed)
-    return Transformer(ModelConfig.tiny(**overrides)).eval()
+from tests.conftest import tiny_model
 
 
 @torch.inference_mode()

@@ -13,17 +13,21 @@ from minillm.model import Transformer
 from minillm.sampling import SamplingParams
 
 PROMPTS = [
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
-    "movable metal type with an oil-based ink and a screw press adapted from wine making. Within a few "
-    "decades printing shops had spread across Europe, and the cost of books fell sharply. Scholars, "
-    "merchants and reformers all found new audiences, and the spread of literacy changed how ideas moved "
-    "between cities. Pamphlets, newspapers and cheap editions of the classics followed, and by the end of the "
-    "sixteenth century a reader in a provincial town could own more books than a monastery library had held "
-    "two hundred years before. Historians still debate how quickly",
-    "def fibonacci(n: int) -> int:\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n"
-    "        return n\n    a, b = 0, 1\n    for _ in range(n - 1):\n        a, b = b, a + b\n    return b\n\n\n"
-    "def is_prime(n: int) -> bool:\n    \"\"\"Return True if n is prime.\"\"\"\n    if n < 2:\n        return False\n"
-    "    for d in range(2, int(n ** 0.5) + 1):\n        if n % d == 0:\n            return False\n",
+    (
+        "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+        "movable metal type with an oil-based ink and a screw press adapted from wine making. Within a few "
+        "decades printing shops had spread across Europe, and the cost of books fell sharply. Scholars, "
+        "merchants and reformers all found new audiences, and the spread of literacy changed how ideas moved "
+        "between cities. Pamphlets, newspapers and cheap editions of the classics followed, and by the end of the "
+        "sixteenth century a reader in a provincial town could own more books than a monastery library had held "
+        "two hundred years before. Historians still debate how quickly"
+    ),
+    (
+        'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n'
+        "        return n\n    a, b = 0, 1\n    for _ in range(n - 1):\n        a, b = b, a + b\n    return b\n\n\n"
+        'def is_prime(n: int) -> bool:\n    """Return True if n is prime."""\n    if n < 2:\n        return False\n'
+        "    for d in range(2, int(n ** 0.5) + 1):\n        if n % d == 0:\n            return False\n"
+    ),
 ]
 
 
@@ -35,8 +39,9 @@ def hf_model():
 
     path = gguf_path()
     transformers.logging.set_verbosity_error()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -55,7 +60,9 @@ def test_logits_and_greedy_tokens_match_transformers(real_model, hf_model, promp
     params = SamplingParams(max_tokens=n, ignore_eos=True)
     mine = list(generate_ids(model, ids, params, cache="contiguous"))
     with torch.inference_mode():
-        hf_out = hf_model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+        hf_out = hf_model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False)[
+            0, len(ids) :
+        ].tolist()
     assert mine == hf_out
 
 

