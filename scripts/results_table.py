@@ -19,7 +19,7 @@ def _fmt(x) -> str:
 
 
 def table() -> str:
-    lines = ["| benchmark | measure | value | target | hardware |", "|---|---|---|---|---|"]
+    lines = ["| benchmark | measure | value | target | met | hardware |", "|---|---|---|---|---|---|"]
     found = {json.loads(p.read_text())["name"]: json.loads(p.read_text()) for p in (ROOT / "results").glob("*.json")}
     for name in ORDER + sorted(set(found) - set(ORDER)):
         r = found.get(name)
@@ -31,7 +31,8 @@ def table() -> str:
         for key, value in r.get("ratios", {}).items():
             t = targets.get(key)
             target = f"{t[0]} {_fmt(t[1])}" if t else ""
-            lines.append(f"| `minillm bench {name}` | {key} | {_fmt(value)} | {target} | {where} |")
+            met = {"PASS": "yes", "MISS": "**no**"}.get(r.get("status", {}).get(key, ""), "")
+            lines.append(f"| `minillm bench {name}` | {key} | {_fmt(value)} | {target} | {met} | {where} |")
     return "\n".join(lines)
 
 
