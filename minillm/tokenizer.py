@@ -85,7 +85,7 @@ def _codepoint_ranges_using_byte(b: int) -> list[tuple[int, int]]:
     if b < 0x80:
         return [(b, b)]
     if b < 0xC0:  # a continuation byte sits inside most multi-byte characters, letters included
-        raise NotImplementedError(f"the vocabulary has no token for continuation byte {b:#x}; not supported")
+        raise ValueError(f"the vocabulary has no token for continuation byte {b:#x}; not supported")
     if b in (0xC0, 0xC1) or b >= 0xF5:
         return []  # never appears in valid UTF-8
     if b < 0xE0:
@@ -149,7 +149,7 @@ class Tokenizer:
         ranges = [r for b in self.missing_bytes for r in _codepoint_ranges_using_byte(b)]
         for lo, hi in ranges:
             if _NOT_OTHER.search("".join(map(chr, range(lo, hi + 1)))):
-                raise NotImplementedError(f"characters U+{lo:04X}-U+{hi:04X} have no tokens but are letters, "
+                raise ValueError(f"characters U+{lo:04X}-U+{hi:04X} have no tokens but are letters, "
                                           f"numbers or spaces: dropping their bytes is not supported")
         self._unencodable = re.compile(f"[{_class_of(ranges)}]") if ranges else None
         # encode() takes the slow path on those characters and on lone surrogates: one regex search per call.
@@ -340,7 +340,7 @@ class Tokenizer:
         "<|im_start|>{role}\\n{content}<|im_end|>\\n"; the generation prompt opens the assistant's turn.
         """
         if self.chat_template is not None and self.chat_template != SMOLLM_CHAT_TEMPLATE:
-            raise NotImplementedError("this GGUF's chat template is not SmolLM2's, the only one we render")
+            raise ValueError("this GGUF's chat template is not SmolLM2's, the only one we render")
         if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
             raise TypeError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, "
                             f"got {type(messages).__name__}")
