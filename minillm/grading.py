@@ -70,6 +70,10 @@ def run_graders(lesson: str, target: str = "exercises", extra: list[str] | None 
     return {m: outcomes.get(m, "missing") for m, _ in TASKS[lesson]}
 
 
+# task marker -> first failure message of the last run_graders call, shown under the table as the learner's hint
+LAST_FAILURES: dict[str, str] = {}
+
+
 def _outcomes_by_marker(xml: Path, files: list[Path]) -> dict[str, str]:
     """Every test of a task must pass for the task to pass. Markers are read back from the test modules."""
     import importlib.util
@@ -88,13 +92,17 @@ def _outcomes_by_marker(xml: Path, files: list[Path]) -> dict[str, str]:
                 if mark.name.startswith("task_"):
                     marker_of[name] = mark.name
     result: dict[str, str] = {}
+    LAST_FAILURES.clear()
     for case in ET.parse(xml).getroot().iter("testcase"):
         base = case.get("name", "").split("[")[0]
         task = marker_of.get(base)
         if task is None:
             continue
-        if case.find("failure") is not None or case.find("error") is not None:
+        failed = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if failed is not None:
             outcome = "fail"
+            first_line = (failed.get("message") or "").strip().split("\n")[0]
+            LAST_FAILURES.setdefault(task, first_line[:200])
         elif case.find("skipped") is not None:
             outcome = "skip"
         else:
@@ -109,5 +117,7 @@ def print_table(lesson: str, outcomes: dict[str, str], target: str) -> None:
     width = max(len(m) for m in outcomes)
     for (marker, what) in TASKS[lesson]:
         print(f"  {outcomes[marker].upper():5s}  {marker:<{width}s}  {what}")
+        if outcomes[marker] == "fail" and LAST_FAILURES.get(marker):
+            print(f"         {'':<{width}s}  -> {LAST_FAILURES[marker]}")
     n_pass = sum(v == "pass" for v in outcomes.values())
     print(f"  {n_pass}/{len(outcomes)} tasks pass")
