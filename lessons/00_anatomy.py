@@ -161,7 +161,7 @@ points = []
 for dtype, m in (("float32", model), ("bfloat16", model_bf16)):
     r = by[dtype, "prefill", prefill_sizes[-1]]
     n = r["tokens"]
-    flops = prefill_flops(cfg, n)
+    flops = prefill_flops(cfg, n, logits_for=1)  # measured with last_only=True: one row through the LM head
     moved = weight_bytes(m) + kv_bytes(cfg, n, dtype=m.dtype)  # weights once, plus writing the new K/V
     points.append((f"prefill {n} ({dtype})", flops / moved, flops / (r["ms"] / 1e3)))
     r = by[dtype, "decode", new_tokens]

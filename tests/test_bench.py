@@ -157,6 +157,8 @@ def test_flops_formulas():
     assert model_flops_per_token(cfg, 10) == 2 * cfg.n_params() + 10 * attn_per_key
     # prefill = sum of per-token costs, token i seeing i + 1 keys
     assert prefill_flops(cfg, 5) == sum(model_flops_per_token(cfg, i + 1) for i in range(5))
+    head = 2 * cfg.vocab_size * cfg.dim
+    assert prefill_flops(cfg, 5, logits_for=1) == prefill_flops(cfg, 5) - 4 * head  # LM head on the last row only
     # untied model: the input embedding is a lookup, not a matmul
     assert model_flops_per_token(LLAMA2_7B, 0) == 2 * (LLAMA2_7B.n_params() - 32000 * 4096)
 

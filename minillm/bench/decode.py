@@ -38,7 +38,7 @@ def measure_prefill(model, n_tokens: int, repeat: int = 3) -> dict:
     """One forward over `n_tokens` (logits for the last position only, as generate does): time, tokens/s, MFU."""
     ids = torch.tensor([prompt_ids(n_tokens, model.config.vocab_size)], device=model.device)
     t = time_fn(lambda: model(ids, last_only=True), warmup=1, repeat=repeat)
-    flops = prefill_flops(model.config, n_tokens)
+    flops = prefill_flops(model.config, n_tokens, logits_for=1)  # last_only: one row through the LM head
     return {"phase": "prefill", "tokens": n_tokens, "context": n_tokens, "ms": t.median * 1e3,
             "tokens_per_s": n_tokens / t.median,
             "MFU": mfu(flops, t.median, peak_flops(model.dtype, model.device)), "MBU": None}
