@@ -194,7 +194,8 @@ def test_lone_surrogates_become_replacement_characters(tok):
 
 # ---- round trips and streaming -----------------------------------------------------------------------------
 
-_encodable = st.text(st.characters().filter(lambda c: not is_unencodable(c)))
+# lone surrogates (category Cs) are not UTF-8 text: they come back as U+FFFD, checked in the test above
+_encodable = st.text(st.characters(exclude_categories=("Cs",)).filter(lambda c: not is_unencodable(c)))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
