@@ -59,14 +59,28 @@ def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Ten
 
 # task 00.sampler --------------------------------------------------------------------------------------------
 
-def sample_from_logits(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0,
-                       generator: torch.Generator | None = None) -> Tensor:
-    """logits (batch, vocab) -> token ids (batch,).
+def logits_to_probs(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0
+                    ) -> Tensor:
+    """logits (batch, vocab) -> the distribution a token is drawn from (batch, vocab), float32.
 
     Order matters and matches the common convention: temperature scales, top-k keeps the k largest, top-p keeps the
-    smallest set of most likely tokens whose probability reaches p (always at least one), then we draw.
+    smallest set of most likely tokens whose probability reaches p (always at least one). Temperature 0 (greedy) is
+    the one-hot distribution of the argmax.
     """
     raise NotImplementedError(
-        "task 00.sampler: temperature 0 -> argmax; else divide by temperature, set logits outside the top k to "
-        "-inf, sort and keep the shortest prefix whose probability reaches top_p, torch.multinomial(generator=...)"
+        "task 00.sampler: temperature 0 -> one-hot of the argmax; else divide by temperature, set logits outside the "
+        "top k to -inf, sort and keep the shortest prefix whose probability reaches top_p, softmax"
+    )
+
+
+def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """probs (batch, vocab) -> one token id per row (batch,), drawn with `generator` (seeded requests)."""
+    raise NotImplementedError("task 00.sampler: one draw per row from probs, with the generator")
+
+
+def sample_from_logits(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0,
+                       generator: torch.Generator | None = None) -> Tensor:
+    """logits (batch, vocab) -> token ids (batch,): the argmax when greedy, else a draw from logits_to_probs."""
+    raise NotImplementedError(
+        "task 00.sampler: temperature 0 -> argmax (no draw, no generator use); else sample(logits_to_probs(...))"
     )

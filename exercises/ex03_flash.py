@@ -41,12 +41,13 @@ def merge_partials(o1: Tensor, m1: Tensor, l1: Tensor, o2: Tensor, m2: Tensor, l
 
 # task 03.flash ----------------------------------------------------------------------------------------------
 
-def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, block_q: int = 64, block_k: int = 64
-                    ) -> Tensor:
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, block_q: int = 64, block_k: int = 64,
+                    return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Tiled attention with the online softmax; same result as naive_attention, O(block_q x block_k) temporaries.
 
     q (batch, n_heads, q_len, head_dim), k/v (batch, n_kv_heads, kv_len, head_dim); causal is bottom-right aligned
-    (query i sees keys j <= i + kv_len - q_len). Accumulates in float32, returns q's dtype.
+    (query i sees keys j <= i + kv_len - q_len). Accumulates in float32, returns q's dtype. With return_lse, also
+    return each row's log-sum-exp of its scaled scores, (batch, n_heads, q_len) float32.
     """
     raise NotImplementedError(
         "task 03.flash: for each block of queries keep m (running max), l (running sum of exp), acc (unnormalised "

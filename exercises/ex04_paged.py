@@ -18,7 +18,7 @@ from collections import deque
 from torch import Tensor
 
 from minillm.block_allocator import OutOfBlocksError  # noqa: F401  (the error allocate raises, given)
-from minillm.paged import _check_paged_inputs  # input validation, given: not part of the task
+from minillm.paged_attention import _check_paged_inputs  # input validation, given: not part of the task
 
 # task 04.allocator ------------------------------------------------------------------------------------------
 

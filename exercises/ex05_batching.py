@@ -32,17 +32,18 @@ def schedule_step(waiting: deque[Sequence], running: deque[Sequence], block_mana
     )
 
 
-def postprocess_step(schedule: Schedule, sampled: list[int | None], running: deque[Sequence],
+def postprocess_step(schedule: Schedule, sampled: list[list[int]], running: deque[Sequence],
                      block_manager: BlockManager, now: float) -> list[Sequence]:
     """Record what the step computed, append sampled tokens, retire finished sequences. Returns the finished ones.
 
-    `sampled[i]` is the token sampled for schedule.scheduled[i], or None for a prefill chunk that did not reach the
-    end of its sequence (nothing to sample yet).
+    `sampled[i]` are the tokens sampled for schedule.scheduled[i], in order: one for a decode or a prompt's last
+    chunk, several when a step verifies draft tokens (lesson 10), none for a prefill chunk that did not reach the end
+    of its sequence. A sequence stops at the first token that ends it; tokens after that are dropped.
     """
     raise NotImplementedError(
-        "task 05.schedule: advance num_cached_tokens, append sampled tokens, and for a sequence "
-        "whose stop_reason() is not None mark it FINISHED, free its blocks and remove it from "
-        "running"
+        "task 05.schedule: advance num_cached_tokens, append sampled tokens one by one, and for a sequence "
+        "whose stop_reason() is not None mark it FINISHED, free its blocks, remove it from running and "
+        "drop its remaining tokens"
     )
 
 

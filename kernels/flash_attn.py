@@ -23,8 +23,6 @@ upcast to fp32 after loading, because the interpreter's bf16 arithmetic is wrong
 import torch
 from torch import Tensor
 
-from minillm.attention import check_shapes
-
 from ._triton_env import INTERPRET, tl, triton
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
@@ -133,7 +131,13 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    check_shapes(q, k, v)
+    # the kernels import nothing from minillm (minillm imports them lazily): the shape rules are restated here
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"expected 4-d (batch, heads, seq, head_dim) q and k/v of one shape, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1] or q.shape[2] > k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree: same batch and head_dim, n_kv_heads "
+                         f"dividing n_heads, q_len <= kv_len")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype not in SUPPORTED_DTYPES:

@@ -9,9 +9,10 @@ import os as _os
 import torch as _torch
 
 from .config import ModelConfig
-from .generate import GenerationResult, generate
+from .generate import GenerationResult, chat, generate
 from .kv_cache import KVCache, kv_bytes, kv_bytes_per_token
 from .loader import load_model
+from .request import RequestOutput
 from .sampling import SamplingParams
 
 # Triton picks its interpreter or a GPU driver when it is first imported, and torch imports it lazily (dynamo,
@@ -24,7 +25,9 @@ __all__ = [
     "GenerationResult",
     "KVCache",
     "ModelConfig",
+    "RequestOutput",
     "SamplingParams",
+    "chat",
     "generate",
     "kv_bytes",
     "kv_bytes_per_token",

@@ -20,19 +20,21 @@ class ModelConfig:
     norm_eps: float = 1e-5
     max_seq_len: int = 8192
     tie_embeddings: bool = True
+    # explicit, not dim // n_heads: a tensor-parallel shard with a third of the heads keeps head_dim 64 (lesson 11)
+    head_dim: int = 0  # 0 = dim // n_heads (the usual Llama choice)
 
     def __post_init__(self) -> None:
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.head_dim == 0:
+            if self.dim % self.n_heads:
+                raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}: give head_dim explicitly")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)  # frozen dataclass: set once, here
+        if self.head_dim < 1:
+            raise ValueError(f"head_dim must be >= 1, got {self.head_dim}")
         if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_kv_heads must divide n_heads: got n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads} "
                 f"(valid: {[g for g in range(1, self.n_heads + 1) if self.n_heads % g == 0]})"
             )
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
 
     @property
     def group_size(self) -> int:
@@ -48,6 +50,10 @@ class ModelConfig:
         return self.vocab_size * d + self.n_layers * per_layer + d + head
 
     def with_(self, **changes) -> ModelConfig:
+        """A copy with some fields changed. head_dim is re-derived from dim / n_heads unless it was given explicitly
+        here or differs from dim // n_heads already (then it stays: e.g. a tensor-parallel shard's fewer heads)."""
+        if "head_dim" not in changes and self.head_dim == self.dim // self.n_heads:
+            changes["head_dim"] = 0
         return replace(self, **changes)
 
     @classmethod
@@ -70,6 +76,7 @@ class ModelConfig:
             rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10_000.0)),
             norm_eps=float(g("attention.layer_norm_rms_epsilon")),
             max_seq_len=int(g("context_length")),
+            head_dim=int(meta.get(f"{arch}.attention.key_length", dim // n_heads)),
         )
 
     @classmethod

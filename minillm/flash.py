@@ -42,12 +42,14 @@ def merge_partials(o1: Tensor, m1: Tensor, l1: Tensor, o2: Tensor, m2: Tensor, l
     return o, m, l
 
 
-def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, block_q: int = 64, block_k: int = 64
-                    ) -> Tensor:
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, block_q: int = 64, block_k: int = 64,
+                    return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Tiled attention with the online softmax; same result as naive_attention, O(block_q x block_k) temporaries.
 
     q (batch, n_heads, q_len, head_dim), k/v (batch, n_kv_heads, kv_len, head_dim); causal is bottom-right aligned
-    (query i sees keys j <= i + kv_len - q_len). Accumulates in float32, returns q's dtype.
+    (query i sees keys j <= i + kv_len - q_len). Accumulates in float32, returns q's dtype. With return_lse, also
+    each row's log-sum-exp of its scaled scores, m + log(l), (batch, n_heads, q_len) float32: what lets two
+    attention results over disjoint key sets be merged later (merge_partials with o = out * l, sequence parallelism).
     """
     check_shapes(q, k, v)
     if block_q < 1 or block_k < 1:
@@ -60,6 +62,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, block_
     # GQA without copying K/V: query head h = kv * group + g, so group the queries per KV head
     q_grouped = q.reshape(batch, n_kv_heads, group, q_len, head_dim)  # (b, h_kv, group, q_len, d)
     out = torch.empty_like(q_grouped)
+    lse = torch.empty(q_grouped.shape[:-1], dtype=torch.float32, device=q.device)  # (b, h_kv, group, q_len)
     for q_start in range(0, q_len, block_q):
         q_end = min(q_start + block_q, q_len)
         q_tile = q_grouped[:, :, :, q_start:q_end].float() * scale  # (b, h_kv, group, bq, d)
@@ -85,4 +88,6 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, block_
             acc = rescale[..., None] * acc + p @ v_tile
             m = m_new
         out[:, :, :, q_start:q_end] = (acc / l[..., None]).to(q.dtype)
-    return out.reshape(batch, n_heads, q_len, head_dim)
+        lse[..., q_start:q_end] = m + torch.log(l)
+    out = out.reshape(batch, n_heads, q_len, head_dim)
+    return (out, lse.reshape(batch, n_heads, q_len)) if return_lse else out

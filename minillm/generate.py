@@ -9,29 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-
 import torch
 
+from .request import Request, RequestOutput, finish_reason, make_request
 from .sampling import SamplingParams, sample_from_logits
 
 CACHE_KINDS = ("none", "contiguous", "paged")
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    ttft_s: float  # prompt in -> first token out (prefill + one sample)
-    decode_s: float  # time for the tokens after the first
-    stop_reason: str  # "stop_token" | "max_tokens"
-    token_times: list[float] = field(default_factory=list, repr=False)  # seconds since start, per token
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        n = len(self.token_ids) - 1
-        return n / self.decode_s if n > 0 and self.decode_s > 0 else float("nan")
+GenerationResult = RequestOutput  # the name generate() returned before the request layer was shared
 
 
 def make_cache(kind: str, model, max_len: int, batch_size: int = 1):
@@ -42,33 +26,25 @@ def make_cache(kind: str, model, max_len: int, batch_size: int = 1):
 
         return KVCache.for_model(model, batch_size, max_len)
     if kind == "paged":
-        from .paged import PagedKVCache
+        from .paged import PagedSequenceCache
 
-        return PagedKVCache.for_model(model, batch_size, max_len)
+        return PagedSequenceCache.for_model(model, batch_size, max_len)
     raise ValueError(f"unknown cache {kind!r}; choose one of {CACHE_KINDS}")
 
 
 @torch.inference_mode()
-def generate_ids(model, prompt_ids: list[int], params: SamplingParams, stop_ids: set[int] = frozenset(),
-                 cache: str = "contiguous") -> Iterator[int]:
-    """Yield new token ids one at a time. Stops after a token in `stop_ids | params.stop_ids` (which is yielded)."""
-    if not prompt_ids:
-        raise ValueError("the prompt is empty: give at least one token")
-    ctx = model.config.max_seq_len
-    if len(prompt_ids) >= ctx:
-        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context window is {ctx}: shorten it")
-    max_new = min(params.max_tokens, ctx - len(prompt_ids))
-    stops = set() if params.ignore_eos else set(stop_ids) | params.stop_ids
-    gen = torch.Generator(device=model.device).manual_seed(params.seed) if params.seed is not None else None
-    kv = make_cache(cache, model, len(prompt_ids) + max_new)
-    seq = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
+def generate_request(model, req: Request, cache: str = "contiguous") -> Iterator[int]:
+    """Yield the new token ids of one validated request, one at a time; the stop token that ends it is yielded."""
+    params, ids = req.params, req.prompt_ids
+    kv = make_cache(cache, model, len(ids) + params.max_tokens)
+    seq = torch.tensor([ids], dtype=torch.long, device=model.device)
     step_input = seq
-    for _ in range(max_new):
+    for _ in range(params.max_tokens):
         logits = model(step_input, kv_cache=kv, last_only=True)[:, -1]  # (1, vocab)
-        token = sample_from_logits(logits, params.temperature, params.top_k, params.top_p, gen)  # (1,)
+        token = sample_from_logits(logits, params.temperature, params.top_k, params.top_p, req.generator)  # (1,)
         tok = int(token)
         yield tok
-        if tok in stops:
+        if tok in req.stop_ids:
             return
         if kv is None:  # baseline: feed the whole sequence again next step
             seq = torch.cat([seq, token[:, None]], dim=1)
@@ -77,35 +53,39 @@ def generate_ids(model, prompt_ids: list[int], params: SamplingParams, stop_ids:
             step_input = token[:, None]
 
 
-def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float = 1.0, seed: int | None = None, stop_ids: set[int] | None = None,
-             cache: str = "contiguous", chat: bool = True, ignore_eos: bool = False,
-             on_text: Callable[[str], None] | None = None) -> GenerationResult:
-    """Generate from a text prompt (wrapped in the chat template when `chat`) or from token ids.
-
-    `on_text` receives decoded text as it is produced (for streaming). Returns the text, ids and timings.
-    """
-    if isinstance(prompt, str):
-        if not prompt.strip():
-            raise ValueError("the prompt is empty: give some text to continue or a question to answer")
-        ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
-    else:
-        ids = list(prompt)
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                            stop_ids=stop_ids or set(), ignore_eos=ignore_eos)
+def generate_ids(model, prompt_ids: list[int], params: SamplingParams, stop_ids: set[int] = frozenset(),
+                 cache: str = "contiguous") -> Iterator[int]:
+    """Yield new token ids one at a time. Stops after a token in `stop_ids | params.stop_ids` (which is yielded)."""
+    req = make_request(list(prompt_ids), params, None, model.config, model.device, clip_to_context=True,
+                       eos_ids=frozenset(stop_ids))
     if cache not in CACHE_KINDS:
         raise ValueError(f"unknown cache {cache!r}; choose one of {CACHE_KINDS}")
-    stops = set(tokenizer.stop_ids)
+    return generate_request(model, req, cache)
+
+
+def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float = 1.0, seed: int | None = None, stop_ids: set[int] | None = None,
+             cache: str = "contiguous", chat: bool = False, ignore_eos: bool = False,
+             on_text: Callable[[str], None] | None = None) -> RequestOutput:
+    """Continue a raw text prompt or a list of token ids (vLLM's convention; `chat()` answers messages instead, and
+    chat=True wraps a text prompt as one user message). `on_text` receives decoded text as it is produced
+    (streaming). Returns a RequestOutput: text, ids, finish_reason and per-token times.
+    """
+    if cache not in CACHE_KINDS:
+        raise ValueError(f"unknown cache {cache!r}; choose one of {CACHE_KINDS}")
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                            stop_ids=stop_ids or set(), ignore_eos=ignore_eos)
+    req = make_request(prompt, params, tokenizer, model.config, model.device, chat=chat, clip_to_context=True)
     out: list[int] = []
     times: list[float] = []
     stream = tokenizer.stream_decoder() if on_text else None
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    for tok in generate_ids(model, ids, params, stops, cache):
+    for tok in generate_request(model, req, cache):
         sync()
         times.append(time.perf_counter() - t0)
         out.append(tok)
-        if stream is not None and tok not in stops:
+        if stream is not None and tok not in req.stop_ids:
             piece = stream.push(tok)
             if piece:
                 on_text(piece)
@@ -113,14 +93,15 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 12
         tail = stream.flush()
         if tail:
             on_text(tail)
-    text_ids = [t for t in out if t not in stops]
-    stopped = bool(out) and out[-1] in (stops | params.stop_ids) and not ignore_eos
-    return GenerationResult(
-        text=tokenizer.decode(text_ids),
-        token_ids=out,
-        prompt_tokens=len(ids),
-        ttft_s=times[0] if times else float("nan"),
-        decode_s=(times[-1] - times[0]) if len(times) > 1 else 0.0,
-        stop_reason="stop_token" if stopped else "max_tokens",
-        token_times=times,
-    )
+    reason = finish_reason(out, req.stop_ids, req.params.max_tokens, len(req.prompt_ids) + len(out),
+                           model.config.max_seq_len) or "length"
+    return RequestOutput(req.request_id, req.prompt_ids, out, tokenizer.decode([t for t in out if t not in req.stop_ids]),
+                         reason, token_times=times)
+
+
+def chat(model, tokenizer, messages: str | list[dict], **kwargs) -> RequestOutput:
+    """Answer a conversation: messages [{"role": "user", "content": ...}, ...] (a str is one user message) go through
+    the model's chat template, their contents encoded as plain text. Takes generate()'s keyword arguments."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    return generate(model, tokenizer, tokenizer.encode_chat(messages), **kwargs)

@@ -85,36 +85,65 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, n_filled: int)
 
 class KVCache:
     """Per layer a (batch, n_kv_heads, max_len, head_dim) buffer for K and one for V; all sequences in the batch
-    share one length (the same prompt length, or left-aligned equal-length prompts)."""
+    share one length (the same prompt length, or left-aligned equal-length prompts).
+
+    Driven by the model (minillm.model.KVCacheLike): `begin_forward` places the forward's tokens (after what is
+    cached, unless positions say otherwise), `attend` writes each layer's k/v there and attends over the filled
+    prefix. `truncate(n)` forgets everything from position n on (speculative decoding's rollback, lesson 10)."""
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", n_layers: int | None = None):
         if max_len < 1 or batch_size < 1:
             raise ValueError(f"batch_size and max_len must be >= 1, got {batch_size}, {max_len}")
         if max_len > cfg.max_seq_len:
             raise ValueError(f"max_len {max_len} is past the model's context window ({cfg.max_seq_len})")
-        shape = (cfg.n_layers, batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
+        shape = (n_layers or cfg.n_layers, batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
+        self.batch_size, self.max_len = batch_size, max_len
         self.seq_len = 0  # positions [0, seq_len) hold valid keys/values
+        self.start = 0  # first position the current forward writes (set by begin_forward)
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_len: int) -> KVCache:
-        return cls(model.config, batch_size, max_len, model.dtype, model.device)
+        # one cache layer per block the model has now (a pruned model has fewer than its config said)
+        return cls(model.config, batch_size, max_len, model.dtype, model.device, n_layers=len(model.layers))
 
     def nbytes(self) -> int:
         """Bytes reserved, used or not: the number lesson 04 compares against the paged cache."""
         return self.k.numel() * self.k.element_size() * 2
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, attn: AttentionFn) -> Tensor:
-        """Write k, v (batch, n_kv_heads, new, head_dim) after the cached positions; attend q over all of them."""
-        end = append_kv(self.k[layer], self.v[layer], k, v, self.seq_len)
-        # read only the filled prefix: slots past `end` hold zeros (or a previous request's data), never valid keys
-        return attn(q, self.k[layer, :, :, :end], self.v[layer, :, :, :end], causal=True)
+    def begin_forward(self, batch: int, n_new: int, positions: Tensor | None = None) -> Tensor:
+        """Place n_new tokens per row at seq_len .. seq_len + n_new - 1; explicit positions must be exactly those
+        (this cache has one length for every row). Raises CacheFullError, writing nothing, past capacity."""
+        if batch != self.batch_size:
+            raise ValueError(f"this cache holds {self.batch_size} sequences, got a batch of {batch}")
+        start = self.seq_len
+        if positions is not None and not torch.compiler.is_compiling():
+            pos = positions.expand(batch, n_new)
+            start = int(pos[0, 0])
+            if start > self.seq_len or not torch.equal(pos, torch.arange(start, start + n_new, device=pos.device)
+                                                       .expand(batch, n_new)):
+                raise ValueError(f"KVCache holds {self.seq_len} tokens per row: the next positions must be consecutive"
+                                 f" from at most {self.seq_len}, the same in every row (truncate() to go back)")
+        if start + n_new > self.max_len:
+            raise CacheFullError(
+                f"KV cache capacity is {self.max_len} tokens; writing positions {start}..{start + n_new - 1} would "
+                f"overflow. Allocate the cache with a larger max_len (prompt + max_new_tokens).")
+        self.start, self.seq_len = start, start + n_new
+        return torch.arange(start, start + n_new, device=self.k.device)
 
-    def advance(self, n_tokens: int) -> None:
-        self.seq_len += n_tokens
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, attn: AttentionFn) -> Tensor:
+        """Write k, v (batch, n_kv_heads, new, head_dim) at this forward's positions; attend q over the prefix."""
+        end = append_kv(self.k[layer_id], self.v[layer_id], k, v, self.start)
+        # read only the filled prefix: slots past `end` hold zeros (or a previous request's data), never valid keys
+        return attn(q, self.k[layer_id, :, :, :end], self.v[layer_id, :, :, :end], causal=True)
+
+    def truncate(self, n_tokens: int) -> None:
+        """Keep positions [0, n_tokens); the next forward writes from n_tokens on (rejected draft tokens vanish)."""
+        if not 0 <= n_tokens <= self.seq_len:
+            raise ValueError(f"can truncate to 0..{self.seq_len} tokens, got {n_tokens}")
+        self.seq_len = n_tokens
 
     def reset(self) -> None:
         self.seq_len = 0

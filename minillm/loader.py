@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
-from .model import Transformer, rope_tables
+from .model import Transformer
 from .weights import gguf_path, model_source, read_gguf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,10 +85,7 @@ def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
         raise RuntimeError(f"weight map mismatch: missing {missing}, unexpected {unexpected}")
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    model = model.to(torch_dtype).eval().requires_grad_(False)
-    # RoPE tables stay float32 whatever the weights' dtype: bf16 angles would be off by ~1e-2 at long positions.
-    # (to_empty left the buffers uninitialised, and .to(dtype) would round them: compute them fresh.)
-    model.rope_cos, model.rope_sin = (t.to(dev) for t in rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta))
+    model = model.to(torch_dtype).eval().requires_grad_(False)  # RoPE tables stay float32 (Transformer._apply)
     model.load_seconds = time.perf_counter() - t0
     return model, Tokenizer.from_gguf_metadata(meta)
 

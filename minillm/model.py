@@ -3,15 +3,25 @@
     tokens -> embedding -> n_layers x [RMSNorm -> attention (RoPE, GQA) -> + ; RMSNorm -> SwiGLU MLP -> +]
            -> RMSNorm -> LM head (tied to the embedding) -> logits
 
-The one seam later lessons plug into is in `Attention.forward`: after projecting and rotating q/k/v it either runs
-plain causal attention over the tokens it was given, or hands q/k/v to a KV cache object, which stores the new keys and
-values wherever it keeps them (a contiguous buffer, lesson 01; paged blocks, lesson 04) and returns the attention
-output over everything cached. Which attention kernel runs is a name (`model.attn_backend`, see attention.py).
-The model never knows about requests, batches or schedules.
+`forward` is three stages that later lessons call one by one: `embed_tokens` (ids -> hidden states), `run_layers`
+(any slice of the blocks: pipeline stages, early-exit drafts, a pruned stack) and `logits` (the LM head on the rows
+that need it). The block loop passes each block its index into the KV cache, so dropping or reordering blocks never
+breaks the cache.
+
+The seam for KV caches is `Attention.forward`: after projecting and rotating q/k/v it either runs plain causal
+attention over the tokens it was given (no cache: the baseline), or hands q/k/v to a cache object, which stores the
+new keys/values wherever it keeps them (a contiguous buffer, lesson 01; paged blocks, lesson 04) and returns the
+attention over everything cached. Before layer 0 the cache is told where this forward's tokens go
+(`begin_forward`): positions are always explicit. The model never knows about requests, batches or schedules.
+
+The attention kernel is a name resolved once (`set_attention`, see attention.py). Techniques that rewrite weights
+(fusion, quantization, pruning, tensor parallelism) are transformations of a loaded model (`replace_linears`), not
+branches in this file.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -24,15 +34,16 @@ from .config import ModelConfig
 
 
 class KVCacheLike(Protocol):
-    """What the model needs from a KV cache (minillm.kv_cache.KVCache and minillm.paged.PagedKVCache provide it)."""
+    """What the model needs from a KV cache (KVCache in kv_cache.py, PagedKVCache / PagedSequenceCache in paged.py)."""
 
-    seq_len: int  # tokens already cached; the default position of the next token
-
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, attn: AttentionFn) -> Tensor:
-        """Store k, v (batch, n_kv_heads, new, head_dim); return attention of q over all cached keys."""
+    def begin_forward(self, batch: int, n_new: int, positions: Tensor | None) -> Tensor:
+        """Called once per forward before layer 0: where the n_new tokens of each of `batch` rows go. Returns the
+        positions (batch, n_new) to use (a self-managed cache may fill in positions=None from its own length)."""
         ...
 
-    def advance(self, n_tokens: int) -> None: ...
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, attn: AttentionFn) -> Tensor:
+        """Store k, v (batch, n_kv_heads, new, head_dim) for layer `layer_id`; return q's attention over the cache."""
+        ...
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -68,23 +79,27 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.layer, self.n_heads, self.n_kv_heads, self.head_dim = layer, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionFn, kv_cache: KVCacheLike | None) -> Tensor:
-        q = rearrange(self.wq(x), "b s (h d) -> b h s d", d=self.head_dim)
-        k = rearrange(self.wk(x), "b s (h d) -> b h s d", d=self.head_dim)
-        v = rearrange(self.wv(x), "b s (h d) -> b h s d", d=self.head_dim)
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (b, s, dim) -> q (b, s, n_heads * head_dim), k, v (b, s, n_kv_heads * head_dim). The one place the three
+        projections run, so fusing them into one matmul (lesson 06) replaces this method, not forward."""
+        return self.wq(x), self.wk(x), self.wv(x)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionFn, layer_id: int,
+                kv_cache: KVCacheLike | None) -> Tensor:
+        q, k, v = (rearrange(t, "b s (h d) -> b h s d", d=self.head_dim) for t in self.project_qkv(x))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is None:
             out = attn(q, k, v, causal=True)  # recompute over the whole sequence: the no-cache baseline
         else:
-            out = kv_cache.attend(self.layer, q, k, v, attn)
+            out = kv_cache.attend(layer_id, q, k, v, attn)
         return self.wo(rearrange(out, "b h s d -> b s (h d)"))
 
 
@@ -97,20 +112,25 @@ class MLP(nn.Module):
         self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
+    def gate_up(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The two input projections, in one place so they can be fused (lesson 06)."""
+        return self.gate(x), self.up(x)
+
     def forward(self, x: Tensor) -> Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = self.gate_up(x)
+        return self.down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg, layer)
+        self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, attn, kv_cache):
-        x = x + self.attn(self.attn_norm(x), cos, sin, attn, kv_cache)
+    def forward(self, x, cos, sin, attn, layer_id, kv_cache):
+        x = x + self.attn(self.attn_norm(x), cos, sin, attn, layer_id, kv_cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -118,9 +138,9 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_backend: str = "sdpa"):
         super().__init__()
         self.config = cfg
-        self.attn_backend = attn_backend
+        self.set_attention(attn_backend)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -128,6 +148,8 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    # ------------------------------------------------------------------------------------------------ properties
 
     @property
     def device(self) -> torch.device:
@@ -137,31 +159,111 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
+    @property
+    def attn_backend(self) -> str:
+        return self._attn_name
+
+    @attn_backend.setter
+    def attn_backend(self, name: str) -> None:
+        self.set_attention(name)
+
+    def set_attention(self, name: str) -> None:
+        """Choose the dense attention backend by name; resolved here, once, not on every forward."""
+        self._attn = get_attention(name)
+        self._attn_name = name
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype) casts every floating buffer; the RoPE tables must stay float32 (bf16 angles put logits off by
+        # up to 0.75) and to_empty() leaves them uninitialised: recompute them after any move or cast, in one place
+        super()._apply(fn, recurse)
+        if self.rope_cos.device.type != "meta":
+            cfg = self.config
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
+        return self
+
+    # ---------------------------------------------------------------------------------------------------- stages
+
+    def embed_tokens(self, input_ids: Tensor) -> Tensor:
+        """input_ids (batch, seq) -> hidden states (batch, seq, dim)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        return self.embed(input_ids)
+
+    def run_layers(self, h: Tensor, positions: Tensor, kv_cache: KVCacheLike | None = None,
+                   layers: slice = slice(None), hidden_states: list[Tensor] | None = None) -> Tensor:
+        """Run blocks self.layers[layers] over h (batch, seq, dim) at positions (batch, seq).
+
+        Block i of self.layers uses cache layer i: a slice keeps its original indices (a pipeline stage writes its
+        own layers of a shared cache). `hidden_states`, if given, receives the output of every block run."""
+        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # (b, 1, s, head_dim)
+        for layer_id in range(len(self.layers))[layers]:
+            h = self.layers[layer_id](h, cos, sin, self._attn, layer_id, kv_cache)
+            if hidden_states is not None:
+                hidden_states.append(h)
+        return h
+
+    def logits(self, h: Tensor, rows: Tensor | None = None) -> Tensor:
+        """Final norm + LM head on h (batch, seq, dim), or only on h[:, rows] (the rows that will be sampled)."""
+        if rows is not None:
+            h = h[:, rows]
+        return self.lm_head(self.norm(h))
+
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, kv_cache: KVCacheLike | None = None,
-                last_only: bool = False, logits_at: Tensor | None = None) -> Tensor:
+                last_only: bool = False, logits_at: Tensor | None = None,
+                hidden_states: list[Tensor] | None = None) -> Tensor:
         """input_ids (batch, seq) -> logits (batch, seq, vocab), or (batch, 1, vocab) with last_only, or
         (batch, len(logits_at), vocab) with logits_at (indices along seq: the engine's last token of each sequence).
 
-        positions (seq,) or (batch, seq) default to the tokens following what `kv_cache` already holds.
+        positions (seq,) or (batch, seq): where the tokens sit. Without a cache they default to 0..seq-1; with one,
+        the cache fills them in if it manages its own length (KVCache, PagedSequenceCache) and checks them.
         """
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        h = self.embed_tokens(input_ids)
         b, s = input_ids.shape
-        if positions is None:
-            start = kv_cache.seq_len if kv_cache is not None else 0
-            positions = torch.arange(start, start + s, device=input_ids.device)
-        if int(positions.max()) >= self.config.max_seq_len:
-            raise ValueError(f"position {int(positions.max())} is past the context window ({self.config.max_seq_len})")
-        positions = positions.expand(b, s)
-        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # (b, 1, s, head_dim)
-        attn = get_attention(self.attn_backend)
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn, kv_cache)
         if kv_cache is not None:
-            kv_cache.advance(s)
-        if last_only:
-            x = x[:, -1:]
-        elif logits_at is not None:  # packed batches (engine): only each sequence's last row needs the LM head
-            x = x[:, logits_at]
-        return self.lm_head(self.norm(x))
+            positions = kv_cache.begin_forward(b, s, positions)
+        elif positions is None:
+            if s > self.config.max_seq_len:
+                raise ValueError(f"{s} tokens are past the context window ({self.config.max_seq_len})")
+            positions = torch.arange(s, device=input_ids.device)
+        elif not torch.compiler.is_compiling() and int(positions.max()) >= self.config.max_seq_len:
+            raise ValueError(f"position {int(positions.max())} is past the context window ({self.config.max_seq_len})")
+        h = self.run_layers(h, positions.expand(b, s), kv_cache, hidden_states=hidden_states)
+        return self.logits(h, slice(-1, None) if last_only else logits_at)
+
+
+# ------------------------------------------------------------------------------------------------ transformations
+
+
+def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module | None]) -> list[str]:
+    """Swap nn.Linear submodules in place: `make(name, linear)` returns the replacement, or None to keep it.
+
+    The hook every weight transformation uses (regrouping heads, quantizing, pruning, sharding). The tied LM head
+    is skipped: it shares its weight with the embedding. Returns the names replaced."""
+    tied = getattr(model, "lm_head", None) if getattr(getattr(model, "config", None), "tie_embeddings", False) else None
+    replaced = []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if isinstance(child, nn.Linear) and child is not tied:
+                new = make(full, child)
+                if new is not None and new is not child:
+                    setattr(module, child_name, new)
+                    replaced.append(full)
+    return replaced
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of the weights a forward reads: parameters and persistent buffers (a quantized layer keeps int8 weights
+    and scales as buffers), each storage counted once (a tied LM head is the embedding). The RoPE tables are
+    non-persistent lookup tables, not weights: left out."""
+    seen, total = set(), 0
+    persistent = {n for n, _ in model.named_buffers()} - {
+        f"{m}.{b}".lstrip(".") for m, mod in model.named_modules() for b in mod._non_persistent_buffers_set}
+    tensors = [p for p in model.parameters()] + [b for n, b in model.named_buffers() if n in persistent]
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total

@@ -16,6 +16,8 @@ SAME_AS = {
     "causal_mask": "minillm.attention",
     "repeat_kv": "minillm.attention",
     "naive_attention": "minillm.attention",
+    "logits_to_probs": "minillm.sampling",
+    "sample": "minillm.sampling",
     "sample_from_logits": "minillm.sampling",
 }
 
@@ -67,15 +69,16 @@ def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Ten
 
 # task 00.sampler --------------------------------------------------------------------------------------------
 
-def sample_from_logits(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0,
-                       generator: torch.Generator | None = None) -> Tensor:
-    """logits (batch, vocab) -> token ids (batch,).
+def logits_to_probs(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0
+                    ) -> Tensor:
+    """logits (batch, vocab) -> the distribution a token is drawn from (batch, vocab), float32.
 
     Order matters and matches the common convention: temperature scales, top-k keeps the k largest, top-p keeps the
-    smallest set of most likely tokens whose probability reaches p (always at least one), then we draw.
+    smallest set of most likely tokens whose probability reaches p (always at least one). Temperature 0 (greedy) is
+    the one-hot distribution of the argmax. Speculative decoding compares these distributions (lesson 10).
     """
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
@@ -87,5 +90,17 @@ def sample_from_logits(logits: Tensor, temperature: float = 0.0, top_k: int | No
         drop = probs.cumsum(dim=-1) - probs >= top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
+    return logits.softmax(dim=-1)
+
+
+def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """probs (batch, vocab) -> one token id per row (batch,), drawn with `generator` (seeded requests)."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_from_logits(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0,
+                       generator: torch.Generator | None = None) -> Tensor:
+    """logits (batch, vocab) -> token ids (batch,): the argmax when greedy, else a draw from logits_to_probs."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    return sample(logits_to_probs(logits, temperature, top_k, top_p), generator)

@@ -12,11 +12,11 @@ import torch
 from torch import Tensor
 
 from minillm.block_allocator import OutOfBlocksError
-from minillm.paged import _check_paged_inputs  # input validation, given: not part of the task
+from minillm.paged_attention import _check_paged_inputs  # input validation, given: not part of the task
 
 SAME_AS = {
     "BlockAllocator": "minillm.block_allocator",
-    "paged_attention": "minillm.paged",
+    "paged_attention": "minillm.paged_attention",
 }
 
 

@@ -66,30 +66,32 @@ def schedule_step(waiting: deque[Sequence], running: deque[Sequence], block_mana
     return schedule
 
 
-def postprocess_step(schedule: Schedule, sampled: list[int | None], running: deque[Sequence],
+def postprocess_step(schedule: Schedule, sampled: list[list[int]], running: deque[Sequence],
                      block_manager: BlockManager, now: float) -> list[Sequence]:
     """Record what the step computed, append sampled tokens, retire finished sequences. Returns the finished ones.
 
-    `sampled[i]` is the token sampled for schedule.scheduled[i], or None for a prefill chunk that did not reach the
-    end of its sequence (nothing to sample yet).
+    `sampled[i]` are the tokens sampled for schedule.scheduled[i], in order: one for a decode or a prompt's last
+    chunk, several when a step verifies draft tokens (lesson 10), none for a prefill chunk that did not reach the end
+    of its sequence. A sequence stops at the first token that ends it; tokens after that are dropped.
     """
     if len(sampled) != len(schedule.scheduled):
-        raise ValueError(f"got {len(sampled)} sampled tokens for {len(schedule.scheduled)} scheduled sequences")
+        raise ValueError(f"got {len(sampled)} lists of sampled tokens for {len(schedule.scheduled)} scheduled "
+                         f"sequences")
     finished = []
-    for item, token in zip(schedule.scheduled, sampled):
+    for item, tokens in zip(schedule.scheduled, sampled):
         seq = item.seq
-        if (token is None) == item.samples:
-            raise ValueError(f"request {seq.request_id}: a token must be sampled exactly when its chunk ends")
+        if bool(tokens) != item.samples:
+            raise ValueError(f"request {seq.request_id}: tokens must be sampled exactly when its chunk ends")
         seq.num_cached_tokens += item.num_new_tokens
-        if token is None:
-            continue
-        seq.append_token(token, now)
-        reason = seq.stop_reason()
-        if reason is not None:
-            seq.status, seq.finish_reason, seq.finish_time = SequenceStatus.FINISHED, reason, now
-            block_manager.deallocate(seq)  # its blocks serve the next admission right away
-            running.remove(seq)
-            finished.append(seq)
+        for token in tokens:
+            seq.append_token(token, now)
+            reason = seq.stop_reason()
+            if reason is not None:
+                seq.status, seq.finish_reason, seq.finish_time = SequenceStatus.FINISHED, reason, now
+                block_manager.deallocate(seq)  # its blocks serve the next admission right away
+                running.remove(seq)
+                finished.append(seq)
+                break
     return finished
 
 

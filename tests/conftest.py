@@ -21,6 +21,10 @@ torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# the engine's per-step consistency checks (every block read is allocated, every block written has one owner) are a
+# debug flag in production; the tests run with them on
+os.environ.setdefault("MINILLM_DEBUG", "1")
+
 
 @pytest.fixture(scope="session")
 def real_model():

@@ -102,7 +102,7 @@ def test_append_kv_raises_before_writing():
         append_kv(k, k.clone(), torch.ones(1, 2, 3, 16), torch.ones(1, 2, 3, 16), start=3)
     assert (k == 0).all()
     cache = KVCache.for_model(model, 1, 4)
-    cache.advance(4)
+    cache.seq_len = 4  # as if 4 tokens were cached
     with pytest.raises(CacheFullError), torch.inference_mode():
         model(torch.tensor([[1]]), kv_cache=cache)
 

@@ -67,12 +67,14 @@ def test_logits_and_greedy_tokens_match_transformers(real_model, hf_model, promp
 
 
 def test_greedy_chat_answer(real_model):
-    from minillm import generate
+    from minillm import chat, generate
 
     model, tok = real_model
-    out = generate(model, tok, "What is the capital of France?", max_new_tokens=16)
+    out = chat(model, tok, "What is the capital of France?", max_new_tokens=16)
     assert out.text.strip() == "The capital of France is Paris."
-    assert out.stop_reason == "stop_token" and out.token_ids[-1] == tok.eos_id
+    assert out.finish_reason == "stop" and out.token_ids[-1] == tok.eos_id
+    # generate() continues raw text (vLLM's convention) unless asked for the template: same answer with chat=True
+    assert generate(model, tok, "What is the capital of France?", max_new_tokens=16, chat=True).text == out.text
 
 
 @settings(max_examples=15, deadline=None)

@@ -17,6 +17,7 @@ from minillm.paged import (
     AttentionMetadata,
     OutOfBlocksError,
     PagedKVCache,
+    PagedSequenceCache,
     blocks_needed,
     paged_attention,
     paged_prefill_attention,
@@ -120,6 +121,8 @@ def test_packed_prefill_and_decode_mix_matches_per_sequence_sdpa(seqs, block_siz
     new_v = torch.cat([v[c - n:] for (_, v), n, c in zip(kv, query_lens, ctx)])
     cache.k_pool[0].view(-1, n_kv_heads, head_dim)[meta.slot_mapping] = float("nan")  # must be overwritten
     cache.set_metadata(meta)
+    positions = torch.cat([torch.arange(c - n, c) for n, c in zip(query_lens, ctx)])[None]
+    cache.begin_forward(1, sum(query_lens), positions)  # what the model calls before layer 0
     got = cache.attend(0, q.transpose(0, 1)[None],  # (1, H, N_total, D) as the model passes it
                        new_k.transpose(0, 1)[None], new_v.transpose(0, 1)[None], minillm.attention.sdpa_attention)
     assert got.shape == (1, n_heads, sum(query_lens), head_dim)
@@ -156,7 +159,7 @@ def test_engine_mode_needs_metadata_every_forward_and_positions():
     cache = PagedKVCache(cfg, num_blocks=8, block_size=4)
     blocks = cache.allocator.allocate(2)
     cache.set_metadata(AttentionMetadata.build([blocks], [5], [5], 4))
-    with pytest.raises(RuntimeError, match="pass positions"):
+    with pytest.raises(ValueError, match="explicit positions"):
         model(torch.zeros(1, 5, dtype=torch.long), kv_cache=cache)
     model(torch.zeros(1, 5, dtype=torch.long), positions=torch.arange(5)[None], kv_cache=cache)
     with pytest.raises(RuntimeError, match="set_metadata"):  # the metadata was used up by that forward
@@ -166,7 +169,7 @@ def test_engine_mode_needs_metadata_every_forward_and_positions():
 def test_self_managed_cache_allocates_on_demand_and_runs_out_cleanly():
     cfg = ModelConfig.tiny()
     model = Transformer(cfg).eval()
-    cache = PagedKVCache.for_model(model, batch_size=2, max_len=10, block_size=4)
+    cache = PagedSequenceCache.for_model(model, batch_size=2, max_len=10, block_size=4)
     assert cache.num_blocks == 6 and cache.bytes_used() == 0
     with torch.no_grad():
         model(torch.zeros(2, 5, dtype=torch.long), kv_cache=cache)
@@ -179,7 +182,7 @@ def test_self_managed_cache_allocates_on_demand_and_runs_out_cleanly():
     cache.reset()
     assert cache.allocator.num_free() == 6 and cache.seq_len == 0
     with pytest.raises(ValueError, match="context window"):
-        PagedKVCache.for_model(model, 1, cfg.max_seq_len + 1)
+        PagedSequenceCache.for_model(model, 1, cfg.max_seq_len + 1)
 
 
 def test_bad_inputs_have_clear_errors():
@@ -204,7 +207,7 @@ def test_tiny_model_paged_equals_contiguous(prompt_len, n_new, block_size, kv_he
     model = Transformer(ModelConfig.tiny(n_kv_heads=kv_heads)).eval()
     prompt = torch.randint(0, 512, (1, prompt_len))
     contiguous = KVCache.for_model(model, 1, prompt_len + n_new)
-    paged = PagedKVCache.for_model(model, 1, prompt_len + n_new, block_size=block_size)
+    paged = PagedSequenceCache.for_model(model, 1, prompt_len + n_new, block_size=block_size)
     with torch.no_grad():
         x_c = x_p = prompt
         for _ in range(n_new):

@@ -36,7 +36,7 @@ class FakeRunner:
     def __init__(self):
         self.cache: dict[str, list[int]] = {}
 
-    def run(self, schedule) -> list[int | None]:
+    def run(self, schedule) -> list[list[int]]:
         out = []
         for item in schedule.scheduled:
             seq = item.seq
@@ -46,7 +46,7 @@ class FakeRunner:
             assert item.start == len(cached), f"{seq.request_id}: chunk starts at {item.start}, cache has {len(cached)}"
             assert len(seq.block_table) * seq_block_size(seq) >= item.start + item.num_new_tokens, "writes past blocks"
             cached += seq.all_ids[item.start:item.start + item.num_new_tokens]
-            out.append(fake_token(cached) if item.samples else None)
+            out.append([fake_token(cached)] if item.samples else [])
         return out
 
 
@@ -115,7 +115,7 @@ def test_max_num_seqs_and_token_budget():
     assert [(x.seq.request_id, x.num_new_tokens, x.samples) for x in schedule.scheduled] == [("0", 6, True),
                                                                                               ("1", 4, False)]
     assert schedule.num_batched_tokens <= 10
-    sched.postprocess(schedule, [7, None], now=0.0)
+    sched.postprocess(schedule, [[7], []], now=0.0)
     schedule = sched.schedule()
     # decode of 0 (1 token) and the rest of 1's prompt (2 tokens)
     assert [(x.seq.request_id, x.num_new_tokens, x.start, x.samples) for x in schedule.scheduled] == [
@@ -164,7 +164,7 @@ def test_finished_sequence_frees_blocks_at_once():
     sched.add(seq)
     schedule = sched.schedule()
     assert sched.block_manager.num_free() == 8
-    finished = sched.postprocess(schedule, [3], now=0.0)
+    finished = sched.postprocess(schedule, [[3]], now=0.0)
     assert finished == [seq] and seq.status == SequenceStatus.FINISHED and seq.finish_reason == "length"
     assert seq.block_table == [] and sched.block_manager.num_free() == 10 and not sched.running
 
@@ -197,7 +197,7 @@ def test_postprocess_rejects_mismatched_tokens():
     sched.add(make_seq("a", 8, 5))
     schedule = sched.schedule()
     with pytest.raises(ValueError, match="exactly when its chunk ends"):
-        sched.postprocess(schedule, [5], now=0.0)
+        sched.postprocess(schedule, [[5]], now=0.0)
     with pytest.raises(ValueError, match="sampled tokens"):
         sched.postprocess(schedule, [], now=0.0)
 
@@ -240,4 +240,4 @@ def test_schedule_step_is_what_the_scheduler_runs():
     bm = BlockManager(BlockAllocator(4, 4))
     schedule = schedule_step(waiting, running, bm, 4, 16)
     assert [x.seq.request_id for x in schedule.scheduled] == ["a"] and isinstance(schedule.scheduled[0], ScheduledSeq)
-    assert postprocess_step(schedule, [1], running, bm, 0.0)[0].request_id == "a" and bm.num_free() == 4
+    assert postprocess_step(schedule, [[1]], running, bm, 0.0)[0].request_id == "a" and bm.num_free() == 4

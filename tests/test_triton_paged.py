@@ -63,19 +63,19 @@ def test_half_precision_inputs(dtype):
 def test_cache_decode_backend_triton_equals_torch():
     from minillm.config import ModelConfig
     from minillm.model import Transformer
-    from minillm.paged import PagedKVCache
+    from minillm.paged import PagedSequenceCache
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig.tiny(n_layers=1, dim=64, n_heads=4, n_kv_heads=2)).eval().to(DEVICE)
     prompt = torch.randint(0, 512, (2, 21), device=DEVICE)
     caches = {}
     with torch.no_grad():
-        for backend in ("torch", "triton"):
-            cache = PagedKVCache.for_model(model, 2, 24, block_size=4)
+        for backend in ("torch", "triton_paged"):
+            cache = PagedSequenceCache.for_model(model, 2, 24, block_size=4)
             cache.decode_backend = backend
             model(prompt, kv_cache=cache)
             caches[backend] = model(prompt[:, :1], kv_cache=cache)  # one decode step at position 21
-    torch.testing.assert_close(caches["triton"], caches["torch"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches["triton_paged"], caches["torch"], atol=1e-5, rtol=1e-5)
 
 
 def test_bad_inputs_have_clear_errors():

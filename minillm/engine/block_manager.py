@@ -3,7 +3,9 @@
 It sits on the paged cache's BlockAllocator (minillm/block_allocator.py, lesson 04) and works on plain block ids:
   can_allocate(seq) / allocate(seq)  - blocks for everything the sequence has so far (prompt, or prompt + output
                                        when a preempted sequence is recomputed), on admission;
-  can_append(seq) / may_append(seq)  - before a decode step: the token being written may start a new block;
+  can_append(seq, n) / may_append(seq, n) - before a step that writes the sequence's last token and n - 1 more
+                                       (n > 1: verifying draft tokens, lesson 10): they may start new blocks;
+  truncate(seq, n_tokens)            - forget cached tokens from n_tokens on and free the blocks past them;
   deallocate(seq)                    - give all of its blocks back (finished, aborted or preempted).
 
 A decode step writes the key/value of the sequence's last token (index num_tokens - 1), so it needs
@@ -41,16 +43,26 @@ class BlockManager:
             raise ValueError(f"request {seq.request_id} already holds blocks {seq.block_table}")
         seq.block_table = self.allocator.allocate(self.blocks_for(seq.num_tokens))
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Can the next decode step write its token? Needs a free block only when the last one is full."""
-        missing = self.blocks_for(seq.num_tokens) - len(seq.block_table)
+    def can_append(self, seq: Sequence, n: int = 1) -> bool:
+        """Can the next step write its n tokens? Needs free blocks only where the last one fills up."""
+        missing = self.blocks_for(seq.num_tokens + n - 1) - len(seq.block_table)
         return missing <= 0 or self.allocator.can_allocate(missing)
 
-    def may_append(self, seq: Sequence) -> None:
-        """Grow the block table if the token about to be written starts a new block."""
-        missing = self.blocks_for(seq.num_tokens) - len(seq.block_table)
+    def may_append(self, seq: Sequence, n: int = 1) -> None:
+        """Grow the block table if the n tokens about to be written start new blocks."""
+        missing = self.blocks_for(seq.num_tokens + n - 1) - len(seq.block_table)
         if missing > 0:
             seq.block_table += self.allocator.allocate(missing)
+
+    def truncate(self, seq: Sequence, n_tokens: int) -> None:
+        """Keep the KV of seq's first n_tokens (speculative rollback): later blocks return to the pool."""
+        if not 0 <= n_tokens <= seq.num_cached_tokens:
+            raise ValueError(f"request {seq.request_id}: can keep 0..{seq.num_cached_tokens} cached tokens, "
+                             f"got {n_tokens}")
+        keep = self.blocks_for(n_tokens)
+        self.allocator.free(seq.block_table[keep:])
+        del seq.block_table[keep:]
+        seq.num_cached_tokens = n_tokens
 
     def deallocate(self, seq: Sequence) -> None:
         """Return every block of `seq`; its cached keys/values are gone (a re-admission recomputes them)."""

@@ -1,28 +1,32 @@
 """`LLM`: the serving engine's front door. Requests in, tokens out, continuous batching in between.
 
     llm = minillm.LLM("smollm2-135m", dtype="bfloat16", max_num_seqs=16)
-    outs = llm.generate(["What is the capital of France?", "Name a prime."], SamplingParams(max_tokens=32), chat=True)
+    outs = llm.generate(["The capital of France is", "2 + 2 ="], SamplingParams(max_tokens=32))   # raw prompts
+    outs = llm.chat(["What is the capital of France?"], SamplingParams(max_tokens=32))           # chat template
     for ev in llm.stream(["Tell me a story."], SamplingParams(max_tokens=64)): print(ev.text, end="")
 
 Each `step()` asks the Scheduler for work (plain data), has the ModelRunner run it as one packed forward over the
 paged KV cache, and hands the sampled tokens back to the scheduler, which retires finished requests at once.
-Bad requests are rejected when submitted (ValueError), so they never reach a running batch. Lesson 05.
+Requests go through the shared request layer (minillm/request.py) and are rejected when submitted (ValueError), so
+they never reach a running batch. The engine owns `step()` (one at a time, under a lock) and pushes every token as a
+StreamEvent into the output queue of the request it belongs to: any number of consumers (threads, interleaved
+iterators) each get all of their own events, whoever happens to drive the step. Lesson 05.
 """
 
 from __future__ import annotations
 
 import itertools
+import queue
+import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import NamedTuple
-
-import torch
 
 from ..block_allocator import blocks_needed
 from ..kv_cache import kv_bytes_per_token
 from ..paged import PagedKVCache
-from ..sampling import SamplingParams, validate_sampling
+from ..request import Request, RequestOutput, make_request
+from ..sampling import SamplingParams
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
@@ -31,21 +35,12 @@ from .sequence import Sequence, SequenceStatus
 DEFAULT_KV_CACHE_BYTES = 256 << 20
 
 
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # generated ids, the stop token included
-    text: str  # decoded output, stop tokens left out ("" without a tokenizer)
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    metrics: dict = field(default_factory=dict, repr=False)  # ttft, tpot, itl, e2e, queue_time (s), preemptions
-
-
 class StreamEvent(NamedTuple):
     request_id: str
-    token_id: int
+    token_id: int | None  # None only in the event that reports an abort
     text: str  # the text this token completes ("" inside a multi-byte character or for a stop token)
     finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last event
 
 
 class LLM:
@@ -76,78 +71,65 @@ class LLM:
         if num_blocks < 1:
             raise ValueError(f"the KV budget holds no block of {block_size} tokens: raise kv_cache_bytes/num_blocks")
         self.model, self.tokenizer = model, tokenizer
-        self.cache = PagedKVCache(cfg, int(num_blocks), block_size, model.dtype, model.device)
+        self.cache = PagedKVCache(cfg, int(num_blocks), block_size, model.dtype, model.device,
+                                  n_layers=len(model.layers))
         self.block_manager = BlockManager(self.cache.allocator)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, max_num_batched_tokens)
         self.max_model_len = cfg.max_seq_len
         self.step_log: list[dict] = []  # one entry per step: batch occupancy, tokens, preemptions
         self._seqs: dict[str, Sequence] = {}  # in flight
         self._finished: dict[str, RequestOutput] = {}
         self._ids = itertools.count()
+        self._lock = threading.RLock()  # one step (and one change of the queues) at a time, whoever calls it
+        self._sinks: dict[str, queue.SimpleQueue] = {}  # request id -> where its StreamEvents go
+        self._decoders: dict = {}  # request id -> incremental detokenizer, for requests with a sink
 
     # ------------------------------------------------------------------------------------------------ requests
 
-    def _prompt_ids(self, prompt: str | list[int], chat: bool) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise ValueError("the prompt is empty: give some text or a non-empty list of token ids")
-            if self.tokenizer is None:
-                raise ValueError("this LLM has no tokenizer: pass prompts as lists of token ids")
-            if chat:
-                return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty: give some text or a non-empty list of token ids")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
-        return ids
-
-    def _check_request(self, ids: list[int], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        validate_sampling(params.max_tokens, params.temperature, params.top_k, params.top_p)
-        if params.max_tokens < 1:
+    def _prepare(self, prompt: str | list[int], params: SamplingParams | None, chat: bool,
+                 request_id: str | None, arrival_time: float | None) -> Request:
+        req = make_request(prompt, params, self.tokenizer, self.model.config, self.model.device,
+                           request_id=str(next(self._ids)) if request_id is None else str(request_id), chat=chat,
+                           arrival_time=arrival_time)
+        if req.params.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1 for a request to the engine")
-        ctx = self.max_model_len
-        if len(ids) >= ctx:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context window is {ctx}: shorten it")
-        if len(ids) + params.max_tokens > ctx:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context window "
-                             f"({ctx}): lower max_tokens to at most {ctx - len(ids)}")
-        peak = blocks_needed(len(ids) + params.max_tokens - 1, self.block_manager.block_size)
+        peak = blocks_needed(len(req.prompt_ids) + req.params.max_tokens - 1, self.block_manager.block_size)
         if peak > self.block_manager.num_blocks:
             raise ValueError(f"prompt + max_tokens need {peak} KV blocks at their peak but the whole pool has "
                              f"{self.block_manager.num_blocks}: lower max_tokens or build the LLM with more blocks")
+        if req.request_id in self._seqs or req.request_id in self._finished:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        return req
+
+    def _enqueue(self, req: Request, sink: queue.SimpleQueue | None) -> str:
+        seq = Sequence.from_request(req, self.max_model_len)
+        self._seqs[req.request_id] = seq
+        if sink is not None:
+            self._sinks[req.request_id] = sink
+            if self.tokenizer is not None:
+                self._decoders[req.request_id] = self.tokenizer.stream_decoder()
+        self.scheduler.add(seq)
+        return req.request_id
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-                    chat: bool = False, arrival_time: float | None = None) -> str:
-        """Queue one request; returns its id. Raises ValueError (and queues nothing) for an invalid request."""
-        params = SamplingParams() if params is None else params
-        ids = self._prompt_ids(prompt, chat)
-        self._check_request(ids, params)
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self._seqs or request_id in self._finished:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        stops = set() if params.ignore_eos else set(getattr(self.tokenizer, "stop_ids", ())) | params.stop_ids
-        gen = torch.Generator(device=self.model.device).manual_seed(params.seed) if params.seed is not None else None
-        seq = Sequence(request_id, ids, params, stop_ids=frozenset(stops), max_model_len=self.max_model_len,
-                       arrival_time=time.perf_counter() if arrival_time is None else arrival_time, generator=gen)
-        self._seqs[request_id] = seq
-        self.scheduler.add(seq)
-        return request_id
+                    chat: bool = False, arrival_time: float | None = None, sink: queue.SimpleQueue | None = None
+                    ) -> str:
+        """Queue one request; returns its id. Raises ValueError (and queues nothing) for an invalid request.
+        `sink`, if given, receives a StreamEvent for each of its tokens (and its end)."""
+        with self._lock:
+            return self._enqueue(self._prepare(prompt, params, chat, request_id, arrival_time), sink)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request in flight (its KV blocks return to the pool). False if it is not in flight."""
-        seq = self.scheduler.abort(str(request_id))
-        if seq is None:
-            return False
-        seq.finish_time = time.perf_counter()
-        self._retire(seq)
-        return True
+        with self._lock:
+            seq = self.scheduler.abort(str(request_id))
+            if seq is None:
+                return False
+            seq.finish_time = time.perf_counter()
+            self._emit(seq, None)
+            self._retire(seq)
+            return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -155,87 +137,132 @@ class LLM:
     # ---------------------------------------------------------------------------------------------------- steps
 
     def step(self) -> list[tuple[Sequence, int]]:
-        """One scheduler step + one forward. Returns (sequence, sampled token) for each sequence that got one."""
-        schedule = self.scheduler.schedule()
-        t0 = time.perf_counter()
-        for item in schedule.scheduled:
-            if item.seq.first_scheduled_time is None:
-                item.seq.first_scheduled_time = t0
-        sampled = self.runner.run(schedule)
-        now = time.perf_counter()
-        finished = self.scheduler.postprocess(schedule, sampled, now)
-        self.step_log.append({
-            "t_start": t0, "t_end": now, "num_seqs": len(schedule.scheduled), "num_decodes": schedule.num_decodes,
-            "num_prefill_tokens": schedule.num_prefill_tokens, "num_tokens": schedule.num_batched_tokens,
-            "num_preempted": len(schedule.preempted), "num_waiting": len(self.scheduler.waiting),
-            "occupancy": len(schedule.scheduled) / self.scheduler.max_num_seqs,
-            "free_blocks": self.block_manager.num_free(),
-        })
-        for seq in finished:
-            self._retire(seq)
-        return [(item.seq, tok) for item, tok in zip(schedule.scheduled, sampled) if tok is not None]
+        """One scheduler step + one forward. Returns (sequence, sampled token) for each token sampled."""
+        with self._lock:
+            schedule = self.scheduler.schedule()
+            t0 = time.perf_counter()
+            for item in schedule.scheduled:
+                if item.seq.first_scheduled_time is None:
+                    item.seq.first_scheduled_time = t0
+            sampled = self.runner.run(schedule)
+            now = time.perf_counter()
+            n_before = [item.seq.num_output_tokens for item in schedule.scheduled]
+            finished = self.scheduler.postprocess(schedule, sampled, now)
+            self.step_log.append({
+                "t_start": t0, "t_end": now, "num_seqs": len(schedule.scheduled),
+                "num_decodes": schedule.num_decodes, "num_prefill_tokens": schedule.num_prefill_tokens,
+                "num_tokens": schedule.num_batched_tokens, "num_preempted": len(schedule.preempted),
+                "num_waiting": len(self.scheduler.waiting),
+                "occupancy": len(schedule.scheduled) / self.scheduler.max_num_seqs,
+                "free_blocks": self.block_manager.num_free(),
+            })
+            out = []
+            for item, n in zip(schedule.scheduled, n_before):
+                new = item.seq.output_ids[n:]  # what postprocess kept (a stop mid-list drops the tokens after it)
+                for i, tok in enumerate(new):
+                    out.append((item.seq, tok))
+                    self._emit(item.seq, tok, last=i == len(new) - 1)
+            for seq in finished:
+                self._retire(seq)
+            return out
+
+    def _emit(self, seq: Sequence, token: int | None, last: bool = True) -> None:
+        """Put one StreamEvent into the request's output queue (token None: it was aborted)."""
+        sink = self._sinks.get(seq.request_id)
+        if sink is None:
+            return
+        decoder = self._decoders.get(seq.request_id)
+        text = ""
+        if decoder is not None and token is not None and token not in seq.stop_ids:
+            text = decoder.push(token)
+        done = seq.is_finished and last
+        if done and decoder is not None:
+            text += decoder.flush()
+        sink.put(StreamEvent(seq.request_id, token, text, done, seq.finish_reason if done else None))
+        if done:
+            self._sinks.pop(seq.request_id, None)
+            self._decoders.pop(seq.request_id, None)
 
     def _retire(self, seq: Sequence) -> None:
         self._seqs.pop(seq.request_id, None)
-        text_ids = [t for t in seq.output_ids if t not in seq.stop_ids]
-        text = self.tokenizer.decode(text_ids) if self.tokenizer is not None else ""
-        self._finished[seq.request_id] = RequestOutput(seq.request_id, list(seq.prompt_ids), list(seq.output_ids),
-                                                       text, seq.finish_reason, seq.metrics())
+        self._finished[seq.request_id] = seq.to_output(self.tokenizer)
 
     def pop_output(self, request_id: str) -> RequestOutput:
-        return self._finished.pop(str(request_id))
+        with self._lock:
+            return self._finished.pop(str(request_id))
+
+    def _pump(self, sink: queue.SimpleQueue | None = None) -> None:
+        """Make progress for a waiting consumer: step, unless its queue already got events meanwhile (another
+        consumer stepped while this one waited for the lock)."""
+        with self._lock:
+            if (sink is None or sink.empty()) and self.has_unfinished():
+                self.step()
 
     # ------------------------------------------------------------------------------------------- conveniences
 
-    def _submit(self, prompts, params, chat: bool) -> list[str]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+    def _submit(self, prompts, params, chat: bool, sink: queue.SimpleQueue | None = None) -> list[str]:
+        if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
             raise TypeError("pass a list of prompts (strings or lists of token ids), e.g. [prompt]")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        prepared = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):  # validate every request before queueing any
-            try:
-                ids = self._prompt_ids(prompt, chat)
-                self._check_request(ids, p)
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"request {i}: {e}") from None
-            prepared.append((ids, p))
-        return [self.add_request(ids, p) for ids, p in prepared]
+        with self._lock:
+            prepared = []
+            for i, (prompt, p) in enumerate(zip(prompts, params)):  # validate every request before queueing any
+                try:
+                    req = self._prepare(prompt, p, chat, None, None)
+                except (ValueError, TypeError) as e:
+                    raise type(e)(f"request {i}: {e}") from None
+                prepared.append(req)
+            return [self._enqueue(req, sink) for req in prepared]
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  chat: bool = False) -> list[RequestOutput]:
-        """Run all prompts to completion with continuous batching; outputs in input order."""
+        """Run all prompts (raw text or token ids, continued as is) to completion; outputs in input order."""
         ids = self._submit(prompts, params, chat)
-        pending = set(ids)
-        while pending & (self._seqs.keys()):
-            self.step()
+        while any(r not in self._finished for r in ids):
+            self._pump()
         return [self.pop_output(r) for r in ids]
+
+    def chat(self, conversations: list[str | list[dict]],
+             params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Answer conversations: each a list of {"role", "content"} messages (or a str: one user message), put in
+        the chat template with message contents encoded as plain text."""
+        if self.tokenizer is None:
+            raise ValueError("this LLM has no tokenizer: chat needs one")
+        if isinstance(conversations, str) or (conversations and isinstance(conversations[0], dict)):
+            raise TypeError("pass a list of conversations, e.g. [[{'role': 'user', 'content': '...'}]]")
+        prompts = [self.tokenizer.encode_chat([{"role": "user", "content": c}] if isinstance(c, str) else c)
+                   for c in conversations]
+        return self.generate(prompts, params)
 
     def stream(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                chat: bool = False) -> Iterator[StreamEvent]:
-        """Yield each token as soon as it is sampled, interleaved across requests. Calling `abort(id)` from the loop
-        ends that request; the others go on."""
-        ids = self._submit(prompts, params, chat)
-        decoders = {r: self.tokenizer.stream_decoder() for r in ids} if self.tokenizer is not None else {}
-        mine = set(ids)
+        """Yield each token of these prompts as soon as it is sampled, interleaved across them. Any number of streams
+        may run at once (threads or interleaved iterators): each gets exactly its own events. Calling `abort(id)`
+        ends that request (a last event with finish_reason "abort"); the others go on."""
+        sink: queue.SimpleQueue = queue.SimpleQueue()
+        ids = self._submit(prompts, params, chat, sink)
+        remaining = set(ids)
         try:
-            while mine & self._seqs.keys():
-                for seq, tok in self.step():
-                    if seq.request_id not in mine:
-                        continue
-                    text = ""
-                    if seq.request_id in decoders and tok not in seq.stop_ids:
-                        text = decoders[seq.request_id].push(tok)
-                    if seq.is_finished and seq.request_id in decoders:
-                        text += decoders[seq.request_id].flush()
-                    yield StreamEvent(seq.request_id, tok, text, seq.is_finished)
+            while remaining:
+                try:
+                    event = sink.get_nowait()
+                except queue.Empty:
+                    if not self.has_unfinished() and sink.empty():
+                        raise RuntimeError(f"requests {sorted(remaining)} left the engine without a last event")
+                    self._pump(sink)
+                    continue
+                if event.finished:
+                    remaining.discard(event.request_id)
+                yield event
         finally:  # the caller stopped iterating early: don't leave its requests holding blocks
-            for r in ids:
-                if r in self._seqs:
-                    self.abort(r)
-                self._finished.pop(r, None)
+            with self._lock:
+                for r in ids:
+                    if r in self._seqs:
+                        self.abort(r)
+                    self._finished.pop(r, None)
 
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free()

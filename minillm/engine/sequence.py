@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..request import Request, RequestOutput, finish_reason
 from ..sampling import SamplingParams
 
 
@@ -48,6 +49,12 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)  # wall time at which each output token was sampled
     finish_time: float | None = None
     generator: torch.Generator | None = field(default=None, repr=False)  # per-request RNG for seeded sampling
+    logprobs: list[float] = field(default_factory=list, repr=False)  # per output token, when params.logprobs
+
+    @classmethod
+    def from_request(cls, req: Request, max_model_len: int) -> Sequence:
+        return cls(req.request_id, list(req.prompt_ids), req.params, stop_ids=req.stop_ids,
+                   max_model_len=max_model_len, arrival_time=req.arrival_time, generator=req.generator)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,11 +87,15 @@ class Sequence:
 
     def stop_reason(self) -> str | None:
         """Why this sequence must stop after its last token, or None to go on."""
-        if self.output_ids and self.output_ids[-1] in self.stop_ids:
-            return "stop"
-        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return finish_reason(self.output_ids, self.stop_ids, self.params.max_tokens, self.num_tokens,
+                             self.max_model_len)
+
+    def to_output(self, tokenizer=None) -> RequestOutput:
+        text_ids = [t for t in self.output_ids if t not in self.stop_ids]
+        return RequestOutput(self.request_id, list(self.prompt_ids), list(self.output_ids),
+                             tokenizer.decode(text_ids) if tokenizer is not None else "", self.finish_reason,
+                             self.metrics(), [t - self.arrival_time for t in self.token_times],
+                             list(self.logprobs) if self.params.logprobs else None)
 
     def metrics(self) -> dict[str, float | list[float]]:
         """Latencies in seconds (NaN where undefined, e.g. TPOT of a one-token answer)."""

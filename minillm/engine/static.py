@@ -20,13 +20,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
-import torch
-
 from ..block_allocator import blocks_needed
 from ..paged import PagedKVCache
+from ..request import RequestOutput, make_request
 from ..sampling import SamplingParams
 from .block_manager import BlockManager
-from .llm import RequestOutput
 from .model_runner import ModelRunner
 from .scheduler import Schedule, ScheduledSeq, postprocess_step
 from .sequence import Sequence, SequenceStatus
@@ -77,22 +75,24 @@ class StaticBatchEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        if len(params) != len(prompts) or not prompts or any(not p for p in prompts):
-            raise ValueError("give one SamplingParams per prompt and non-empty token-id prompts")
+        if len(params) != len(prompts) or not prompts:
+            raise ValueError("give one SamplingParams per prompt and at least one prompt")
         ctx = self.model.config.max_seq_len
-        stops = set(getattr(self.tokenizer, "stop_ids", ()))
         now = time.perf_counter()
         seqs = []
-        for i, (ids, p) in enumerate(zip(prompts, params)):
-            if len(ids) + p.max_tokens > ctx or p.max_tokens < 1:
-                raise ValueError(f"request {i}: need 1 <= max_tokens and prompt + max_tokens <= {ctx}")
-            gen = torch.Generator(device=self.model.device).manual_seed(p.seed) if p.seed is not None else None
-            seqs.append(Sequence(str(i), list(ids), p, frozenset(set() if p.ignore_eos else stops | p.stop_ids),
-                                 ctx, arrival_time=now, generator=gen))
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                req = make_request(prompt, p, self.tokenizer, self.model.config, self.model.device, str(i),
+                                   arrival_time=now)
+                if req.params.max_tokens < 1:
+                    raise ValueError("max_tokens must be >= 1")
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"request {i}: {e}") from None
+            seqs.append(Sequence.from_request(req, ctx))
         # room for a full batch of the longest request: static batching reserves for the worst case
         longest = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs)
         cache = PagedKVCache(self.model.config, self.max_batch * blocks_needed(longest, self.block_size),
-                             self.block_size, self.model.dtype, self.model.device)
+                             self.block_size, self.model.dtype, self.model.device, n_layers=len(self.model.layers))
         block_manager, runner = BlockManager(cache.allocator), ModelRunner(self.model, cache)
 
         def step(active: list[Sequence]) -> list[bool]:
@@ -113,10 +113,4 @@ class StaticBatchEngine:
             return [seq in finished for seq in active]
 
         static_batching_loop(seqs, self.max_batch, step)
-        outputs = []
-        for seq in seqs:
-            text_ids = [t for t in seq.output_ids if t not in seq.stop_ids]
-            text = self.tokenizer.decode(text_ids) if self.tokenizer is not None else ""
-            outputs.append(RequestOutput(seq.request_id, seq.prompt_ids, seq.output_ids, text, seq.finish_reason,
-                                         seq.metrics()))
-        return outputs
+        return [seq.to_output(self.tokenizer) for seq in seqs]

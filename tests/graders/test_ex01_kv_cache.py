@@ -45,8 +45,8 @@ class LearnerCache(KVCache):
 
     def attend(self, layer, q, k, v, attn):
         append_kv, decode_attention = self.fns
-        end = append_kv(self.k[layer], self.v[layer], k, v, self.seq_len)
-        assert end == self.seq_len + k.shape[2], f"append_kv returned {end}, expected {self.seq_len + k.shape[2]}"
+        end = append_kv(self.k[layer], self.v[layer], k, v, self.start)  # start: set by begin_forward
+        assert end == self.start + k.shape[2], f"append_kv returned {end}, expected {self.start + k.shape[2]}"
         if q.shape[2] == 1:
             return decode_attention(q, self.k[layer], self.v[layer], end)
         return attn(q, self.k[layer, :, :, :end], self.v[layer, :, :, :end], causal=True)  # prefill: given

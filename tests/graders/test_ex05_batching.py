@@ -81,7 +81,7 @@ def drive(schedule_step, postprocess_step, seqs, num_blocks, block_size, max_num
                 hist.clear()
             assert item.start == len(hist), f"request {seq.request_id} resumes at {item.start}, cache has {len(hist)}"
             hist += seq.all_ids[item.start:end]
-            sampled.append(fake_token(hist) if item.samples else None)
+            sampled.append([fake_token(hist)] if item.samples else [])
         finished = postprocess_step(schedule, sampled, running, bm, float(step))
         for seq in finished:
             assert seq.status == SequenceStatus.FINISHED and seq not in running
@@ -103,7 +103,7 @@ def check_schedule(schedule_step, postprocess_step):
     waiting, running = deque(seqs), deque()
     first = schedule_step(waiting, running, bm, 8, 64)
     assert [x.seq for x in first.scheduled] == seqs, "all three prompts fit: admit them in arrival order"
-    postprocess_step(first, [7, 8, 9], running, bm, 0.0)
+    postprocess_step(first, [[7], [8], [9]], running, bm, 0.0)
     second = schedule_step(waiting, running, bm, 8, 64)
     assert [s.request_id for s in second.preempted] == ["2", "1"], "preempt the most recently admitted first"
     assert [s.request_id for s in waiting] == ["1", "2"], "preempted sequences go back to the head of waiting"
