@@ -95,8 +95,8 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 12
             on_text(tail)
     reason = finish_reason(out, req.stop_ids, req.params.max_tokens, len(req.prompt_ids) + len(out),
                            model.config.max_seq_len) or "length"
-    return RequestOutput(req.request_id, req.prompt_ids, out, tokenizer.decode([t for t in out if t not in req.stop_ids]),
-                         reason, token_times=times)
+    text = tokenizer.decode([t for t in out if t not in req.stop_ids]) if tokenizer is not None else ""
+    return RequestOutput(req.request_id, req.prompt_ids, out, text, reason, token_times=times)
 
 
 def chat(model, tokenizer, messages: str | list[dict], **kwargs) -> RequestOutput:
