@@ -1,10 +1,11 @@
 """The `minillm` command: generate text, run a benchmark, grade an exercise, describe the model.
 
-    minillm generate "What is the capital of France?" --max-new-tokens 32 --dtype bfloat16
+    minillm generate "What is the capital of France?" --max-new-tokens 32 --dtype bfloat16 --threads 2
     minillm bench decode --quick          minillm bench --list
     minillm grade 00 [--solutions]        minillm info
 
-Bad arguments print one line and exit with status 2; no tracebacks for user mistakes.
+Bad arguments print one line and exit with status 2; no tracebacks for user mistakes. A setup problem (weights cache
+not writable, download failed, pytest missing) prints one line that says what to do, and exits with status 1.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import argparse
 import math
 import sys
 
-EXIT_USAGE = 2
+EXIT_USAGE, EXIT_SETUP = 2, 1
+THREADS_HELP = ("torch threads (default: torch's choice, one per core). Each measurement prints the thread count and "
+                "the load average; on a busy machine use no more threads than free cores (more make bf16 matmuls "
+                "many times slower)")
 
 
 class UsageError(Exception):
@@ -40,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     from minillm.generate import CACHE_KINDS
     from minillm.loader import DTYPES
 
-    parser = _Parser(prog="minillm", description="LLM inference, one technique at a time, on SmolLM2-135M.")
+    parser = _Parser(prog="minillm", description="LLM inference, one technique at a time, on SmolLM2-135M.",
+                     epilog="generate and bench take --threads N (torch threads); see minillm generate --help")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate text from a prompt, streaming it, then print timing stats")
@@ -56,21 +61,39 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cache", choices=list(CACHE_KINDS), default="contiguous")
     gen.add_argument("--attn", choices=backend_names(), default="sdpa", help="attention backend")
     gen.add_argument("--raw", action="store_true", help="continue the prompt as plain text (no chat template)")
+    gen.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
 
     bench = sub.add_parser("bench", help="run a benchmark (minillm bench --list)")
     bench.add_argument("name", nargs="?")
     bench.add_argument("--list", action="store_true", help="list the benchmarks")
-    bench.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for CI)")
+    bench.add_argument("--quick", action="store_true",
+                       help="tiny sizes, for CI; saved under <out>/quick/ so full results are never overwritten")
     bench.add_argument("--out", default="results", help="folder for <name>.json (default: results)")
     bench.add_argument("--no-save", action="store_true")
+    bench.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
 
     grade = sub.add_parser("grade", help="grade a lesson's exercises (exit 0 only if every task passes)")
     grade.add_argument("lesson", help="lesson number, e.g. 00")
     grade.add_argument("--solutions", action="store_true", help="grade the reference solutions instead")
 
-    info = sub.add_parser("info", help="model config, parameter count, bytes, KV-cache bytes per token")
+    info = sub.add_parser("info", help="model config, parameter count, bytes, KV-cache bytes per token; this "
+                                       "machine's CPU, native or emulated bf16, threads and load (no timing probe)")
     info.add_argument("--model", default="smollm2-135m")
     return parser
+
+
+def _use_threads(threads: int | None) -> str:
+    """Apply --threads; warn (stderr) when other work leaves fewer free cores than that. Returns the line
+    'N threads, load L on C cores', measured now, before our own work adds to the load."""
+    import torch
+
+    from minillm.bench.hardware import busy_warning, threads_line
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if warning := busy_warning():
+        print(f"minillm: {warning}", file=sys.stderr)
+    return threads_line()
 
 
 def cmd_generate(args) -> int:
@@ -85,6 +108,7 @@ def cmd_generate(args) -> int:
         raise UsageError("the prompt is empty: give some text to continue or a question to answer")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but torch sees no CUDA GPU; use --device cpu")
+    machine = _use_threads(args.threads)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, attn_backend=args.attn)
 
     def emit(text: str) -> None:
@@ -104,10 +128,13 @@ def cmd_generate(args) -> int:
     if n > 1 and not math.isnan(tps):  # nan when only one token came out
         line = f"decode {tps:.1f} tokens/s"
         if args.cache != "none":
+            # MBU needs only the bandwidth: a bounded probe (< 1 s), measured once per machine and kept on disk
             moved = decode_bytes_per_token(model, res.prompt_tokens + n // 2)
-            line += (f", MBU {mbu(moved, 1 / tps, bandwidth(model.device)):.0%} "
-                     f"({moved / 2**20:.0f} MiB read per token)")
+            bw = bandwidth(model.device)
+            line += (f", MBU {mbu(moved, 1 / tps, bw):.0%} "
+                     f"({moved / 2**20:.0f} MiB read per token, {bw / 1e9:.0f} GB/s copy)")
         stats.append(line)
+    stats.append(f"{machine} at start")
     stats.append(f"stop: {res.stop_reason}")
     print("--- " + " | ".join(stats))
     return 0
@@ -125,6 +152,9 @@ def cmd_bench(args) -> int:
         raise UsageError(f"give a benchmark name or --list; benchmarks: {', '.join(ENTRIES)}")
     if args.name not in ENTRIES:
         raise UsageError(f"unknown benchmark {args.name!r}; available: {', '.join(ENTRIES)}")
+    from minillm.bench.hardware import bf16_status
+
+    print(f"minillm bench {args.name}: {_use_threads(args.threads)} at start; {bf16_status()}")
     run_entry(args.name, quick=args.quick, save=not args.no_save, out=args.out)
     return 0
 
@@ -158,19 +188,45 @@ def cmd_info(args) -> int:
         print(f"KV cache {name:<9s} {kv_bytes_per_token(cfg, size):,} bytes/token "
               f"(2 x {cfg.n_layers} layers x {cfg.n_kv_heads} kv heads x {cfg.head_dim} dims x {size} bytes); "
               f"{kv_bytes(cfg, cfg.max_seq_len, dtype=size) / 2**20:.0f} MiB at {cfg.max_seq_len} tokens")
+    _print_machine()
     return 0
+
+
+def _print_machine() -> None:
+    """What this machine is, detected without timing anything (the probes belong to `minillm bench`)."""
+    import torch
+
+    from minillm.bench.hardware import bf16_status, busy_warning, cpu_name, threads_line
+
+    print(f"machine          CPU {cpu_name()}; torch {torch.__version__}; {threads_line()}")
+    if torch.cuda.is_available():
+        print(f"                 GPU {torch.cuda.get_device_name()}; {bf16_status('cuda')}")
+    print(f"                 CPU {bf16_status('cpu')}")
+    if warning := busy_warning():
+        print(f"                 {warning}")
+
+
+def _one_line(message: str) -> str:
+    # some messages carry a how-to on further lines (weights: fetch by hand); keep them, joined, on one line
+    return " ".join(part.strip() for part in message.splitlines() if part.strip())
 
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "grade": cmd_grade, "info": cmd_info}
 
 
 def main(argv: list[str] | None = None) -> int:
+    from minillm.grading import GradingSetupError
+    from minillm.weights import WeightsError
+
     try:
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)
     except (UsageError, ValueError) as e:  # ValueError: the library's checks on values (temperature, prompt...)
         print(f"minillm: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except (WeightsError, GradingSetupError) as e:  # the machine's setup: the message says what to do
+        print(f"minillm: error: {_one_line(str(e))}", file=sys.stderr)
+        return EXIT_SETUP
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

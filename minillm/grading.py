@@ -6,6 +6,7 @@ exercises/ when MINILLM_GRADE=exercises and the reference solutions/ otherwise (
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -47,6 +48,14 @@ TASKS: dict[str, list[tuple[str, str]]] = {
 ROOT = Path(__file__).resolve().parent.parent
 
 
+class GradingSetupError(RuntimeError):
+    """Grading cannot run on this install (pytest missing, graders not found); the message says what to do."""
+
+
+def have_pytest() -> bool:
+    return importlib.util.find_spec("pytest") is not None
+
+
 def all_markers() -> list[tuple[str, str]]:
     return [t for tasks in TASKS.values() for t in tasks]
 
@@ -55,9 +64,13 @@ def run_graders(lesson: str, target: str = "exercises", extra: list[str] | None 
     """Run lesson's graders against `target` ('exercises' or 'solutions'); {task marker: 'pass' | 'fail' | 'skip'}."""
     if lesson not in TASKS:
         raise ValueError(f"unknown lesson {lesson!r}; lessons with exercises: {', '.join(TASKS)}")
+    if not have_pytest():
+        raise GradingSetupError("minillm grade runs the graders with pytest, which is not installed here: "
+                                "python -m pip install -e '.[dev]' in the minillm checkout")
     files = sorted((ROOT / "tests" / "graders").glob(f"test_ex{lesson}_*.py"))
     if not files:
-        raise FileNotFoundError(f"no graders for lesson {lesson} under {ROOT / 'tests' / 'graders'}")
+        raise GradingSetupError(f"no graders for lesson {lesson} under {ROOT / 'tests' / 'graders'}: grading needs "
+                                f"the minillm checkout (git clone, then pip install -e '.[dev]')")
     env = dict(os.environ, MINILLM_GRADE=target)
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "report.xml"
@@ -65,7 +78,7 @@ def run_graders(lesson: str, target: str = "exercises", extra: list[str] | None 
                "-o", "junit_family=xunit2", *map(str, files), *(extra or [])]
         subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)  # failures are outcomes
         if not xml.exists():
-            raise RuntimeError("pytest did not run; is the dev extra installed? pip install -e '.[dev]'")
+            raise GradingSetupError("pytest did not run; is the dev extra installed? pip install -e '.[dev]'")
         outcomes = _outcomes_by_marker(xml, files)
     return {m: outcomes.get(m, "missing") for m, _ in TASKS[lesson]}
 
@@ -76,8 +89,6 @@ LAST_FAILURES: dict[str, str] = {}
 
 def _outcomes_by_marker(xml: Path, files: list[Path]) -> dict[str, str]:
     """Every test of a task must pass for the task to pass. Markers are read back from the test modules."""
-    import importlib.util
-
     marker_of: dict[str, str] = {}  # test name -> task marker
     for f in files:
         spec = importlib.util.spec_from_file_location(f"_grader_{f.stem}", f)

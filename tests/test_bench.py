@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 
 import pytest
 import torch
 
 from minillm import bench
+from minillm.bench import hardware
 from minillm.bench.harness import (
     BenchResult,
     decode_bytes_per_token,
@@ -49,9 +52,15 @@ def test_time_fn_rejects_bad_counts(kw):
 # ------------------------------------------------------------------------------------------------- hardware
 
 
-def test_hardware_info_measures_and_caches():
+def test_hardware_info_measures_and_caches(monkeypatch, tmp_path):
+    monkeypatch.setattr(hardware, "_HARDWARE", {})  # measure now, even if another test already did
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))  # leave the user's cache alone
+    t0 = time.perf_counter()
     info = hardware_info("cpu")
-    for key in ("device", "cpu", "threads", "torch", "python", "bandwidth_GBps", "flops_float32", "flops_bfloat16"):
+    # bounded: a CPU that emulates bf16 once spent minutes here on a fixed 2048^3 bf16 probe
+    assert time.perf_counter() - t0 < 20
+    for key in ("device", "cpu", "threads", "torch", "python", "bandwidth_GBps", "flops_float32", "flops_bfloat16",
+                "native_bf16", "cpu_capability", "load_avg", "cpu_count"):
         assert key in info
     assert info["device"] == "cpu" and info["torch"] == torch.__version__
     assert 0.1 < info["bandwidth_GBps"] < 1e5
@@ -59,6 +68,74 @@ def test_hardware_info_measures_and_caches():
     assert hardware_info("cpu") == info  # cached: the same measurement, not a new one
     info["bandwidth_GBps"] = -1.0  # callers get a copy
     assert hardware_info("cpu")["bandwidth_GBps"] > 0
+
+
+def test_probe_stops_before_a_size_that_would_not_fit_its_budget():
+    """A fake op whose time grows as n^3 (like a matmul): 10 ms, 80 ms, 640 ms, 5 s. With a 1 s budget the probe
+    must not try n=8, which alone would take 5 s."""
+    tried = []
+
+    def make(n):
+        tried.append(n)
+        return lambda: time.sleep(0.01 * n**3)
+
+    t0 = time.perf_counter()
+    rate = hardware._bounded_best_rate([1, 2, 4, 8], make, lambda n: n**3, budget_s=1.0)
+    assert time.perf_counter() - t0 < 2.5 and 8 not in tried and tried[:2] == [1, 2]
+    assert 50 < rate < 110  # n^3 / (0.01 n^3 s) = 100 per second, less the sleep's overshoot
+
+
+def test_native_bf16_follows_the_cpu_flags(monkeypatch):
+    if sys.platform == "darwin":
+        pytest.skip("macOS asks sysctl, not /proc/cpuinfo")
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert not hardware.native_bf16("cpu") and hardware.preferred_dtype("cpu") == "float32"
+    assert "emulated" in hardware.bf16_status("cpu") and "float32" in hardware.bf16_status("cpu")
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert hardware.native_bf16("cpu") and hardware.preferred_dtype("cpu") == "bfloat16"
+    assert "native (avx512_bf16" in hardware.bf16_status("cpu")
+
+
+def test_this_machine_reports_its_bf16_support():
+    info_flags = hardware.cpu_flags()
+    if info_flags:  # Linux
+        assert hardware.native_bf16("cpu") == bool(info_flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    summary = hardware.hardware_summary({**FAKE_HW, "flops_bfloat16": 1e9, "native_bf16": False})
+    assert "emulated" in summary
+
+
+def test_busy_warning_when_load_leaves_fewer_free_cores_than_threads(monkeypatch):
+    monkeypatch.setattr(hardware, "cpu_count", lambda: 2)
+    monkeypatch.setattr(hardware, "load_average", lambda: 3.5)
+    warning = hardware.busy_warning(threads=2)
+    assert warning and "3.5" in warning and "--threads 1" in warning
+    assert "2 threads, load 3.5 on 2 cores" == hardware.threads_line(2)
+    monkeypatch.setattr(hardware, "load_average", lambda: 0.2)
+    assert hardware.busy_warning(threads=2) is None and hardware.busy_warning(threads=1) is None
+
+
+def test_bandwidth_is_measured_once_per_machine_and_kept_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(hardware, "_BANDWIDTH", {})
+    monkeypatch.setattr(hardware, "probe_bandwidth", lambda device, budget_s=0.5: 12.5e9)
+    assert hardware.bandwidth("cpu") == 12.5e9
+    assert (tmp_path / "hardware.json").exists()
+    monkeypatch.setattr(hardware, "_BANDWIDTH", {})  # a new process on the same machine: no probe this time
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("probed again")
+
+    monkeypatch.setattr(hardware, "probe_bandwidth", no_probe)
+    assert hardware.bandwidth("cpu") == pytest.approx(12.5e9)
+
+
+def test_bandwidth_with_an_unwritable_cache_still_works(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("MINILLM_CACHE", str(blocker / "sub"))  # can never be created
+    monkeypatch.setattr(hardware, "_BANDWIDTH", {})
+    monkeypatch.setattr(hardware, "probe_bandwidth", lambda device, budget_s=0.5: 3e9)
+    assert hardware.bandwidth("cpu") == 3e9
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
@@ -102,7 +179,7 @@ def test_print_table_aligns_rows_and_reports_targets(capsys):
 def test_save_writes_json_with_hardware_versions_and_flags(tmp_path):
     r = _result(quick=True)
     path = r.save(tmp_path / "res")
-    assert path == tmp_path / "res" / "unit.json"
+    assert path == tmp_path / "res" / "quick" / "unit.json"  # quick runs go aside, never over full results
     data = json.loads(path.read_text())
     assert data["name"] == "unit" and data["quick"] is True
     assert data["hardware"]["cpu"] == "test cpu" and data["hardware"]["bandwidth_GBps"] == 10.0
@@ -193,12 +270,32 @@ def _fake_run(quick: bool = False) -> BenchResult:
 
 def test_run_entry_prints_and_saves(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(bench.ENTRIES, "fake", f"{__name__}:_fake_run")
-    result = bench.run_entry("fake", quick=True, out=tmp_path)
-    assert result.quick and result.settings["quick_arg"] is True
-    assert "PASS" in capsys.readouterr().out
-    assert json.loads((tmp_path / "fake.json").read_text())["quick"] is True
+    result = bench.run_entry("fake", quick=False, out=tmp_path)
+    assert not result.quick and result.settings["quick_arg"] is False
+    out = capsys.readouterr().out
+    assert "PASS" in out and "threads, load" in out
+    data = json.loads((tmp_path / "fake.json").read_text())
+    assert data["quick"] is False and data["threads"] >= 1 and "load_avg_end" in data
     bench.run_entry("fake", save=False, out=tmp_path / "none")
     assert not (tmp_path / "none").exists()
+
+
+def test_quick_results_never_replace_full_ones(monkeypatch, tmp_path):
+    monkeypatch.setitem(bench.ENTRIES, "fake", f"{__name__}:_fake_run")
+    monkeypatch.chdir(tmp_path)  # `minillm bench` writes to ./results, as in a checkout
+    full = tmp_path / "results" / "fake.json"
+    full.parent.mkdir()
+    full.write_text('{"committed": true}')
+    from minillm.cli import main
+
+    threads = torch.get_num_threads()
+    try:
+        assert main(["bench", "fake", "--quick", "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads(full.read_text()) == {"committed": True}
+    assert json.loads((tmp_path / "results" / "quick" / "fake.json").read_text())["quick"] is True
 
 
 class _IdsTokenizer:
@@ -229,7 +326,12 @@ def test_decode_entry_quick_on_a_tiny_model(monkeypatch):
         if r["phase"] == "decode":
             assert r["tokens_per_s"] > 0 and 0 < r["MBU"]
         if r["phase"] == "prefill":
-            assert r["tokens_per_s"] > 0 and 0 < r["MFU"]
+            assert r["tokens_per_s"] > 0
+            # MFU needs a compute roof; emulated bf16 has none
+            if r["dtype"] == "float32" or hardware.native_bf16("cpu"):
+                assert 0 < r["MFU"]
+            else:
+                assert r["MFU"] is None and any("emulat" in n for n in result.notes)
     assert set(result.targets) <= set(result.ratios)
     assert {"prefill_vs_decode_tokens_per_s", "bf16_vs_fp32_decode_speedup",
             "cached_vs_nocache_decode_speedup", "decode_mbu_float32"} <= set(result.ratios)
@@ -238,7 +340,7 @@ def test_decode_entry_quick_on_a_tiny_model(monkeypatch):
 @pytest.mark.slow
 def test_decode_entry_quick_on_the_real_model(tmp_path):
     result = bench.run_entry("decode", quick=True, out=tmp_path)
-    data = json.loads((tmp_path / "decode.json").read_text())
+    data = json.loads((tmp_path / "quick" / "decode.json").read_text())
     assert data["quick"] and data["settings"]["model"] == "smollm2-135m"
     assert result.ratios["cached_vs_nocache_decode_speedup"] > 1
 

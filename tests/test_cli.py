@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,9 +18,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MINILLM_CACHE=os.environ.get("MINILLM_CACHE", "/tmp/mlcache"))
-    return subprocess.run([sys.executable, "-m", "minillm", *args], check=False, cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "minillm", *args], check=False, cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def _stats(line: str) -> dict[str, float]:
+    """Numbers from the stats line: load, TTFT and decode seconds, tokens generated, threads."""
+    def number(pattern: str) -> float:
+        m = re.search(pattern, line)
+        assert m, f"{pattern!r} not in {line!r}"
+        return float(m.group(1))
+
+    n = number(r"generated (\d+)")
+    return {"load_s": number(r"load ([\d.]+) s"), "ttft_s": number(r"TTFT ([\d.]+) ms") / 1e3, "generated": n,
+            "decode_s": (n - 1) / number(r"decode ([\d.]+) tokens/s"), "threads": number(r"(\d+) threads?,")}
 
 
 def test_generate_streams_text_and_prints_stats():
@@ -28,6 +42,42 @@ def test_generate_streams_text_and_prints_stats():
     for field in ("load", "prompt", "TTFT", "tokens/s", "MBU", "stop:"):
         assert field in stats, f"{field!r} missing from stats line: {stats!r}"
     assert "Traceback" not in proc.stderr
+
+
+def test_generate_prints_its_stats_right_after_the_answer(tmp_path):
+    """No slow probe between the answer and the stats line, even on a machine whose probe cache is empty: the
+    stats come within a small multiple of the decode time itself (a 2048^3 bf16 matmul probe once sat here for
+    minutes on a CPU that emulates bf16). Threads and load are part of the stats."""
+    from minillm.weights import cache_dir, gguf_path
+
+    model_folder = gguf_path().parent
+    cache = tmp_path / "cache"  # the real weights, but no measured bandwidth yet: the first-run case
+    cache.mkdir()
+    (cache / model_folder.name).symlink_to(model_folder)
+    assert cache_dir() != cache
+    env = dict(os.environ, MINILLM_CACHE=str(cache), PYTHONUNBUFFERED="1")
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "minillm", "generate", "What is the capital of France?",
+                             "--max-new-tokens", "12", "--threads", "1"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    chunks = []  # (seconds since start, bytes) as they arrive
+    guard = threading.Timer(180, proc.kill)  # a probe that takes minutes fails the test instead of hanging it
+    guard.start()
+    try:
+        while data := os.read(proc.stdout.fileno(), 4096):
+            chunks.append((time.monotonic() - t0, data))
+        proc.wait(timeout=60)
+    finally:
+        guard.cancel()
+    assert proc.returncode == 0, proc.stderr.read().decode()
+    out = b"".join(c for _, c in chunks).decode()
+    assert "Paris" in out
+    stats_at = next(t for t, c in chunks if b"--- " in c)
+    answered_at = max([t for t, c in chunks if t < stats_at and c.strip()] or [stats_at])
+    s = _stats(out.rpartition("--- ")[2])
+    assert s["threads"] == 1 and "load" in out.rpartition("--- ")[2]
+    assert stats_at - answered_at < max(3.0, 3 * s["decode_s"]), (stats_at - answered_at, s)
+    assert (cache / "hardware.json").exists()  # measured once, kept for the next run on this machine
 
 
 def test_bad_argument_exits_2_from_the_real_entry_point():
@@ -89,3 +139,18 @@ def test_grade_stubs_fail_with_exit_1(monkeypatch, capsys):
                         lambda lesson, target: {m: "fail" for m, _ in minillm.grading.TASKS[lesson]})
     assert main(["grade", "00"]) == 1
     assert "0/4 tasks pass" in capsys.readouterr().out
+
+
+def test_grade_without_pytest_says_what_to_install(monkeypatch, capsys):
+    import minillm.grading
+
+    monkeypatch.setattr(minillm.grading, "have_pytest", lambda: False)  # as after `pip install -e .` alone
+    assert main(["grade", "00"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("minillm: error:") and "\n" not in err and "pip install" in err and "[dev]" in err, err
+
+
+def test_help_documents_threads():
+    for argv in (["--help"], ["generate", "--help"], ["bench", "--help"]):
+        proc = run_cli(*argv, timeout=60)
+        assert proc.returncode == 0 and "--threads" in proc.stdout, (argv, proc.stdout)

@@ -5,6 +5,10 @@ FLOP/s over the measured matmul peak). Decode pushes one token through every wei
 read for 2 FLOPs, memory-bound, judged by MBU (bytes the step must read per second over the measured bandwidth).
 So per token, prefill is many times faster than decode; halving the bytes (bfloat16) speeds decode up; and the
 no-cache baseline, which re-runs the whole sequence each step, is what lesson 01 removes.
+
+On a CPU without bf16 instructions torch emulates bf16 GEMMs (~100x slower than fp32 at 512^3 on such a CPU): the
+bf16 rows then measure the emulation. bf16 decode (matrix-vector, bound by bytes) is still informative; bf16 prefill
+gets no MFU (there is no bf16 compute roof to divide by) and is timed at the smallest size only.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import statistics
 
 import torch
 
+from minillm.bench.hardware import bf16_status, native_bf16
 from minillm.bench.harness import (
     BenchResult,
     bandwidth,
@@ -39,9 +44,10 @@ def measure_prefill(model, n_tokens: int, repeat: int = 3) -> dict:
     ids = torch.tensor([prompt_ids(n_tokens, model.config.vocab_size)], device=model.device)
     t = time_fn(lambda: model(ids, last_only=True), warmup=1, repeat=repeat)
     flops = prefill_flops(model.config, n_tokens, logits_for=1)  # last_only: one row through the LM head
+    emulated = model.dtype != torch.float32 and not native_bf16(model.device)  # no roof: emulation has no peak
     return {"phase": "prefill", "tokens": n_tokens, "context": n_tokens, "ms": t.median * 1e3,
             "tokens_per_s": n_tokens / t.median,
-            "MFU": mfu(flops, t.median, peak_flops(model.dtype, model.device)), "MBU": None}
+            "MFU": None if emulated else mfu(flops, t.median, peak_flops(model.dtype, model.device)), "MBU": None}
 
 
 def measure_decode(model, tokenizer, prompt_len: int, new_tokens: int, cache: str = "contiguous",
@@ -80,12 +86,13 @@ def run(quick: bool = False) -> BenchResult:
     prompt_len, new_tokens, nocache_tokens = (16, 8, 4) if quick else (128, 64, 16)
     repeat = 1 if quick else 3
     rows, by = [], {}
+    bf16_gemm = native_bf16(device)
     fp32_model, tok = load_model("smollm2-135m", dtype="float32", device=device)
     rows.append({"dtype": "float32", "phase": "load", "tokens": 0, "context": 0,
                  "ms": fp32_model.load_seconds * 1e3})
     for dtype in ("float32", "bfloat16"):
         model = fp32_model if dtype == "float32" else cast_model(fp32_model, torch.bfloat16)
-        for n in prefill_sizes:
+        for n in prefill_sizes if dtype == "float32" or bf16_gemm else prefill_sizes[:1]:
             rows.append({"dtype": dtype, **measure_prefill(model, n, repeat)})
             by[dtype, "prefill", n] = rows[-1]
         rows.append({"dtype": dtype, **measure_decode(model, tok, prompt_len, new_tokens, "contiguous", repeat)})
@@ -118,6 +125,10 @@ def run(quick: bool = False) -> BenchResult:
     ]
     if device == "cpu":
         notes.append("CPU timings on a shared machine are noisy: ratios are measured in one run, medians reported")
+    if not bf16_gemm:
+        notes.append(bf16_status(device) + ". The bf16 rows measure torch's emulation: bf16 prefill is timed at "
+                     "one size, without MFU; bf16_vs_fp32_decode_speedup says what bf16 buys on this CPU, not on "
+                     "one with bf16 instructions")
     settings = {"device": device, "model": "smollm2-135m", "prefill_tokens": list(prefill_sizes),
                 "prompt_len": prompt_len, "new_tokens": new_tokens, "nocache_new_tokens": nocache_tokens,
                 "batch": 1, "sampling": "greedy, ignore_eos", "repeat": repeat,

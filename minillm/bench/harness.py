@@ -1,9 +1,9 @@
-"""The benchmark harness: time a function, probe the hardware, report a table of results with ratios vs targets.
+"""The benchmark harness: time a function, report a table of results with ratios vs targets (hardware.py probes).
 
 Every technique in the course is judged the same way: the previous step and the next one are measured side by side
 in one run (so a noisy machine slows both), and the claim is a ratio (speedup, memory saved) compared with a target.
 Absolute numbers are only meaningful next to the hardware's own roofs, which `hardware_info` measures rather than
-looks up: memory bandwidth from a large copy, peak FLOP/s from a large matmul. MBU (model bandwidth utilisation) and
+looks up (minillm.bench.hardware, re-exported here): bandwidth from a large copy, FLOP/s from matmuls. MBU (model bandwidth utilisation) and
 MFU (model FLOP/s utilisation) divide what a run achieved by those roofs. Lesson 00 introduces both.
 
     from minillm.bench.harness import BenchResult, time_fn, hardware_info
@@ -18,9 +18,7 @@ import math
 import operator
 import os
 import platform
-import resource
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -29,6 +27,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .hardware import (  # noqa: F401  (re-exported: lessons and benches import them from the harness)
+    bandwidth,
+    busy_warning,
+    hardware_info,
+    hardware_summary,
+    load_average,
+    peak_flops,
+    threads_line,
+)
+from .metrics import (  # noqa: F401  (re-exported likewise)
+    decode_bytes_per_token,
+    mbu,
+    mfu,
+    model_flops_per_token,
+    peak_memory,
+    prefill_flops,
+    weight_bytes,
+)
 
 # --------------------------------------------------------------------------------------------------------- timing
 
@@ -71,160 +88,6 @@ def time_fn(fn: Callable[[], Any], warmup: int = 1, repeat: int = 5) -> Timing:
         _sync()
         runs.append(time.perf_counter() - t0)
     return Timing(median=statistics.median(runs), min=min(runs), max=max(runs), runs=runs)
-
-
-# ------------------------------------------------------------------------------------------------------- hardware
-
-_HARDWARE: dict[str, dict] = {}  # device type -> probe result, measured once per process
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _probe_bandwidth(device: torch.device) -> float:
-    """Bytes/s of a large tensor copy, counting the bytes read and the bytes written (best of a few runs)."""
-    n_bytes = (1 << 30) if device.type == "cuda" else (128 << 20)  # far larger than any cache
-    src = torch.ones(n_bytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    t = time_fn(lambda: dst.copy_(src), warmup=1, repeat=5)
-    return 2 * n_bytes / t.min
-
-
-def _probe_matmul(device: torch.device, dtype: torch.dtype) -> float | None:
-    """FLOP/s of an n x n x n matmul (2 n^3 FLOPs), best of a few runs; None if the dtype is not supported."""
-    n = 8192 if device.type == "cuda" else 2048  # CPU: 1024 reaches only ~2/3 of the 2048 rate
-    try:
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        t = time_fn(lambda: a @ b, warmup=2, repeat=6)  # best of six: one busy moment must not set the roof
-    except (RuntimeError, TypeError):
-        return None
-    return 2 * n**3 / t.min
-
-
-def hardware_info(device: str | torch.device = "cpu") -> dict:
-    """Names, versions and *measured* roofs of `device` (cached per process: the probe takes ~1 s on a CPU).
-
-    Keys: device, cpu, gpu, threads, torch, python, platform, bandwidth_GBps (copy, read+write bytes),
-    flops_float32 and flops_bfloat16 (FLOP/s of a large matmul; None where unsupported).
-    """
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("hardware_info(device='cuda') but torch sees no CUDA GPU; use device='cpu'")
-    if dev.type not in _HARDWARE:
-        bandwidth = _probe_bandwidth(dev)
-        _HARDWARE[dev.type] = {
-            "device": dev.type,
-            "cpu": _cpu_name(),
-            "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "bandwidth_GBps": bandwidth / 1e9,
-            "flops_float32": _probe_matmul(dev, torch.float32),
-            "flops_bfloat16": _probe_matmul(dev, torch.bfloat16),
-        }
-    return dict(_HARDWARE[dev.type])
-
-
-def bandwidth(device: str | torch.device = "cpu") -> float:
-    """Measured memory bandwidth of `device`, bytes/s."""
-    return hardware_info(device)["bandwidth_GBps"] * 1e9
-
-
-def peak_flops(dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu") -> float:
-    """Measured matmul FLOP/s of `device` in `dtype` (float16 uses the bfloat16 probe; falls back to float32)."""
-    name = str(dtype).replace("torch.", "")
-    info = hardware_info(device)
-    value = info.get(f"flops_{'bfloat16' if name == 'float16' else name}")
-    return value if value else info["flops_float32"]
-
-
-def hardware_summary(info: dict) -> str:
-    """One line: what ran and its measured roofs."""
-    name = info.get("gpu") or f"CPU {info.get('cpu')}, {info.get('threads')} threads"
-    bf16 = info.get("flops_bfloat16")
-    return (f"{name}; torch {info.get('torch')}; measured {info['bandwidth_GBps']:.1f} GB/s copy, "
-            f"{info['flops_float32'] / 1e9:.0f} GFLOP/s fp32"
-            + (f", {bf16 / 1e9:.0f} GFLOP/s bf16" if bf16 else ""))
-
-
-# -------------------------------------------------------------------------------------------- inference metrics
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters, a tied tensor counted once (decode reads every weight once per step)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
-
-
-def decode_bytes_per_token(model, context_len: int, batch: int = 1) -> int:
-    """Bytes a decode step must read from memory, per generated token: all weights (shared by the `batch`
-    sequences of the step) plus each sequence's K and V for `context_len` cached tokens.
-
-    This is the numerator of MBU; decode at batch 1 is memory-bound, so bytes/token / bandwidth bounds its speed.
-    """
-    from minillm.kv_cache import kv_bytes
-
-    kv = kv_bytes(model.config, context_len, batch=batch, dtype=model.dtype)
-    return (weight_bytes(model) + kv) // batch
-
-
-def mbu(bytes_per_token: float, seconds_per_token: float, bandwidth: float) -> float:
-    """Model bandwidth utilisation: achieved bytes/s over the measured bandwidth (bytes/s). 1.0 = at the roof."""
-    return bytes_per_token / seconds_per_token / bandwidth
-
-
-def mfu(flops: float, seconds: float, peak: float) -> float:
-    """Model FLOP/s utilisation: achieved FLOP/s over the measured peak FLOP/s."""
-    return flops / seconds / peak
-
-
-def model_flops_per_token(cfg, context_len: int) -> int:
-    """Forward FLOPs for one token that attends to `context_len` keys.
-
-    2 FLOPs per weight per token for every matmul (the embedding lookup is no matmul; a tied LM head is), plus
-    attention: q.k and p.v are 2 x 2 x n_heads x head_dim FLOPs per key per layer.
-    """
-    matmul_params = cfg.n_params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
-    attention = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * context_len
-    return 2 * matmul_params + attention
-
-
-def prefill_flops(cfg, n_tokens: int, logits_for: int | None = None) -> int:
-    """FLOPs of a causal prefill of `n_tokens`: token i attends to i + 1 keys.
-
-    `logits_for`: how many positions go through the LM head (default all n_tokens). A generation loop's prefill
-    needs only the last one (`model(ids, last_only=True)`): with a 49,152-word vocabulary the head is a fifth of
-    this model's weights, so counting it for every position would overstate the work (and MFU) by ~25%.
-    """
-    head = cfg.vocab_size * cfg.dim
-    body = cfg.n_params() - head - (0 if cfg.tie_embeddings else head)  # minus the embedding lookup and the head
-    keys = n_tokens * (n_tokens + 1) // 2
-    logits_for = n_tokens if logits_for is None else logits_for
-    return 2 * body * n_tokens + 2 * head * logits_for + 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * keys
-
-
-def peak_memory(device: str | torch.device = "cpu") -> int:
-    """Peak memory in bytes: the process's RSS high-water mark on CPU (never goes down), or the CUDA allocator's
-    max_memory_allocated (reset it with torch.cuda.reset_peak_memory_stats() before the part you measure)."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return torch.cuda.max_memory_allocated(dev)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB, macOS bytes
 
 
 # ------------------------------------------------------------------------------------------------------- results
@@ -317,6 +180,7 @@ class BenchResult:
 
     def print_table(self) -> None:
         print(f"== {self.name}{' [quick]' if self.quick else ''} on {hardware_summary(self._hardware())}")
+        print(f"   {threads_line()} at the end of the run (its own threads included)")
         if self.settings:
             print("settings: " + ", ".join(f"{k}={v}" for k, v in self.settings.items()))
         print(self.table())
@@ -336,11 +200,14 @@ class BenchResult:
         d["versions"] = _versions()
         d["timestamp"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         d["status"] = self.status()
+        d["threads"], d["load_avg_end"] = torch.get_num_threads(), load_average()
         return d
 
     def save(self, dir: str | os.PathLike = "results") -> Path:
-        """Write <dir>/<name>.json (rows, ratios, targets, status, settings, hardware, versions, timestamp, quick)."""
-        out = Path(dir)
+        """Write <dir>/<name>.json (rows, ratios, targets, status, settings, hardware, versions, timestamp, quick).
+
+        A quick run goes to <dir>/quick/<name>.json: its tiny sizes must never replace a full run's numbers."""
+        out = Path(dir) / "quick" if self.quick else Path(dir)
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"{self.name}.json"
         path.write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
