@@ -179,7 +179,7 @@ n_new = pick(24, 8)
 texts = {}
 for backend in ("sdpa", "flash"):
     model.attn_backend = backend
-    texts[backend] = minillm.generate(model, tok, prompt, max_new_tokens=n_new).text
+    texts[backend] = minillm.generate(model, tok, prompt, max_new_tokens=n_new, chat=True).text
 model.attn_backend = "sdpa"
 print(f"greedy, {n_new} tokens, sdpa : {texts['sdpa']!r}")
 print(f"greedy, {n_new} tokens, flash: {texts['flash']!r}")

@@ -51,7 +51,7 @@ from minillm.config import SMOLLM2_135M, ModelConfig
 from minillm.kv_cache import kv_bytes_per_token
 from minillm.lesson import hardware_line, pick
 from minillm.model import Transformer
-from minillm.paged import AttentionMetadata, PagedKVCache, paged_attention
+from minillm.paged import AttentionMetadata, PagedKVCache, PagedSequenceCache, paged_attention
 
 torch.manual_seed(0)
 print(hardware_line())
@@ -153,11 +153,12 @@ except OutOfBlocksError as e:
 # %% [markdown]
 # `PagedKVCache` owns the tensors: one K pool and one V pool of shape
 # `(n_layers, num_blocks, block_size, n_kv_heads, head_dim)`, and the allocator that hands their blocks out. Used
-# like lesson 01's cache (`minillm.generate(..., cache="paged")`), it grows each sequence's block table on demand:
+# like lesson 01's cache (its subclass `PagedSequenceCache`, what `minillm.generate(..., cache="paged")` uses), it
+# grows each sequence's block table on demand:
 
 # %%
 tiny = Transformer(ModelConfig.tiny()).eval()
-cache = PagedKVCache.for_model(tiny, batch_size=2, max_len=64, block_size=16)
+cache = PagedSequenceCache.for_model(tiny, batch_size=2, max_len=64, block_size=16)
 with torch.no_grad():
     tiny(torch.randint(0, 512, (2, 20)), kv_cache=cache)  # prefill 20 tokens: 2 blocks each
     print("after prefill of 20:", cache.block_tables_host, f"({cache.allocator.num_free()} blocks free)")

@@ -136,13 +136,13 @@ def check_model() -> dict:
     from minillm.config import ModelConfig
     from minillm.kv_cache import KVCache
     from minillm.model import Transformer
-    from minillm.paged import PagedKVCache
+    from minillm.paged import PagedSequenceCache
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig.tiny(n_layers=2, dim=128, n_heads=4, n_kv_heads=2)).eval().cuda()
     prompt = torch.randint(0, 512, (2, 37), device="cuda")
     contiguous = KVCache.for_model(model, 2, 64)
-    paged = PagedKVCache.for_model(model, 2, 64, block_size=16)
+    paged = PagedSequenceCache.for_model(model, 2, 64, block_size=16)
     worst = 0.0
     x_c = x_p = prompt
     for _ in range(12):
