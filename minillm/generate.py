@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+
 import torch
 
 from .request import Request, RequestOutput, finish_reason, make_request

@@ -9,8 +9,7 @@ the sequence's block table instead of from one strided buffer. Lesson 04 measure
 the allocator and the gather.
 
 Split by job:
-  KVCacheSpec / KVBlockPool  the storage: per layer (num_blocks, block_size, n_kv_heads, head_dim) for K and for V,
-                             in `kv_dtype` (int8 with per-token scales too), read and written by slot, and blocks
+  KVCacheSpec / KVBlockPool  the storage (kv_pool.py): K and V blocks in `kv_dtype`, read and written by slot,
                              exported/imported as tensors (moving a request's KV between engines, lesson 13);
   BlockAllocator             which blocks are free, and their owners (block_allocator.py);
   PagedKVCache               pool + allocator, driven by the engine: the runner describes each packed forward with
@@ -23,7 +22,6 @@ The attention functions it runs are in paged_attention.py; the GPU decode kernel
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -31,93 +29,16 @@ from torch import Tensor
 from .attention import AttentionFn, get_attention
 from .block_allocator import BlockAllocator, OutOfBlocksError, blocks_needed
 from .config import ModelConfig
-from .paged_attention import (AttentionMetadata, StepPlan, context_slots, gather_sequence,  # noqa: F401
-                              gathered_decode_attention, paged_attention, paged_prefill_attention)
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """The shape of a block pool. `dtype` is what attention computes in; `kv_dtype` what the pool stores."""
-
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    num_blocks: int
-    block_size: int = 16
-    dtype: torch.dtype = torch.float32
-    kv_dtype: torch.dtype | None = None  # None: same as dtype; torch.int8: quantized with a scale per token and head
-
-    @property
-    def storage_dtype(self) -> torch.dtype:
-        return self.kv_dtype or self.dtype
-
-    @property
-    def quantized(self) -> bool:
-        return not self.storage_dtype.is_floating_point
-
-    def bytes_per_block(self) -> int:
-        per_slot = self.n_kv_heads * self.head_dim * torch.empty((), dtype=self.storage_dtype).element_size()
-        if self.quantized:
-            per_slot += self.n_kv_heads * 4  # one float32 scale per token and head
-        return 2 * self.n_layers * self.block_size * per_slot
-
-
-class KVBlockPool:
-    """K and V storage for every layer: (n_layers, num_blocks, block_size, n_kv_heads, head_dim), read by slot."""
-
-    def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu"):
-        if spec.quantized and spec.storage_dtype != torch.int8:
-            raise ValueError(f"kv_dtype must be a float dtype or torch.int8, got {spec.kv_dtype}")
-        shape = (spec.n_layers, spec.num_blocks, spec.block_size, spec.n_kv_heads, spec.head_dim)
-        self.spec = spec
-        self.k = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
-        self.v = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
-        self.k_scale = self.v_scale = None
-        if spec.quantized:
-            self.k_scale = torch.ones(shape[:-1], dtype=torch.float32, device=device)  # (..., n_kv_heads)
-            self.v_scale = torch.ones(shape[:-1], dtype=torch.float32, device=device)
-
-    def _tensors(self) -> dict[str, Tensor]:
-        return {n: t for n, t in (("k", self.k), ("v", self.v), ("k_scale", self.k_scale),
-                                  ("v_scale", self.v_scale)) if t is not None}
-
-    def write(self, layer_id: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
-        """k, v (n, n_kv_heads, head_dim) into pool slots (n,) of one layer (slot = block * block_size + offset)."""
-        for pool, scale, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            flat = pool[layer_id].view(-1, *pool.shape[-2:])  # (num_blocks * block_size, n_kv_heads, head_dim)
-            if scale is None:
-                flat.index_copy_(0, slots, x.to(flat.dtype))
-            else:  # symmetric int8 per token and head: x ~= q * s, s = max|x| / 127
-                s = x.float().abs().amax(dim=-1).clamp(min=1e-8) / 127
-                flat.index_copy_(0, slots, (x.float() / s[..., None]).round().clamp(-127, 127).to(torch.int8))
-                scale[layer_id].view(-1, scale.shape[-1]).index_copy_(0, slots, s)
-
-    def read(self, layer_id: int, slots: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values at `slots` (any shape S) -> two (*S, n_kv_heads, head_dim) tensors in the compute dtype."""
-        out = []
-        for pool, scale in ((self.k, self.k_scale), (self.v, self.v_scale)):
-            x = pool[layer_id].view(-1, *pool.shape[-2:]).index_select(0, slots.flatten())
-            if scale is not None:
-                x = x.float() * scale[layer_id].view(-1, scale.shape[-1]).index_select(0, slots.flatten())[..., None]
-            out.append(x.to(self.spec.dtype).view(*slots.shape, *pool.shape[-2:]))
-        return out[0], out[1]
-
-    def export_blocks(self, block_ids: list[int]) -> dict[str, Tensor]:
-        """Copies of these blocks' contents, every layer: {"k": (n_layers, len(ids), block_size, ...), "v", scales}."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
-        return {n: t.index_select(1, idx).clone() for n, t in self._tensors().items()}
-
-    def import_blocks(self, block_ids: list[int], blocks: dict[str, Tensor]) -> None:
-        """Write exported blocks into these (already allocated) blocks of this pool, in order."""
-        tensors = self._tensors()
-        if set(blocks) != set(tensors):
-            raise ValueError(f"exported blocks carry {sorted(blocks)}, this pool needs {sorted(tensors)}: same kv_dtype")
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
-        for n, t in tensors.items():
-            if blocks[n].shape[2:] != t.shape[2:] or blocks[n].shape[:2] != (t.shape[0], len(block_ids)):
-                raise ValueError(f"{n}: got {tuple(blocks[n].shape)} for {len(block_ids)} blocks of a pool "
-                                 f"{tuple(t.shape)}: the block size, heads and layers must match")
-            t.index_copy_(1, idx, blocks[n].to(device=t.device, dtype=t.dtype))
+from .kv_pool import KVBlockPool, KVCacheSpec
+from .paged_attention import (  # noqa: F401
+    AttentionMetadata,
+    StepPlan,
+    context_slots,
+    gather_sequence,
+    gathered_decode_attention,
+    paged_attention,
+    paged_prefill_attention,
+)
 
 
 def _triton_usable(q: Tensor, pool: KVBlockPool) -> bool:
@@ -176,7 +97,7 @@ class PagedKVCache:
             raise ValueError(f"metadata is inconsistent: {meta.num_seqs} sequences, {meta.num_tokens} tokens, "
                              f"block_tables {tuple(meta.block_tables.shape)}, slots {tuple(meta.slot_mapping.shape)}")
         if check:
-            refs = lambda b: self.allocator.ref_count(b) if 0 <= b < self.num_blocks else 0  # noqa: E731
+            refs = lambda b: self.allocator.ref_count(b) if 0 <= b < self.num_blocks else 0
             for i, (table, ctx, n_new) in enumerate(zip(meta.host_block_tables, meta.host_context_lens,
                                                         meta.host_query_lens)):
                 read = table[: blocks_needed(ctx, self.block_size)]

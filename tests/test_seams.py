@@ -212,7 +212,7 @@ def test_flash_lse_merges_split_keys_exactly(q_len, extra, split, seed):
     parts = [flash_attention(q, k[:, :, s], v[:, :, s], causal=False, return_lse=True)
              for s in (slice(0, split), slice(split, None))]
     # measured from m = lse, a part's exp-sum is exactly 1, so (output, lse, 1) is its partial for merge_partials
-    o, m, l = merge_partials(parts[0][0], parts[0][1], torch.ones_like(parts[0][1]),
+    o, _m, l = merge_partials(parts[0][0], parts[0][1], torch.ones_like(parts[0][1]),
                              parts[1][0], parts[1][1], torch.ones_like(parts[1][1]))
     torch.testing.assert_close(o / l[..., None], out, atol=1e-5, rtol=1e-5)
 
@@ -305,7 +305,7 @@ def test_concurrent_streams_each_get_exactly_their_own_tokens():
                 if i in (2, 5) and len(events) == 3:
                     llm.abort(ev.request_id)
             got[i] = events
-        except Exception as e:  # surfaced below: a thread's assertion would otherwise vanish
+        except Exception as e:  # noqa: BLE001 - surfaced below: a thread's failure would otherwise vanish
             errors.append(e)
 
     threads = [threading.Thread(target=consume, args=(i,)) for i in range(8)]
