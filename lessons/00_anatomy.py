@@ -37,6 +37,7 @@ from gguf import GGUFReader
 
 import minillm
 from minillm.bench.decode import cast_model, measure_decode, measure_prefill
+from minillm.bench.hardware import bf16_status, native_bf16
 from minillm.bench.harness import (
     decode_bytes_per_token,
     hardware_info,
@@ -120,9 +121,14 @@ prefill_sizes = pick([128, 512], [16, 32])
 prompt_len, new_tokens = pick(128, 16), pick(64, 8)
 repeat = pick(3, 1)
 model_bf16 = cast_model(model, torch.bfloat16)  # same weights, rounded to bf16
+# A CPU without bf16 instructions emulates bf16 GEMMs ~100x slower than fp32: there, prefill (a GEMM) runs in
+# float32 only, while bf16 decode (matrix-vector products, bound by bytes) is still measured.
+bf16_gemm = native_bf16("cpu")
+if not bf16_gemm:
+    print(bf16_status("cpu") + "; so bf16 prefill is skipped here")
 rows = []
 for dtype, m in (("float32", model), ("bfloat16", model_bf16)):
-    for n in prefill_sizes:
+    for n in prefill_sizes if dtype == "float32" or bf16_gemm else []:
         rows.append({"dtype": dtype, **measure_prefill(m, n, repeat)})
     rows.append({"dtype": dtype, **measure_decode(m, tok, prompt_len, new_tokens, "contiguous", repeat)})
 print(hardware_line())
@@ -159,22 +165,23 @@ bandwidth_Bps = hw["bandwidth_GBps"] * 1e9
 peak = {"float32": hw["flops_float32"], "bfloat16": hw["flops_bfloat16"] or hw["flops_float32"]}
 points = []
 for dtype, m in (("float32", model), ("bfloat16", model_bf16)):
-    r = by[dtype, "prefill", prefill_sizes[-1]]
-    n = r["tokens"]
-    flops = prefill_flops(cfg, n, logits_for=1)  # measured with last_only=True: one row through the LM head
-    moved = weight_bytes(m) + kv_bytes(cfg, n, dtype=m.dtype)  # weights once, plus writing the new K/V
-    points.append((f"prefill {n} ({dtype})", flops / moved, flops / (r["ms"] / 1e3)))
+    if r := by.get((dtype, "prefill", prefill_sizes[-1])):
+        n = r["tokens"]
+        flops = prefill_flops(cfg, n, logits_for=1)  # measured with last_only=True: one row through the LM head
+        moved = weight_bytes(m) + kv_bytes(cfg, n, dtype=m.dtype)  # weights once, plus writing the new K/V
+        points.append((f"prefill {n} ({dtype})", flops / moved, flops / (r["ms"] / 1e3)))
     r = by[dtype, "decode", new_tokens]
     flops = model_flops_per_token(cfg, r["context"])
     moved = decode_bytes_per_token(m, r["context"])
     points.append((f"decode ({dtype})", flops / moved, flops * r["tokens_per_s"]))
-print(f"ridge point: {peak['float32'] / bandwidth_Bps:.1f} FLOP/byte (fp32), {peak['bfloat16'] / bandwidth_Bps:.1f} (bf16)")
+print(f"ridge point: {peak['float32'] / bandwidth_Bps:.1f} FLOP/byte (fp32)"
+      + (f", {peak['bfloat16'] / bandwidth_Bps:.1f} (bf16)" if bf16_gemm else "; no bf16 compute roof (emulated)"))
 for name, intensity, attained in points:
     print(f"{name:24s} intensity {intensity:8.2f} FLOP/byte, attained {attained / 1e9:8.1f} GFLOP/s")
 
 fig, ax = plt.subplots(figsize=(7, 4.5))
 xs = [2.0**e for e in range(-4, 13)]
-for dtype, style in (("float32", "-"), ("bfloat16", "--")):
+for dtype, style in (("float32", "-"), ("bfloat16", "--")) if bf16_gemm else (("float32", "-"),):
     ax.plot(xs, [min(peak[dtype], x * bandwidth_Bps) / 1e9 for x in xs], style, color="gray",
             label=f"roof ({dtype}): min(peak, I x {hw['bandwidth_GBps']:.0f} GB/s)")
 for name, intensity, attained in points:

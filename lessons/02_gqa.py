@@ -37,6 +37,7 @@ import torch.nn.functional as F
 import minillm
 from minillm.attention import sdpa_attention
 from minillm.bench.gqa import decode_step_seconds
+from minillm.bench.hardware import bf16_status, preferred_dtype
 from minillm.bench.harness import decode_bytes_per_token, hardware_info, hardware_summary, time_fn
 from minillm.config import LLAMA2_7B, LLAMA2_70B
 from minillm.gqa import grouped_attention, kv_heads_for, mean_pool_kv_heads, regroup, to_mha, to_mqa
@@ -47,8 +48,13 @@ from minillm.quality import eval_ids, kl_to_reference, perplexity_of_ids
 print(hardware_line())
 hw = hardware_info("cpu")
 print("measured roofs:", hardware_summary(hw))
-dtype = torch.bfloat16  # the dtype one serves in; the conversions work in any
-model, tok = minillm.load_model("smollm2-135m", dtype="bfloat16", device="cpu")
+# bf16, the dtype one serves in, where the CPU computes it natively; float32 where bf16 GEMMs are emulated (~100x
+# slower). Nothing below depends on bf16: the conversions work in any dtype (bytes per token scale with it).
+dtype_name = preferred_dtype("cpu")
+if dtype_name != "bfloat16":
+    print(bf16_status("cpu") + "; so this lesson runs in float32")
+dtype, short = getattr(torch, dtype_name), {"bfloat16": "bf16", "float32": "fp32"}[dtype_name]
+model, tok = minillm.load_model("smollm2-135m", dtype=dtype_name, device="cpu")
 cfg = model.config
 print(f"SmolLM2-135M: {cfg.n_heads} query heads, {cfg.n_kv_heads} KV heads (group of {cfg.group_size}), "
       f"head_dim {cfg.head_dim}")
@@ -99,7 +105,7 @@ with torch.inference_mode():
 budget = 1 << 30  # 1 GiB for the KV cache
 contexts = (2048, 8192)
 print(f"{'model':36s} {'KV B/token':>10s} " + " ".join(f"{'max batch @' + str(c):>15s}" for c in contexts)
-      + f"   (bf16, {budget / 2**30:.0f} GiB of cache)")
+      + f"   ({short}, {budget / 2**30:.0f} GiB of cache)")
 for name, m in variants.items():
     n = max_tokens_in_budget(m.config, budget, dtype)
     print(f"SmolLM2 {name:28s} {kv_bytes_per_token(m.config, dtype):10,d} " + " ".join(f"{n // c:15d}" for c in contexts))
@@ -163,7 +169,7 @@ ids = eval_ids(tok, pick(1024, 256))
 quality = {}
 for name, m in variants.items():
     quality[name] = (kl_to_reference(m, model, ids), perplexity_of_ids(m, ids, window=512))
-print(f"{'variant':28s} {'KL to original (nats/token)':>28s} {'perplexity':>11s}   ({len(ids)} pydoc tokens, bf16)")
+print(f"{'variant':28s} {'KL to original (nats/token)':>28s} {'perplexity':>11s}   ({len(ids)} pydoc tokens, {short})")
 for name, (kl, ppl) in quality.items():
     print(f"{name:28s} {kl:28.4f} {ppl:11.2f}")
 
@@ -189,7 +195,7 @@ for n, x, y in zip(names, kv_kb, ppl):
     ax2.annotate(n.split(" (")[0], (x, y), textcoords="offset points", xytext=(5, 5))
 ax2.set_xscale("log")
 ax2.set_yscale("log")
-ax2.set_xlabel("KV cache, KB per token (bf16)")
+ax2.set_xlabel(f"KV cache, KB per token ({short})")
 ax2.set_ylabel("perplexity on pydoc text (log)")
 ax2.set_title("memory vs quality (no retraining)")
 ax2.grid(alpha=0.3)

@@ -90,7 +90,7 @@ def bf16_status(device: str | torch.device = "cpu") -> str:
         found = sorted(cpu_flags() & set(_BF16_FLAGS)) or ["FEAT_BF16"]
         return f"bf16: native ({', '.join(found)}; torch kernels {cpu_capability()})"
     return (f"bf16: emulated (no avx512_bf16/amx_bf16 flag; torch kernels {cpu_capability()}): bf16 matmuls run "
-            f"far slower than float32 here, so lessons and benches use float32 where bf16 is not the point")
+            f"far slower than float32 here (lessons and benches use float32 where bf16 is not the point)")
 
 
 def preferred_dtype(device: str | torch.device = "cpu") -> str:
