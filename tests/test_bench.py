@@ -110,6 +110,7 @@ def test_busy_warning_when_load_leaves_fewer_free_cores_than_threads(monkeypatch
     warning = hardware.busy_warning(threads=2)
     assert warning and "3.5" in warning and "--threads 1" in warning
     assert "2 threads, load 3.5 on 2 cores" == hardware.threads_line(2)
+    assert "--threads" not in hardware.busy_warning(threads=1)  # already the fewest: no advice to repeat
     monkeypatch.setattr(hardware, "load_average", lambda: 0.2)
     assert hardware.busy_warning(threads=2) is None and hardware.busy_warning(threads=1) is None
 

@@ -114,12 +114,15 @@ def load_average() -> float | None:
         return None
 
 
+def _threads(n: int) -> str:
+    return f"{n} thread{'s' if n != 1 else ''}"
+
+
 def threads_line(threads: int | None = None) -> str:
     """'2 threads, load 1.3 on 2 cores': print it with every measurement."""
     threads = threads or torch.get_num_threads()
     load = load_average()
-    return (f"{threads} thread{'s' if threads != 1 else ''}, load {'?' if load is None else f'{load:.1f}'} "
-            f"on {cpu_count()} cores")
+    return f"{_threads(threads)}, load {'?' if load is None else f'{load:.1f}'} on {cpu_count()} cores"
 
 
 def busy_warning(threads: int | None = None) -> str | None:
@@ -135,8 +138,10 @@ def busy_warning(threads: int | None = None) -> str | None:
     free = cpu_count() - load
     if threads <= free + 0.5:  # half a core of slack: a load average is a smoothed count, never exact
         return None
+    fewer = max(1, int(free + 0.5))
     return (f"warning: load average {load:.1f} on {cpu_count()} cores leaves ~{max(free, 0):.1f} free for "
-            f"{threads} threads: timings will be slow and noisy (try --threads {max(1, int(free + 0.5))})")
+            f"{_threads(threads)}: timings will be slow and noisy"
+            + (f" (try --threads {fewer})" if fewer < threads else ""))
 
 
 # ------------------------------------------------------------------------------------------------------ probes
@@ -311,7 +316,7 @@ def peak_flops(dtype: torch.dtype | str = torch.float32, device: str | torch.dev
 
 def hardware_summary(info: dict) -> str:
     """One line: what ran, its measured roofs, and whether bf16 is native."""
-    name = info.get("gpu") or f"CPU {info.get('cpu')}, {info.get('threads')} threads"
+    name = info.get("gpu") or f"CPU {info.get('cpu')}, {_threads(info.get('threads') or 0)}"
     bf16 = info.get("flops_bfloat16")
     native = info.get("native_bf16")
     bf16_text = "" if not bf16 else f", {bf16 / 1e9:.3g} GFLOP/s bf16" + (
