@@ -109,6 +109,12 @@ def cmd_generate(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but torch sees no CUDA GPU; use --device cpu")
     machine = _use_threads(args.threads)
+    if args.dtype == "bfloat16" and not torch.cuda.is_available() and args.device != "cuda":
+        from minillm.bench.hardware import native_bf16
+
+        if not native_bf16("cpu"):
+            print("minillm: note: this CPU emulates bf16 (no avx512_bf16/amx_bf16): the prompt's prefill (a matrix "
+                  "multiply) runs far slower than in float32; decode (matrix-vector) is not hurt", file=sys.stderr)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, attn_backend=args.attn)
 
     def emit(text: str) -> None:
