@@ -114,7 +114,7 @@ def cmd_generate(args) -> int:
 
         if not native_bf16("cpu"):
             print("minillm: note: this CPU emulates bf16 (no avx512_bf16/amx_bf16): the prompt's prefill (a matrix "
-                  "multiply) runs far slower than in float32; decode (matrix-vector) is not hurt", file=sys.stderr)
+                  "multiply) runs far slower than in float32; decode (matrix-vector) much less so", file=sys.stderr)
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, attn_backend=args.attn)
 
     def emit(text: str) -> None:
