@@ -121,7 +121,7 @@ prefill_sizes = pick([128, 512], [16, 32])
 prompt_len, new_tokens = pick(128, 16), pick(64, 8)
 repeat = pick(3, 1)
 model_bf16 = cast_model(model, torch.bfloat16)  # same weights, rounded to bf16
-# A CPU without bf16 instructions emulates bf16 GEMMs ~100x slower than fp32: there, prefill (a GEMM) runs in
+# A CPU without bf16 instructions emulates bf16 GEMMs tens of times slower than fp32: there, prefill (a GEMM) runs in
 # float32 only, while bf16 decode (matrix-vector products, bound by bytes) is still measured.
 bf16_gemm = native_bf16("cpu")
 if not bf16_gemm:

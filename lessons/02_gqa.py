@@ -48,8 +48,8 @@ from minillm.quality import eval_ids, kl_to_reference, perplexity_of_ids
 print(hardware_line())
 hw = hardware_info("cpu")
 print("measured roofs:", hardware_summary(hw))
-# bf16, the dtype one serves in, where the CPU computes it natively; float32 where bf16 GEMMs are emulated (~100x
-# slower). Nothing below depends on bf16: the conversions work in any dtype (bytes per token scale with it).
+# bf16, the dtype one serves in, where the CPU computes it natively; float32 where bf16 GEMMs are emulated (tens of
+# times slower). Nothing below depends on bf16: the conversions work in any dtype (bytes per token scale with it).
 dtype_name = preferred_dtype("cpu")
 if dtype_name != "bfloat16":
     print(bf16_status("cpu") + "; so this lesson runs in float32")

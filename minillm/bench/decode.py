@@ -6,7 +6,7 @@ read for 2 FLOPs, memory-bound, judged by MBU (bytes the step must read per seco
 So per token, prefill is many times faster than decode; halving the bytes (bfloat16) speeds decode up; and the
 no-cache baseline, which re-runs the whole sequence each step, is what lesson 01 removes.
 
-On a CPU without bf16 instructions torch emulates bf16 GEMMs (~100x slower than fp32 at 512^3 on such a CPU): the
+On a CPU without bf16 instructions torch emulates bf16 GEMMs (60-70x slower than fp32 on such a CPU): the
 bf16 rows then measure the emulation. bf16 decode (matrix-vector, bound by bytes) is still informative; bf16 prefill
 gets no MFU (there is no bf16 compute roof to divide by) and is timed at the smallest size only.
 """

@@ -7,7 +7,7 @@ and MQA (1 KV head, mean-pooled: approximate). For each variant:
   filled with random keys/values instead of a real prefill: a step's cost does not depend on the values, and it
   saves three long prefills;
 - quality: mean KL(original || variant) of the next-token distributions, and perplexity, on the pydoc topics text.
-It runs in bfloat16 where the CPU computes it natively, else in float32 (emulated bf16 GEMMs are ~100x slower and
+It runs in bfloat16 where the CPU computes it natively, else in float32 (emulated bf16 GEMMs are tens of times slower and
 nothing here depends on bf16: the KV-byte ratios are the same in any dtype).
 """
 

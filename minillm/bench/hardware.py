@@ -3,8 +3,8 @@
 
 Why bounded. Machines of the same kind do not all have the same CPU. Where the CPU has bf16 instructions
 (AVX512-BF16 or AMX on x86, the BF16 extension on ARM) torch's bf16 matmuls are fast; where it has not, torch
-emulates them, and a bf16 GEMM runs ~100x slower than fp32 (measured here: ~1.3 GFLOP/s bf16 against ~17 GFLOP/s
-fp32 at 512^3 on a 2-core AMD EPYC without AVX-512, where a fixed 2048^3 bf16 probe took minutes). So each probe
+emulates them, and a bf16 GEMM runs tens of times slower than fp32 (on a 2-core AMD EPYC without AVX-512: 0.9-1.3
+GFLOP/s bf16 against 54-74 GFLOP/s fp32 at 512^3-1024^3, where a fixed 2048^3 bf16 probe took minutes). So each probe
 starts small and grows only while the next size fits its time budget: a fast machine reaches the large sizes that
 show its peak, a slow one stops early with a smaller but honest figure.
 
@@ -94,7 +94,7 @@ def bf16_status(device: str | torch.device = "cpu") -> str:
 
 
 def preferred_dtype(device: str | torch.device = "cpu") -> str:
-    """'bfloat16' where the device computes it natively, else 'float32' (emulated bf16 GEMMs are ~100x slower)."""
+    """'bfloat16' where the device computes it natively, else 'float32' (emulated bf16 GEMMs are tens of times slower)."""
     return "bfloat16" if native_bf16(device) else "float32"
 
 
