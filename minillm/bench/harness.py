@@ -1,10 +1,11 @@
-"""The benchmark harness: time a function, report a table of results with ratios vs targets (hardware.py probes).
+"""The benchmark harness: time a function, report a table of results with ratios vs targets.
 
 Every technique in the course is judged the same way: the previous step and the next one are measured side by side
 in one run (so a noisy machine slows both), and the claim is a ratio (speedup, memory saved) compared with a target.
 Absolute numbers are only meaningful next to the hardware's own roofs, which `hardware_info` measures rather than
-looks up (minillm.bench.hardware, re-exported here): bandwidth from a large copy, FLOP/s from matmuls. MBU (model bandwidth utilisation) and
-MFU (model FLOP/s utilisation) divide what a run achieved by those roofs. Lesson 00 introduces both.
+looks up: bandwidth from a large copy, FLOP/s from matmuls, each probe bounded in time (minillm.bench.hardware).
+MBU and MFU (minillm.bench.metrics) divide what a run achieved by those roofs; lesson 00 introduces both. Both
+modules' public names are importable from here too.
 
     from minillm.bench.harness import BenchResult, time_fn, hardware_info
     t = time_fn(lambda: model(ids), warmup=1, repeat=5)      # Timing: median/min/max seconds
