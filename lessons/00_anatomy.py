@@ -253,7 +253,7 @@ plt.show()
 # end-of-turn token. The time to first token (TTFT) is the prefill; the rest is decode.
 
 # %%
-res = minillm.generate(model, tok, "What is the capital of France?", max_new_tokens=pick(32, 12))
+res = minillm.generate(model, tok, "What is the capital of France?", max_new_tokens=pick(32, 12), chat=True)
 print(repr(res.text))
 print(f"prompt {res.prompt_tokens} tokens, generated {len(res.token_ids)}, TTFT {res.ttft_s * 1e3:.0f} ms, "
       f"decode {res.decode_tokens_per_s:.1f} tokens/s, stop: {res.stop_reason}")

@@ -75,8 +75,8 @@ print(inspect.getsource(KVCache.attend))
 
 # %%
 question = "Explain in two sentences why the sky is blue."
-with_cache = minillm.generate(model, tok, question, max_new_tokens=pick(64, 24), cache="contiguous")
-without = minillm.generate(model, tok, question, max_new_tokens=pick(64, 24), cache="none")
+with_cache = minillm.generate(model, tok, question, max_new_tokens=pick(64, 24), cache="contiguous", chat=True)
+without = minillm.generate(model, tok, question, max_new_tokens=pick(64, 24), cache="none", chat=True)
 print("with cache:   ", repr(with_cache.text))
 print("without cache:", repr(without.text))
 print("identical token ids:", with_cache.token_ids == without.token_ids, f"({len(with_cache.token_ids)} tokens)")

@@ -175,7 +175,7 @@ for name, (kl, ppl) in quality.items():
 
 question = "What is the capital of France?"
 for name in (names[1], names[2]):
-    out = minillm.generate(variants[name], tok, question, max_new_tokens=24)
+    out = minillm.generate(variants[name], tok, question, max_new_tokens=24, chat=True)
     print(f"{name}: {out.text!r}")
 
 # %%
