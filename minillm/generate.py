@@ -34,14 +34,32 @@ def make_cache(kind: str, model, max_len: int, batch_size: int = 1):
 
 
 @torch.inference_mode()
-def generate_request(model, req: Request, cache: str = "contiguous") -> Iterator[int]:
-    """Yield the new token ids of one validated request, one at a time; the stop token that ends it is yielded."""
+def generate_request(model, req: Request, cache: str = "contiguous", compile: bool = False) -> Iterator[int]:
+    """Yield the new token ids of one validated request, one at a time; the stop token that ends it is yielded.
+
+    compile=True prefills eagerly into a StaticKVCache and runs every decode step through the compiled forward
+    (lesson 06); the first call compiles (seconds), later calls with the same cache length reuse it."""
     params, ids = req.params, req.prompt_ids
-    kv = make_cache(cache, model, len(ids) + params.max_tokens)
+    forward = model
+    if compile:
+        from .compile import StaticKVCache, compiled_decode, static_length
+
+        if cache != "contiguous":
+            raise ValueError(f"compile=True decodes with a static contiguous cache; cache={cache!r} cannot be compiled")
+        kv = StaticKVCache.for_model(model, 1, min(static_length(len(ids) + params.max_tokens),
+                                                   model.config.max_seq_len))
+        step = compiled_decode(model)
+    else:
+        kv = make_cache(cache, model, len(ids) + params.max_tokens)
     seq = torch.tensor([ids], dtype=torch.long, device=model.device)
     step_input = seq
-    for _ in range(params.max_tokens):
-        logits = model(step_input, kv_cache=kv, last_only=True)[:, -1]  # (1, vocab)
+    for i in range(params.max_tokens):
+        if compile and i > 0:  # decode: fixed shapes, position as a tensor, the host counts
+            positions = torch.tensor([kv.seq_len], device=model.device)
+            logits = step(step_input, positions=positions, kv_cache=kv, last_only=True)[:, -1]
+            kv.seq_len += 1
+        else:
+            logits = forward(step_input, kv_cache=kv, last_only=True)[:, -1]  # (1, vocab)
         token = sample_from_logits(logits, params.temperature, params.top_k, params.top_p, req.generator)  # (1,)
         tok = int(token)
         yield tok
@@ -67,10 +85,11 @@ def generate_ids(model, prompt_ids: list[int], params: SamplingParams, stop_ids:
 def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int | None = None, top_p: float = 1.0, seed: int | None = None, stop_ids: set[int] | None = None,
              cache: str = "contiguous", chat: bool = False, ignore_eos: bool = False,
-             on_text: Callable[[str], None] | None = None) -> RequestOutput:
+             on_text: Callable[[str], None] | None = None, compile: bool = False) -> RequestOutput:
     """Continue a raw text prompt or a list of token ids (vLLM's convention; `chat()` answers messages instead, and
     chat=True wraps a text prompt as one user message). `on_text` receives decoded text as it is produced
-    (streaming). Returns a RequestOutput: text, ids, finish_reason and per-token times.
+    (streaming). compile=True runs decode steps through torch.compile (lesson 06). Returns a RequestOutput: text,
+    ids, finish_reason and per-token times.
     """
     if cache not in CACHE_KINDS:
         raise ValueError(f"unknown cache {cache!r}; choose one of {CACHE_KINDS}")
@@ -82,7 +101,7 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 12
     stream = tokenizer.stream_decoder() if on_text else None
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    for tok in generate_request(model, req, cache):
+    for tok in generate_request(model, req, cache, compile):
         sync()
         times.append(time.perf_counter() - t0)
         out.append(tok)
