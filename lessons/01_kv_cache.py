@@ -62,8 +62,19 @@ print(f"loaded {model.config.n_layers} layers, {model.config.n_heads} query head
 # prefix only. Writing past `max_len` raises `CacheFullError`: a cache that silently wrapped around would overwrite
 # the oldest tokens and give wrong answers with no error.
 
+# %% [markdown]
+# `append_kv` (exercise 01 asks you to write it) has a small contract:
+#
+# ```text
+# append_kv(k_cache, v_cache, k, v, start) -> end
+#     end = start + number of new positions in k
+#     end > capacity  ->  raise CacheFullError, write nothing
+#     k_cache[:, :, start:end] = k ; v_cache[:, :, start:end] = v
+# ```
+#
+# Here is how the engine's `KVCache.attend` uses it, once per layer per forward:
+
 # %%
-print(inspect.getsource(append_kv))
 print(inspect.getsource(KVCache.attend))
 
 # %% [markdown]

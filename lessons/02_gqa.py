@@ -68,8 +68,11 @@ print(f"SmolLM2-135M: {cfg.n_heads} query heads, {cfg.n_kv_heads} KV heads (grou
 # %%
 for n_kv in (9, 3, 1):
     print(f"n_kv_heads={n_kv}: query head -> KV head", [kv_heads_for(h, cfg.n_heads, n_kv) for h in range(cfg.n_heads)])
-print()
-print(inspect.getsource(grouped_attention))
+
+# %% [markdown]
+# In symbols, with `group = n_heads / n_kv_heads` and query head `h = g·group + j`:
+# `out[h] = softmax(q[h] · k[g]ᵀ / √d + mask) · v[g]`. Exercise 02 asks for this without materialising a copy of K/V per
+# query head.
 
 # %% [markdown]
 # `grouped_attention` reshapes the 9 query heads into (3 groups × 3) and broadcasts each KV head over its group, so
@@ -83,8 +86,12 @@ print(inspect.getsource(grouped_attention))
 # group of adjacent heads is averaged. Averaging the k-projection *rows* is the same as averaging the keys, even with
 # RoPE: the projection is linear, and RoPE rotates every head's key by the same position-dependent angles.
 
+# %% [markdown]
+# Pooling, for a k or v projection `W` of shape `(n_kv_heads·head_dim, dim)` and `r = n_kv_heads / new_n_kv_heads`:
+# new head `g` is the mean of old heads `g·r … g·r + r − 1`, row block by row block. Exercise 02 asks for that function
+# (`mean_pool_kv_heads`); here is the model transformation that uses it:
+
 # %%
-print(inspect.getsource(mean_pool_kv_heads))
 print(inspect.getsource(regroup))
 
 # %%

@@ -58,8 +58,17 @@ print(hardware_line())
 # relative to *different* maxima, so before adding we rescale each by `exp(m_block − m_new)`. That rescale is the
 # whole idea; `merge_partials` does it:
 
-# %%
-print(inspect.getsource(merge_partials))
+# %% [markdown]
+# In symbols, for partials `(o₁, m₁, l₁)` and `(o₂, m₂, l₂)` over disjoint key sets:
+#
+# ```text
+# m = max(m₁, m₂)
+# l = exp(m₁ − m)·l₁ + exp(m₂ − m)·l₂
+# o = exp(m₁ − m)·o₁ + exp(m₂ − m)·o₂          (output = o / l)
+# an empty key set is (o=0, m=−inf, l=0); two empty sets must not produce exp(−inf − (−inf)) = nan
+# ```
+#
+# Exercise 03 asks for `merge_partials`; here it is at work on eight scores:
 
 # %%
 s = torch.tensor([1.0, 3.0, 0.5, 2.0, 6.0, 1.5, 4.0, 0.0])  # scores of one query against 8 keys
@@ -96,8 +105,21 @@ print(f"adding without rescaling gives {naive_sum.item():.6f}  <- wrong: the par
 # * **GQA without copies** — the queries are viewed as `(batch, kv_heads, group, q_len, d)` so each KV head is read
 #   once for its whole group (lesson 02), never repeated in memory.
 
-# %%
-print(inspect.getsource(flash_attention))
+# %% [markdown]
+# The loop, as pseudocode (exercise 03 asks you to write it in torch):
+#
+# ```text
+# for each query tile Qᵢ (block_q rows):
+#     m = −inf, l = 0, acc = 0                       one of each per query row
+#     for each key tile (Kⱼ, Vⱼ) that some row of Qᵢ may see:
+#         S = Qᵢ Kⱼᵀ / √d                            mask the part above the causal diagonal with −inf
+#         m_new = max(m, rowmax(S))
+#         P = exp(S − m_new)
+#         l = exp(m − m_new)·l + rowsum(P)
+#         acc = exp(m − m_new)·acc + P Vⱼ
+#         m = m_new
+#     Oᵢ = acc / l
+# ```
 
 # %%
 rows = []
@@ -223,7 +245,8 @@ for n in time_lengths:
 try:
     from minillm_kernels import flash_attn
 
-    print(inspect.getsource(flash_attn.attend_key_block.fn))
+    src = inspect.getsource(flash_attn._flash_fwd_kernel.fn)
+    print(src[src.index("    m_i = tl.full"):src.index("    out = acc")])  # the kernel's use of attend_key_block
 except ImportError as e:  # triton is optional
     flash_attn = None
     print(f"Triton is not installed ({e}); the kernel lives in kernels/flash_attn.py")

@@ -133,9 +133,15 @@ print(f"paged: {alloc.num_free()} free blocks, a 3000-token sequence needs {bloc
 # silently corrupted free list (tests/test_block_allocator.py checks these invariants with a hypothesis state
 # machine).
 
-# %%
-print(inspect.getsource(BlockAllocator.allocate))
-print(inspect.getsource(BlockAllocator.free))
+# %% [markdown]
+# The contract (exercise 04 asks you to implement it):
+#
+# ```text
+# allocate(n):  n > free blocks -> OutOfBlocksError, nothing taken;  else pop n ids from the free list, refcount 1 each
+# free(ids):    validate every id first (unknown id, double free -> ValueError, nothing changed);
+#               then refcount -= 1 per id; a block whose count reaches 0 goes back on the free list
+# incref(ids):  refcount += 1 per (already allocated) block
+# ```
 
 # %%
 alloc = BlockAllocator(num_blocks=8, block_size=16)
@@ -192,8 +198,15 @@ print("position 37 of sequence 0 -> block", [7, 2, 5][37 // 16], "offset", 37 % 
 # in the scores *and* in the values, because the unused tail of a last block may hold anything, and `0 × NaN` is
 # NaN — and attend. Query head `h` reads KV head `h // group` (GQA, lesson 02).
 
-# %%
-print(inspect.getsource(paged_attention))
+# %% [markdown]
+# As pseudocode (exercise 04 asks you to write it in torch):
+#
+# ```text
+# for each sequence s, with L = len(block_table[s]) · block_size:
+#     K_s, V_s = pool[block_table[s]] laid end to end        (L, n_kv_heads, head_dim), in position order
+#     valid = position < context_lens[s]                       mask the scores AND zero the values past it (0·NaN = NaN)
+#     out[s, h] = softmax(q[s, h] · K_s[:, h // group]ᵀ / √d, masked) · V_s[:, h // group]
+# ```
 
 # %%
 from minillm.attention import sdpa_attention

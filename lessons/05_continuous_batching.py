@@ -76,9 +76,15 @@ print(f"batch {rows[-1][0]} makes {rows[-1][2] / rows[0][2]:.1f}x the tokens/s o
 # `static_batching_loop` and `continuous_batching_loop` take `step_fn(active) -> finished flags`. With a fake model
 # where request `r` needs exactly `n_r` steps, they count steps and show the occupancy (busy slots per step).
 
-# %%
-print(inspect.getsource(static_batching_loop))
-print(inspect.getsource(continuous_batching_loop))
+# %% [markdown]
+# As pseudocode (exercise 05 asks you to write both):
+#
+# ```text
+# static:      for each batch of max_batch requests, in arrival order:
+#                  while any request of the batch is unfinished: step the unfinished ones
+# continuous:  before every step, refill free slots from the waiting queue (arrival order); step; drop the finished
+# both return the occupancy timeline: busy slots at each step
+# ```
 
 # %%
 n_req, max_batch = pick(64, 6), pick(16, 3)
@@ -112,8 +118,22 @@ print(f"step ratio static/continuous: {len(sim_static) / len(sim_cont):.2f}")
 # sequences KV blocks (`can_allocate`, `allocate`, `can_append`, `may_append`, `deallocate`); the scheduler decides
 # each step on plain Python data; `ModelRunner` is the only place that builds tensors. Here is one scheduler step:
 
+# %% [markdown]
+# The policy of one step, in words (exercise 05 asks you to write `schedule_step`):
+#
+# ```text
+# 1. running sequences, oldest first: give each its next tokens (within the step's token budget);
+#    when the pool has no block for one, preempt the youngest running sequence (its blocks are freed, it goes back
+#    to the head of the waiting queue) — itself if it is the youngest
+# 2. then, only if nothing was preempted this step: admit waiting sequences strictly in arrival order while the
+#    budget, max_num_seqs and the free blocks allow; stop at the first one that does not fit (never skip it)
+# ```
+#
+# The engine's `Scheduler` wraps it and its twin `postprocess_step`:
+
 # %%
-print(inspect.getsource(sched_mod.schedule_step))
+print(inspect.getsource(sched_mod.Scheduler.schedule))
+print(inspect.getsource(sched_mod.Scheduler.postprocess))
 
 # %% [markdown]
 # The runner packs every scheduled sequence's new tokens into one row `(1, N_total)`: a prompt chunk of 40 tokens and
