@@ -23,6 +23,7 @@ ENTRIES: dict[str, str] = {
     "attention": "minillm.bench.attention:run",
     "paged": "minillm.bench.paged:run",
     "batching": "minillm.bench.batching:run",
+    "fusion": "minillm.bench.fusion:run",
 }
 
 __all__ = ["ENTRIES", "BenchResult", "Timing", "hardware_info", "load_entry", "run_entry", "time_fn"]

@@ -1,0 +1,136 @@
+"""`minillm bench fusion` (lesson 06): eager -> fused -> compiled batch-1 decode, with the ops each step dispatches.
+
+Every variant decodes the same prompt ids greedily in one process, one after another, and the table gives tok/s, the
+aten ops one decode step dispatches (eager and fused; a compiled step runs one generated program), and MBU against
+three roofs measured in the same run: the copy probe (bytes read + written), a read-only probe (a decode step only
+*reads* weights, so this is the fairer roof; MBU uses it), and the ceiling of torch's own batch-1 matrix-vector
+products over the model's weights, with nothing else in the step (what torch can reach on this machine at all).
+transformers' generate runs beside it in bf16 (full mode).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from minillm.bench.harness import BenchResult, decode_bytes_per_token, time_fn
+from minillm.bench.hardware import bandwidth, bf16_status
+from minillm.bench.kv_cache import hf_decode, hf_model, matmul_bytes_per_s
+
+
+def read_bandwidth(device: str = "cpu", n_bytes: int = 256 << 20) -> float:
+    """Bytes/s of a large reduction (reads only): the memory roof a decode step's weight reads are held to."""
+    x = torch.ones(n_bytes // 4, dtype=torch.float32, device=device)
+    return n_bytes / time_fn(lambda: x.sum(), warmup=1, repeat=5).min
+
+
+def decode_tok_s(model, ids: list[int], n_new: int, repeat: int, compile: bool = False) -> tuple[float, list[int]]:
+    """Median decode tokens/s (tokens after the first) and the greedy ids, through minillm.generate."""
+    from minillm import generate
+
+    runs = [generate(model, None, ids, max_new_tokens=n_new, ignore_eos=True, compile=compile) for _ in range(repeat)]
+    return sorted(r.decode_tokens_per_s for r in runs)[repeat // 2], runs[0].token_ids
+
+
+_COMPILE_CHILD = """
+import sys, time, torch
+torch.set_num_threads(int(sys.argv[1]))
+from minillm import generate, load_model
+from minillm.fusion import fuse
+model, _ = load_model("smollm2-135m", dtype="float32")
+fuse(model)
+t0 = time.perf_counter()
+generate(model, None, list(range(100, 116)), max_new_tokens=4, ignore_eos=True, compile=True)
+print(time.perf_counter() - t0)
+"""
+
+
+def compile_seconds_in_fresh_process(cache_dir: str) -> float:
+    """Seconds a new process spends on its first compiled generate, with inductor's on-disk cache in cache_dir."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    out = subprocess.run([sys.executable, "-c", _COMPILE_CHILD, str(torch.get_num_threads())], env=env, check=True,
+                         capture_output=True, text=True, timeout=900)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def run(quick: bool = False) -> BenchResult:
+    from minillm import load_model
+    from minillm.fusion import count_ops, fuse
+    from minillm.kv_cache import KVCache
+
+    prompt_len, n_new, repeat = (16, 12, 1) if quick else (32, 128, 3)
+    base, tok = load_model("smollm2-135m", dtype="float32", device="cpu")
+    ids = tok.encode("The history of the printing press begins with " * 8)[:prompt_len]
+    bw_copy, bw_read = bandwidth("cpu"), read_bandwidth()
+    rows, tokens, tok_s, compile_s = [], {}, {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        eager = base if dtype == torch.float32 else copy.deepcopy(base).to(dtype)
+        fused = fuse(copy.deepcopy(eager))
+        ceiling = matmul_bytes_per_s(eager)
+        per_token = decode_bytes_per_token(eager, prompt_len + n_new // 2)
+        d = str(dtype).replace("torch.", "")
+        for name, model, compiled in (("eager", eager, False), ("fused", fused, False), ("compiled", fused, True)):
+            key = f"{name} {d}"
+            if compiled:  # the first call compiles: timed apart from tok/s
+                torch._dynamo.reset()
+                t0 = time.perf_counter()
+                decode_tok_s(model, ids, 4, 1, compile=True)
+                compile_s[key] = time.perf_counter() - t0
+            tok_s[key], tokens[key] = decode_tok_s(model, ids, n_new, repeat, compile=compiled)
+            ops = None
+            if not compiled:
+                cache = KVCache.for_model(model, 1, prompt_len + 1)
+                with torch.inference_mode():
+                    model(torch.tensor([ids]), kv_cache=cache)
+                ops = count_ops(model, torch.tensor([ids[:1]]), kv_cache=cache)
+            rows.append({"variant": key, "decode_tok_s": tok_s[key], "ops_per_step": ops,
+                         "mbu_read": per_token * tok_s[key] / bw_read, "mbu_copy": per_token * tok_s[key] / bw_copy,
+                         "of_matmul_ceiling": per_token * tok_s[key] / ceiling,
+                         "compile_s": compile_s.get(key)})
+        del eager, fused
+    ratios = {
+        "fused_vs_eager_ops_float32": rows[1]["ops_per_step"] / rows[0]["ops_per_step"],
+        "compiled_vs_eager_float32": tok_s["compiled float32"] / tok_s["eager float32"],
+        "compiled_vs_eager_bfloat16": tok_s["compiled bfloat16"] / tok_s["eager bfloat16"],
+        "compiled_bfloat16_of_matmul_ceiling": rows[5]["of_matmul_ceiling"],
+        "compiled_tokens_identical_float32": float(tokens["compiled float32"] == tokens["eager float32"]),
+    }
+    targets = {"compiled_vs_eager_bfloat16": (">=", 1.5), "compiled_bfloat16_of_matmul_ceiling": (">=", 0.85),
+               "compiled_tokens_identical_float32": (">=", 1)}
+    div = first_divergence(tokens["compiled bfloat16"], tokens["eager bfloat16"])
+    notes = [f"bf16 on this CPU: {bf16_status('cpu')}",
+             "compiled bf16 greedy tokens " + ("equal eager bf16's" if div is None else
+                                               f"first differ from eager bf16's at new token {div}") +
+             f" of {n_new} (fusion and generated kernels round bf16 sums in another order)",
+             "MBU divides bytes read per token (weights + KV) by the read-only probe; mbu_copy uses the copy probe"]
+    if not quick:  # transformers in the same run, bf16; and a second process compiling from inductor's disk cache
+        hf = hf_model(torch.bfloat16)
+        hf_decode(hf, ids, 4)
+        hf_s = sorted(hf_decode(hf, ids, n_new)[1] for _ in range(repeat))[repeat // 2]
+        tok_s["transformers bfloat16"] = n_new / hf_s
+        rows.append({"variant": "transformers bfloat16 (generate, incl. prefill)", "decode_tok_s": n_new / hf_s})
+        ratios["compiled_bf16_vs_transformers_bf16"] = tok_s["compiled bfloat16"] / tok_s["transformers bfloat16"]
+        targets["compiled_bf16_vs_transformers_bf16"] = (">=", 1.3)
+        del hf
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            cold, warm = compile_seconds_in_fresh_process(d), compile_seconds_in_fresh_process(d)
+        compile_s["new process, empty inductor cache"], compile_s["new process, warm inductor cache"] = cold, warm
+        ratios["compile_cold_over_warm_disk_cache"] = cold / warm
+    return BenchResult(
+        name="fusion", rows=rows, ratios=ratios, targets=targets,
+        settings={"prompt_tokens": prompt_len, "new_tokens": n_new, "batch": 1, "repeat": repeat,
+                  "threads": torch.get_num_threads(), "read_GBps": bw_read / 1e9, "copy_GBps": bw_copy / 1e9,
+                  "compile_s": compile_s},
+        notes=notes)
