@@ -43,6 +43,11 @@ TASKS: dict[str, list[tuple[str, str]]] = {
         ("task_05_schedule", "one scheduler step: admit, preempt, finish"),
         ("task_05_static_vs_continuous", "the static and continuous batching loops"),
     ],
+    "06": [
+        ("task_06_qkv", "fuse the q/k/v weights into one and split the output back (GQA sizes)"),
+        ("task_06_add_norm", "RMSNorm with the residual add folded in"),
+        ("task_06_real_model", "your fusion on SmolLM2: same logits, same answer"),
+    ],
 }
 
 ROOT = Path(__file__).resolve().parent.parent
