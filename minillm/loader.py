@@ -65,8 +65,9 @@ def gguf_state_dict(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[st
 
 
 def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str | None = "cpu",
-               attn_backend: str = "sdpa"):
-    """Load a known model: returns (model, tokenizer). Downloads and verifies the weights on first use."""
+               attn_backend: str = "sdpa", fuse: bool = False):
+    """Load a known model: returns (model, tokenizer). Downloads and verifies the weights on first use.
+    fuse=True applies lesson 06's fusions (minillm.fusion.fuse): same logits, fewer ops per step."""
     from .tokenizer import Tokenizer
 
     model_source(name)  # unknown names fail here, before any download
@@ -86,6 +87,10 @@ def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     model = model.to(torch_dtype).eval().requires_grad_(False)  # RoPE tables stay float32 (Transformer._apply)
+    if fuse:
+        from .fusion import fuse as fuse_model
+
+        fuse_model(model)
     model.load_seconds = time.perf_counter() - t0
     return model, Tokenizer.from_gguf_metadata(meta)
 

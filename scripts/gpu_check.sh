@@ -13,4 +13,5 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 python3 -m pytest -q -m gpu tests/test_triton_flash.py tests/test_triton_paged.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 5
 python3 scripts/gpu_check_flash.py 2>&1 | tee "$OUT/flash.log" | tail -n 20
 python3 scripts/gpu_check_paged.py 2>&1 | tee "$OUT/paged.log" | tail -n 20
+python3 scripts/gpu_check_fusion.py 2>&1 | tee "$OUT/fusion.log" | tail -n 20
 ls -la "$OUT"

@@ -135,3 +135,13 @@ def test_fused_real_model_same_greedy_tokens(real_model):
     x = torch.tensor([ids])
     with torch.inference_mode():
         assert (fused(x) - model(x)).abs().max() <= 1e-4
+
+
+def test_engine_on_a_fused_model_gives_the_same_outputs():
+    """The engine's packed, paged forward runs the fused blocks unchanged (LLM(..., fuse=True) / load_model(fuse=True))."""
+    model = tiny_model(6)
+    prompts = [[3, 5, 7, 9, 11], list(range(20, 41)), [2, 4]]
+    params = minillm.SamplingParams(max_tokens=9)
+    plain = minillm.LLM.from_model(model, None, num_blocks=32, block_size=4).generate(prompts, params)
+    fused = minillm.LLM.from_model(fuse(model), None, num_blocks=32, block_size=4).generate(prompts, params)
+    assert [o.token_ids for o in fused] == [o.token_ids for o in plain]

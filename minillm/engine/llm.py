@@ -46,10 +46,11 @@ class StreamEvent(NamedTuple):
 class LLM:
     def __init__(self, model_name: str = "smollm2-135m", dtype: str = "float32", device: str = "cpu",
                  num_blocks: int | None = None, kv_cache_bytes: int | None = None, block_size: int = 16,
-                 max_num_seqs: int = 16, max_num_batched_tokens: int = 512, attn_backend: str = "sdpa"):
+                 max_num_seqs: int = 16, max_num_batched_tokens: int = 512, attn_backend: str = "sdpa",
+                 fuse: bool = False):
         from ..loader import load_model
 
-        model, tokenizer = load_model(model_name, dtype=dtype, device=device, attn_backend=attn_backend)
+        model, tokenizer = load_model(model_name, dtype=dtype, device=device, attn_backend=attn_backend, fuse=fuse)
         self._setup(model, tokenizer, num_blocks, kv_cache_bytes, block_size, max_num_seqs, max_num_batched_tokens)
 
     @classmethod
