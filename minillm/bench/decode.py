@@ -72,10 +72,8 @@ def measure_decode(model, tokenizer, prompt_len: int, new_tokens: int, cache: st
 
 def cast_model(model, dtype: torch.dtype):
     """A copy of `model` with weights in `dtype` (what load_model(dtype=...) gives, without re-reading the GGUF);
-    the RoPE tables stay float32 as the loader keeps them."""
-    cast = copy.deepcopy(model).to(dtype)
-    cast.rope_cos, cast.rope_sin = model.rope_cos, model.rope_sin
-    return cast
+    the RoPE tables stay float32 (Transformer._apply keeps them so)."""
+    return copy.deepcopy(model).to(dtype)
 
 
 def run(quick: bool = False) -> BenchResult:

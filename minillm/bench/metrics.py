@@ -14,13 +14,11 @@ import torch
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters, a tied tensor counted once (decode reads every weight once per step)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+    """Bytes of the weights a decode step reads once: parameters and persistent buffers (a quantized layer keeps its
+    int8 weights and scales as buffers), a tied tensor counted once. One definition: minillm.model.model_bytes."""
+    from minillm.model import model_bytes
+
+    return model_bytes(model)
 
 
 def decode_bytes_per_token(model, context_len: int, batch: int = 1) -> int:
