@@ -141,6 +141,17 @@ def check_apply_rope(fn) -> None:
     assert outb.dtype == torch.bfloat16, f"output dtype must be the input's (bfloat16), got {outb.dtype}"
     torch.testing.assert_close(outb.double(), rope_oracle(xb.float(), torch.arange(3)[None], 10_000.0),
                                atol=2e-2, rtol=2e-2)
+    # bfloat16 at the real model's shape and far positions: rotate in float32 and round once. Rotating in bf16 rounds
+    # cos, sin and every product (measured on this case: 1.66x the mean error of one rounding; the bound is 1.2x)
+    positions = torch.arange(0, 8192, 97)[None]
+    xb = (torch.randn(1, 3, positions.shape[1], 64, generator=g) * 4).bfloat16()
+    cos, sin = rope_cos_sin(positions, 64, 100_000.0)
+    exact = fn(xb.float(), cos, sin).double()  # the float32 path of the same function (checked above)
+    err = (fn(xb, cos, sin).double() - exact).abs().mean()
+    one_rounding = (exact.bfloat16().double() - exact).abs().mean()
+    assert err <= 1.2 * one_rounding, (
+        f"bfloat16 RoPE error {err:.2e} is {err / one_rounding:.2f}x that of rounding the float32 result once "
+        f"({one_rounding:.2e}): upcast x, cos and sin to float32, rotate, then cast back")
 
 
 @pytest.mark.task_00_rope
@@ -201,6 +212,13 @@ def check_attention(fn) -> None:
             assert out.shape == q.shape, f"output shape {tuple(out.shape)}, expected {tuple(q.shape)}"
             torch.testing.assert_close(out, attention_oracle(q, k, v, causal), atol=1e-5, rtol=1e-4,
                                        msg=lambda m, ctx=f"{h=} {hkv=} {q_len=} {kv_len=} {causal=}": f"vs SDPA ({ctx}): {m}")
+    # large logits (scores of several hundred): exp overflows float32 past 88, so the softmax must subtract the max
+    q, k, v = torch.randn(1, 4, 6, 16, generator=g) * 12, torch.randn(1, 2, 6, 16, generator=g) * 12, \
+        torch.randn(1, 2, 6, 16, generator=g)
+    out = fn(q, k, v, causal=True)
+    assert torch.isfinite(out).all(), ("scores of a few hundred gave inf/nan: exp(s) overflows float32 past s = 88; "
+                                       "subtract each row's max before exp (softmax is unchanged by a shift)")
+    torch.testing.assert_close(out, attention_oracle(q, k, v, True), atol=1e-4, rtol=1e-4)
     q, k, v = (torch.randn(1, 4, 6, 16, generator=g).bfloat16() for _ in range(3))
     out = fn(q, k, v, causal=True)
     assert out.dtype == torch.bfloat16, f"output dtype must be q's (bfloat16), got {out.dtype}"
@@ -354,6 +372,18 @@ def check_sampler(fn) -> None:
         assert worst < 0.02, (f"temperature={t}, top_k={k}, top_p={p}: sampled frequencies differ from the "
                                f"expected distribution by up to {worst:.3f}\n expected {expected.tolist()}\n "
                                f"got {freq.tolist()}")
+    # large logits: a shift by 1000 changes nothing in softmax, but exp(1000) overflows float32
+    freq = sampled_frequencies(fn, random_logits + 1000.0, n, 99, temperature=1.0, top_k=None, top_p=1.0)
+    expected = torch.tensor(nucleus_oracle(random_logits.tolist(), 1.0, None, 1.0), dtype=torch.float64)
+    assert (freq - expected).abs().max() < 0.02, (
+        "logits shifted by +1000 must sample like the unshifted ones: subtract the max before exp")
+    # the top-p boundary, exactly: four equal logits are 0.25 each (exact in float32); with top_p=0.5 the first two
+    # sorted tokens already reach p, so exactly two tokens survive (a strict '>' keeps a third)
+    ids = fn(torch.zeros(4000, 4), temperature=1.0, top_p=0.5, generator=_gen(11))
+    kept = sorted(set(ids.tolist()))
+    assert len(kept) == 2, (f"four tokens of probability 0.25 with top_p=0.5: the smallest set reaching 0.5 has 2 "
+                            f"tokens, sampled {len(kept)} distinct ({kept}); a token is dropped once the mass "
+                            f"before it is >= top_p")
     # the same seed gives the same tokens
     a = fn(random_logits[None].expand(64, -1), temperature=1.0, generator=_gen(7))
     b = fn(random_logits[None].expand(64, -1), temperature=1.0, generator=_gen(7))

@@ -193,6 +193,13 @@ def check_decode_attention(fn) -> None:
         assert torch.isfinite(out).all(), "NaN in the output: the attention read slots past n_filled"
         tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
         torch.testing.assert_close(out, _oracle_attention(q, k, v), **tol)
+    # large logits (scores of several hundred): exp overflows float32 past 88 unless the max is subtracted first
+    g = _gen(5)
+    q, k, v = torch.randn(2, 6, 1, 16, generator=g) * 12, torch.randn(2, 2, 9, 16, generator=g) * 12, \
+        torch.randn(2, 2, 9, 16, generator=g)
+    out = fn(q, k, v, 9)
+    assert torch.isfinite(out).all(), "scores of a few hundred gave inf/nan: subtract the row max before exp"
+    torch.testing.assert_close(out, _oracle_attention(q, k, v), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.task_01_cached_attention

@@ -144,6 +144,15 @@ def check_flash(fn) -> None:
             assert out.shape == q.shape, f"output shape {tuple(out.shape)} != q's {tuple(q.shape)}"
             torch.testing.assert_close(out, oracle(q, k, v, causal), atol=1e-5, rtol=1e-5,
                                        msg=lambda m, c=case, cz=causal: f"{m}\n(case {c}, causal={cz})")
+    # every score of every row very negative (about -400): a running max started at 0 instead of -inf makes
+    # exp(s - 0) underflow to 0 for the whole row, and the output 0/0 = nan
+    q, k, v = _qkv(1, 1, 1, 20, 20, 16, seed=3)
+    q, k = q.abs() + 4, -(k.abs() + 4)
+    for causal in (True, False):
+        out = fn(q, k, v, causal=causal, block_q=8, block_k=8)
+        assert torch.isfinite(out).all(), ("rows whose scores are all very negative gave nan: start the running "
+                                           "max at -inf, not 0")
+        torch.testing.assert_close(out, oracle(q, k, v, causal), atol=1e-4, rtol=1e-4)
     # low precision in, same dtype out, float32 accumulation
     q, k, v = _qkv(1, 2, 1, 40, 60, 16, dtype=torch.bfloat16)
     out = fn(q, k, v, causal=True, block_q=16, block_k=16)

@@ -230,6 +230,12 @@ def check_paged_attention(fn) -> None:
             where = f"sequence {i} (len {lens[i]}, {h} heads / {hkv} KV heads, block {bs})"
             torch.testing.assert_close(out[i], _oracle(q[i], k, v), atol=1e-5, rtol=1e-4,
                                        msg=lambda m, where=where: f"{where}: {m}")
+    q, k_pool, v_pool, tables, ctx, seqs = _case([9, 14], 6, 2, 4, 16, 7)  # large logits: scores of hundreds
+    q, k_pool = q * 12, k_pool * 12
+    out = fn(q, k_pool, v_pool, tables, ctx)
+    assert torch.isfinite(out).all(), "scores of a few hundred gave inf/nan: subtract the row max before exp"
+    for i, (k, v) in enumerate(seqs):
+        torch.testing.assert_close(out[i], _oracle(q[i], k * 12, v), atol=1e-4, rtol=1e-4)
     q, k_pool, v_pool, tables, ctx, seqs = _case([20, 4], 4, 2, 8, 16, 99)
     out = fn(q.bfloat16(), k_pool.bfloat16(), v_pool.bfloat16(), tables, ctx)
     assert out.dtype == torch.bfloat16, "return q's dtype"

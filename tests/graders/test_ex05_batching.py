@@ -58,8 +58,18 @@ def drive(schedule_step, postprocess_step, seqs, num_blocks, block_size, max_num
     for step in range(20_000):
         if not waiting and not running:
             break
+        queued = [s.request_id for s in waiting]
         schedule = schedule_step(waiting, running, bm, max_num_seqs, budget)
         preemptions += len(schedule.preempted)
+        admitted = [it.seq.request_id for it in schedule.scheduled if it.seq.request_id in queued]
+        assert admitted == queued[:len(admitted)], (
+            f"step {step} admitted {admitted} while the waiting queue was {queued[:6]}...: admit in arrival order "
+            f"and stop at the first request that does not fit (skipping it can starve it forever)")
+        victims = [s.request_id for s in schedule.preempted]
+        readmitted = [it.seq.request_id for it in schedule.scheduled if it.seq.request_id in victims]
+        assert not (victims and (admitted or readmitted)), (
+            f"step {step} preempted {victims} and admitted {admitted + readmitted} in the same step: after a "
+            f"preemption the pool is short of blocks, admit nothing until a later step")
         assert schedule.num_batched_tokens <= budget, "the step exceeds the token budget"
         assert len(running) <= max_num_seqs, "more running sequences than max_num_seqs"
         assert len(schedule.scheduled) > 0, "a step scheduled nothing although requests are pending"

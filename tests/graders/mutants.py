@@ -1,0 +1,181 @@
+"""The committed mutant list: named wrong implementations of exercise functions, each with the task that must fail.
+
+A mutant is the reference solution with one bug edited into its source (`edits`: exact (old, new) snippets of the
+function's code), so it stays a realistic near-miss and breaks loudly (KeyError below) if the solution it edits
+changes. Most are bugs learners write and that earlier graders let through (softmax without the max subtracted, RoPE
+rotated in bf16, the top-p boundary, flash's running max started at 0, skipping a blocked head-of-line
+request).
+
+tests/test_graders_meta.py runs every mutant against its task's graders and asserts the task fails. By hand:
+
+    python -m tests.graders.mutants 05            # one line per mutant of lesson 05: killed / SURVIVED
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import linecache
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+SOFTMAX_NO_MAX = "(scores.exp() / scores.exp().sum(dim=-1, keepdim=True))"  # exp overflows for scores > 88
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    module: str  # exNN_topic
+    target: str  # function name, or Class.method
+    task: str  # the task marker that must fail
+    edits: tuple[tuple[str, str], ...]
+    why: str
+
+    @property
+    def lesson(self) -> str:
+        return self.module[2:4]
+
+
+MUTANTS = [
+    # ---------------------------------------------------------------- ex00
+    Mutant("rms_eps_outside_sqrt", "ex00_decoder", "rms_norm", "task_00_rmsnorm",
+           (("torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)", "1 / (xf.pow(2).mean(-1, keepdim=True).sqrt() + eps)"),),
+           "eps added after the square root"),
+    Mutant("rms_in_input_dtype", "ex00_decoder", "rms_norm", "task_00_rmsnorm", (("xf = x.float()", "xf = x"),),
+           "statistics in float16/bf16: x^2 overflows float16"),
+    Mutant("rope_in_bf16", "ex00_decoder", "apply_rope", "task_00_rope",
+           (("(x.float() * cos + rotated.float() * sin).to(x.dtype)", "x * cos.to(x.dtype) + rotated * sin.to(x.dtype)"),),
+           "rotation computed in the input dtype: bf16 cos/sin and products"),
+    Mutant("rope_wrong_direction", "ex00_decoder", "apply_rope", "task_00_rope",
+           (("torch.cat([-x2, x1], dim=-1)", "torch.cat([x2, -x1], dim=-1)"),), "rotates by -angle"),
+    Mutant("attention_softmax_no_max", "ex00_decoder", "naive_attention", "task_00_attention",
+           (("scores.softmax(dim=-1)", SOFTMAX_NO_MAX),), "softmax without subtracting the row max"),
+    Mutant("causal_mask_excludes_self", "ex00_decoder", "causal_mask", "task_00_attention",
+           (("return j <= i", "return j < i"),), "a query may not see its own key"),
+    Mutant("sampler_softmax_no_max", "ex00_decoder", "logits_to_probs", "task_00_sampler",
+           (("return logits.softmax(dim=-1)", "return logits.exp() / logits.exp().sum(dim=-1, keepdim=True)"),),
+           "softmax without subtracting the max: overflows for large logits"),
+    Mutant("top_p_strict_boundary", "ex00_decoder", "logits_to_probs", "task_00_sampler",
+           (("probs.cumsum(dim=-1) - probs >= top_p", "probs.cumsum(dim=-1) - probs > top_p"),),
+           "top-p keeps a token whose predecessors already reach p exactly"),
+    Mutant("top_k_keeps_k_minus_1", "ex00_decoder", "logits_to_probs", "task_00_sampler",
+           (("logits.masked_fill(logits < kth", "logits.masked_fill(logits <= kth"),), "top-k drops the k-th token"),
+    # ---------------------------------------------------------------- ex01
+    Mutant("append_returns_start", "ex01_kv_cache", "append_kv", "task_01_cache_append",
+           (("    return end", "    return start"),), "reports the old length"),
+    Mutant("append_writes_before_check", "ex01_kv_cache", "append_kv", "task_01_cache_append",
+           (("    if end > capacity:", "    k_cache[:, :, start:end] = k[:, :, :max(0, capacity - start)]\n    if end > capacity:"),),
+           "a partial write before raising CacheFullError"),
+    Mutant("decode_softmax_no_max", "ex01_kv_cache", "decode_attention", "task_01_cached_attention",
+           (("scores.softmax(dim=-1)", SOFTMAX_NO_MAX),), "softmax without subtracting the row max"),
+    Mutant("decode_reads_whole_buffer", "ex01_kv_cache", "decode_attention", "task_01_cached_attention",
+           (("k_cache[:, :, :n_filled]", "k_cache"), ("v_cache[:, :, :n_filled]", "v_cache")),
+           "attends over unwritten slots"),
+    # ---------------------------------------------------------------- ex02
+    Mutant("grouped_softmax_no_max", "ex02_gqa", "grouped_attention", "task_02_grouped_attention",
+           (("scores.softmax(dim=-1)", SOFTMAX_NO_MAX),), "softmax without subtracting the row max"),
+    Mutant("grouped_modulo_heads", "ex02_gqa", "grouped_attention", "task_02_grouped_attention",
+           (("qg = q.float().reshape(b, n_kv_heads, group, q_len, d)",
+             "qg = q.float().reshape(b, group, n_kv_heads, q_len, d).transpose(1, 2)"),),
+           "query head h reads KV head h % n_kv_heads"),
+    Mutant("mean_pool_sums", "ex02_gqa", "mean_pool_kv_heads", "task_02_mean_pool",
+           ((".mean(dim=1)", ".sum(dim=1)"),), "sums the group instead of averaging it"),
+    # ---------------------------------------------------------------- ex03
+    Mutant("merge_no_empty_guard", "ex03_flash", "merge_partials", "task_03_merge",
+           (("m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)", "m_safe = m"),),
+           "two empty partials give exp(-inf - -inf) = nan"),
+    Mutant("flash_max_init_zero", "ex03_flash", "flash_attention", "task_03_flash",
+           (('m = torch.full(rows, float("-inf"), dtype=torch.float32, device=q.device)',
+             "m = torch.zeros(rows, dtype=torch.float32, device=q.device)"),),
+           "running max starts at 0: rows of very negative scores underflow to 0/0"),
+    Mutant("flash_no_rescale", "ex03_flash", "flash_attention", "task_03_flash",
+           (("l = rescale * l + p.sum(dim=-1)", "l = l + p.sum(dim=-1)"),
+            ("acc = rescale[..., None] * acc + p @ v_tile", "acc = acc + p @ v_tile")),
+           "old sums are not rescaled to the new max"),
+    # ---------------------------------------------------------------- ex04
+    Mutant("allocate_not_all_or_nothing", "ex04_paged", "BlockAllocator.allocate", "task_04_allocator",
+           (("if n > len(self._free):", "if n > len(self._free) + len(self._free):"),
+            ("ids = [self._free.popleft() for _ in range(n)]", "ids = [self._free.popleft() for _ in range(min(n, len(self._free)))]")),
+           "hands out what is left instead of refusing"),
+    Mutant("free_allows_double_free", "ex04_paged", "BlockAllocator.free", "task_04_allocator",
+           (("if n > self._ref_counts[i]:", "if False:"),), "a double free corrupts the free list"),
+    Mutant("paged_softmax_no_max", "ex04_paged", "paged_attention", "task_04_paged_attention",
+           (("scores.softmax(dim=-1)", SOFTMAX_NO_MAX),), "softmax without subtracting the row max"),
+    Mutant("paged_masks_scores_only", "ex04_paged", "paged_attention", "task_04_paged_attention",
+           (("values = torch.where(valid[:, None, :, None], values, 0)", "pass"),),
+           "unused value slots (NaN) leak through 0 * NaN"),
+    # ---------------------------------------------------------------- ex05
+    # "admits new work in the step that just preempted" is checked by the grader (test_ex05 drive()) but is no
+    # mutant here: with FCFS admission it cannot change behaviour in this engine. The victim goes to the head of the
+    # waiting queue, it needs at least the blocks it just freed, one of which went to the sequence that needed it,
+    # so the head never fits and admission stops there. It matters once admission is not FCFS (next mutant).
+    Mutant("preempts_oldest_first", "ex05_batching", "schedule_step", "task_05_schedule",
+           (("victim = pending.pop() if pending else seq", "victim = pending.pop(0) if pending else seq"),),
+           "preempts the oldest running sequence instead of the most recently admitted"),
+    Mutant("skips_blocked_head_of_line", "ex05_batching", "schedule_step", "task_05_schedule",
+           (("        seq = waiting[0]\n        if not block_manager.can_allocate(seq):\n            break\n        waiting.popleft()",
+             "        seq = next((s for s in waiting if block_manager.can_allocate(s)), None)\n        if seq is None:\n"
+             "            break\n        waiting.remove(seq)"),),
+           "admits a later request that fits while the head waits: not FCFS, can starve the head"),
+    Mutant("finished_keep_blocks", "ex05_batching", "postprocess_step", "task_05_schedule",
+           (("block_manager.deallocate(seq)", "pass"),), "finished sequences never free their blocks"),
+    Mutant("continuous_leaves_a_slot_idle", "ex05_batching", "continuous_batching_loop", "task_05_static_vs_continuous",
+           (("while waiting and len(active) < max_batch:", "while waiting and len(active) < max_batch - 1:"),),
+           "refills one slot short"),
+    Mutant("static_refills", "ex05_batching", "static_batching_loop", "task_05_static_vs_continuous",
+           (("active = [r for r, finished in zip(active, done) if not finished]",
+             "active = [r for r, finished in zip(active, done) if not finished] + "
+             "list(requests[start + max_batch:start + max_batch + sum(done)])"),),
+           "a static batch that refills is continuous batching"),
+]
+
+
+def build(m: Mutant, module):
+    """The mutated function (or method), compiled in a copy of the solution module's namespace."""
+    owner_name, _, attr = m.target.rpartition(".")
+    owner = getattr(module, owner_name) if owner_name else module
+    src = textwrap.dedent(inspect.getsource(getattr(owner, attr)))
+    for old, new in m.edits:
+        if src.count(old) != 1:
+            raise KeyError(f"mutant {m.name}: {old!r} occurs {src.count(old)}x in {m.module}.{m.target}; update it")
+        src = src.replace(old, new)
+    filename = f"<mutant {m.name}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)  # so inspect.getsource works
+    namespace = dict(vars(module))
+    exec(compile(src, filename, "exec"), namespace)
+    return owner, attr, namespace[attr]
+
+
+def run(lesson: str) -> dict[str, str]:
+    """Run each mutant of `lesson` against its task's graders in this process; {mutant: 'killed' | 'survived'}."""
+    import pytest
+    from hypothesis import settings
+
+    settings.register_profile("mutants", database=None, print_blob=False)
+    settings.load_profile("mutants")
+    results = {}
+    for m in [m for m in MUTANTS if m.lesson == lesson]:
+        module = importlib.import_module(f"solutions.{m.module}")
+        owner, attr, fn = build(m, module)
+        original = getattr(owner, attr)
+        setattr(owner, attr, fn)
+        try:
+            code = pytest.main([str(ROOT / "tests" / "graders" / f"test_{m.module}.py"), "-m", m.task, "-x", "-q",
+                                "-p", "no:cacheprovider", "--no-header", "-o", "addopts="],
+                               plugins=[])
+        finally:
+            setattr(owner, attr, original)
+        if code not in (0, 1):
+            raise RuntimeError(f"mutant {m.name}: pytest exited with {code} (collection error or no tests)")
+        results[m.name] = "killed" if code == 1 else "survived"
+    return results
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    out = run(sys.argv[1])
+    print("MUTANTS " + json.dumps(out))
