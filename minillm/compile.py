@@ -14,7 +14,6 @@ the positions written so far. Every decode step then has the same shapes: one co
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 
@@ -25,7 +24,6 @@ from torch import Tensor
 from .attention import AttentionFn
 from .kv_cache import CacheFullError
 
-log = logging.getLogger("minillm")
 
 
 def static_length(n_tokens: int, minimum: int = 256) -> int:
@@ -102,13 +100,12 @@ def compiled_decode(model, mode: str | None = None):
     here rather than a silent slowdown. mode defaults to "reduce-overhead" (CUDA graphs) on CUDA, "default" on CPU.
     Raises RuntimeError with the reason when the compiler cannot work on this machine."""
     key = mode or ("reduce-overhead" if model.device.type == "cuda" else "default")
-    cached = getattr(model, "_compiled_decode", {})
-    if key not in cached:
+    cached = model.__dict__.setdefault("_compiled_decode", {})  # mode -> (id of the model it was built for, function)
+    if key not in cached or cached[key][0] != id(model):  # a deepcopy shares the functions of the original: rebuild
         reason = compiler_available(model.device)
         if reason:
             raise RuntimeError(f"compile=True: {reason}; or run without compile")
         # inductor caches generated code on disk (FX graph cache): the second process skips most of the compile
         torch._inductor.config.fx_graph_cache = True
-        cached[key] = torch.compile(model.forward, mode=key, fullgraph=True, dynamic=False)
-        model._compiled_decode = cached
-    return cached[key]
+        cached[key] = (id(model), torch.compile(model.forward, mode=key, fullgraph=True, dynamic=False))
+    return cached[key][1]

@@ -145,3 +145,16 @@ def test_engine_on_a_fused_model_gives_the_same_outputs():
     plain = minillm.LLM.from_model(model, None, num_blocks=32, block_size=4).generate(prompts, params)
     fused = minillm.LLM.from_model(fuse(model), None, num_blocks=32, block_size=4).generate(prompts, params)
     assert [o.token_ids for o in fused] == [o.token_ids for o in plain]
+
+
+def test_a_copy_of_a_compiled_model_compiles_its_own_forward():
+    import copy
+
+    from minillm.compile import compiled_decode
+
+    model = tiny_model(7, n_layers=1)
+    step = compiled_decode(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.layers[0].mlp.down.weight.mul_(2)  # the copy must run its own weights, not the original's
+    assert compiled_decode(twin) is not step and compiled_decode(model) is step
