@@ -117,8 +117,7 @@ def _outcomes_by_marker(xml: Path, files: list[Path]) -> dict[str, str]:
         failed = case.find("failure") if case.find("failure") is not None else case.find("error")
         if failed is not None:
             outcome = "fail"
-            first_line = (failed.get("message") or "").strip().split("\n")[0]
-            LAST_FAILURES.setdefault(task, first_line[:200])
+            LAST_FAILURES.setdefault(task, failure_summary(failed.get("message") or "", failed.text or ""))
         elif case.find("skipped") is not None:
             outcome = "skip"
         else:
@@ -128,12 +127,25 @@ def _outcomes_by_marker(xml: Path, files: list[Path]) -> dict[str, str]:
     return result
 
 
+def failure_summary(message: str, details: str = "", max_lines: int = 8) -> str:
+    """The failing case in a few lines: the assertion message (which names the inputs and expected vs got), else
+    the last `E ` lines of the traceback."""
+    lines = [ln.rstrip() for ln in message.strip().splitlines() if ln.strip()]
+    if len(lines) <= 1 and details:
+        lines = [ln[1:].strip() for ln in details.splitlines() if ln.startswith("E ")] or lines
+    lines = [ln[:160] for ln in lines[:max_lines]]
+    return "\n".join(lines)
+
+
 def print_table(lesson: str, outcomes: dict[str, str], target: str) -> None:
     print(f"lesson {lesson} graded against {target}/")
     width = max(len(m) for m in outcomes)
     for (marker, what) in TASKS[lesson]:
         print(f"  {outcomes[marker].upper():5s}  {marker:<{width}s}  {what}")
         if outcomes[marker] == "fail" and LAST_FAILURES.get(marker):
-            print(f"         {'':<{width}s}  -> {LAST_FAILURES[marker]}")
+            first, *rest = LAST_FAILURES[marker].splitlines()
+            print(f"         {'':<{width}s}  -> {first}")
+            for line in rest:
+                print(f"         {'':<{width}s}     {line}")
     n_pass = sum(v == "pass" for v in outcomes.values())
     print(f"  {n_pass}/{len(outcomes)} tasks pass")

@@ -47,3 +47,51 @@ def test_every_mutant_fails_its_task(lesson):
     assert set(results) == {m.name for m in MUTANTS if m.lesson == lesson}
     survivors = [name for name, outcome in results.items() if outcome != "killed"]
     assert not survivors, f"mutants that pass their task's graders (strengthen the grader): {survivors}"
+
+
+# ------------------------------------------------------------------------- importing the reference must fail
+
+CHEATS = {
+    "ex05_import_from_engine": ("schedule_step",
+                                "from minillm.engine.scheduler import schedule_step, postprocess_step\n"),
+    "ex05_import_package": ("schedule_step",
+                            "from minillm.engine import scheduler as _s\n\n"
+                            "def schedule_step(waiting, running, block_manager, max_num_seqs, max_num_batched_tokens):\n"
+                            "    return _s.schedule_step(waiting, running, block_manager, max_num_seqs,\n"
+                            "                            max_num_batched_tokens)\n"),
+    "ex00_alias": ("rms_norm", "from minillm.model import rms_norm as _a\n\n"
+                               "def rms_norm(x, weight, eps):\n    return _a(x, weight, eps)\n"),
+    "ex00_alias_in_helper": ("naive_attention",
+                             "from minillm.attention import naive_attention as _ref\n\n"
+                             "def _helper(q, k, v, causal):\n    return _ref(q, k, v, causal)\n\n"
+                             "def naive_attention(q, k, v, causal=True):\n    return _helper(q, k, v, causal)\n"),
+    "ex03_solution_alias": ("flash_attention", "import solutions.ex03_flash as _sol\n\n"
+                                               "def flash_attention(q, k, v, causal=True, block_q=64, block_k=64):\n"
+                                               "    return _sol.flash_attention(q, k, v, causal, block_q, block_k)\n"),
+}
+
+
+@pytest.mark.parametrize("cheat", sorted(CHEATS))
+def test_importing_the_reference_fails(cheat, tmp_path):
+    import importlib.util
+
+    from tests.graders.conftest import TARGET, forbid_calls
+
+    name, source = CHEATS[cheat]
+    path = tmp_path / f"{cheat}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"{TARGET}._cheat_{cheat}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(pytest.fail.Exception, match="import|comes from"):
+        forbid_calls(getattr(module, name), ["scaled_dot_product_attention"])
+
+
+def test_solutions_are_not_flagged():
+    import importlib
+
+    from tests.graders.conftest import forbid_reference_imports
+    for module in sorted(p.stem for p in (ROOT / "solutions").glob("ex0[0-5]_*.py")):
+        sol = importlib.import_module(f"solutions.{module}")
+        for name in sol.SAME_AS:
+            forbid_reference_imports(getattr(sol, name))

@@ -215,9 +215,15 @@ def test_decode_attention_no_library_call():
 
 
 @pytest.mark.task_01_cache_append
+def test_your_append_drives_the_model_like_no_cache():
+    from minillm.kv_cache import decode_attention as reference_decode  # the other task's part: the reference
+    check_with_model(impl.append_kv, reference_decode)
+
+
 @pytest.mark.task_01_cached_attention
-def test_cache_drives_the_model_like_no_cache():
-    check_with_model(impl.append_kv, impl.decode_attention)
+def test_your_decode_drives_the_model_like_no_cache():
+    from minillm.kv_cache import append_kv as reference_append  # the other task's part: the reference
+    check_with_model(reference_append, impl.decode_attention)
 
 
 def _decode_whole_buffer(q, k_cache, v_cache, n_filled):  # ignores n_filled: reads garbage slots

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm.block_allocator import OutOfBlocksError
-from tests.graders.conftest import TARGET, forbid_calls, load_impl
+from tests.graders.conftest import TARGET, forbid_calls, forbid_reference_imports, load_impl
 
 impl = load_impl("ex04_paged")
 grader_selftest = pytest.mark.skipif(TARGET == "exercises", reason="checks the grader itself, not your code")
@@ -123,6 +123,7 @@ def check_allocator(cls) -> None:
 @pytest.mark.task_04_allocator
 def test_allocator():
     check_allocator(impl.BlockAllocator)
+    forbid_reference_imports(impl.BlockAllocator)
 
 
 # deliberately wrong allocators, built on the reference one -------------------------------------------------------

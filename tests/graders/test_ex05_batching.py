@@ -16,7 +16,7 @@ from minillm.block_allocator import BlockAllocator
 from minillm.engine.block_manager import BlockManager
 from minillm.engine.sequence import Sequence, SequenceStatus
 from minillm.sampling import SamplingParams
-from tests.graders.conftest import load_impl
+from tests.graders.conftest import forbid_reference_imports, load_impl
 
 impl = load_impl("ex05_batching")
 VOCAB = 997
@@ -163,6 +163,8 @@ def _wrong_keeps_blocks(schedule, sampled, running, bm, now):
 @pytest.mark.task_05_schedule
 def test_schedule_step():
     check_schedule(impl.schedule_step, impl.postprocess_step)
+    forbid_reference_imports(impl.schedule_step)
+    forbid_reference_imports(impl.postprocess_step)
 
 
 @pytest.mark.task_05_schedule
@@ -257,11 +259,13 @@ def _wrong_continuous_admits_everything(requests, max_batch, step_fn):
 @pytest.mark.task_05_static_vs_continuous
 def test_static_batching_loop():
     check_static(impl.static_batching_loop)
+    forbid_reference_imports(impl.static_batching_loop)
 
 
 @pytest.mark.task_05_static_vs_continuous
 def test_continuous_batching_loop():
     check_continuous(impl.continuous_batching_loop)
+    forbid_reference_imports(impl.continuous_batching_loop)
 
 
 @pytest.mark.task_05_static_vs_continuous
