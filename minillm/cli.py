@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--attn", choices=backend_names(), default="sdpa", help="attention backend")
     gen.add_argument("--raw", action="store_true", help="continue the prompt as plain text (no chat template)")
     gen.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
+    gen.add_argument("--compile", action="store_true",
+                     help="run decode steps through torch.compile (lesson 06); the first call compiles for tens of "
+                          "seconds")
 
     bench = sub.add_parser("bench", help="run a benchmark (minillm bench --list)")
     bench.add_argument("name", nargs="?")
@@ -75,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     grade = sub.add_parser("grade", help="grade a lesson's exercises (exit 0 only if every task passes)")
     grade.add_argument("lesson", help="lesson number, e.g. 00")
     grade.add_argument("--solutions", action="store_true", help="grade the reference solutions instead")
+
+    hint = sub.add_parser("hint", help="a hint for a lesson's exercise: a nudge (level 1) up to the recipe (3)")
+    hint.add_argument("lesson", help="lesson number, e.g. 00")
+    hint.add_argument("task", nargs="?", default=None, help="task name, e.g. rope (default: every task)")
+    hint.add_argument("--level", type=int, choices=[1, 2, 3], default=1)
 
     info = sub.add_parser("info", help="model config, parameter count, bytes, KV-cache bytes per token; this "
                                        "machine's CPU, native or emulated bf16, threads and load (no timing probe)")
@@ -122,7 +130,7 @@ def cmd_generate(args) -> int:
 
     res = generate(model, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache, chat=not args.raw,
-                   on_text=emit)
+                   on_text=emit, compile=args.compile)
     print()
     n = len(res.token_ids)
     tps = res.decode_tokens_per_s
@@ -177,6 +185,16 @@ def cmd_grade(args) -> int:
     return 0 if all(v == "pass" for v in outcomes.values()) else 1
 
 
+def cmd_hint(args) -> int:
+    from minillm.hints import hint
+
+    try:
+        print(hint(args.lesson.zfill(2), args.task, args.level))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return 0
+
+
 def cmd_info(args) -> int:
     from minillm.config import ModelConfig
     from minillm.kv_cache import kv_bytes, kv_bytes_per_token
@@ -217,7 +235,7 @@ def _one_line(message: str) -> str:
     return " ".join(part.strip() for part in message.splitlines() if part.strip())
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "grade": cmd_grade, "info": cmd_info}
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "grade": cmd_grade, "hint": cmd_hint, "info": cmd_info}
 
 
 def main(argv: list[str] | None = None) -> int:

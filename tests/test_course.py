@@ -55,3 +55,29 @@ def test_no_notebook_output_contains_a_solution(lesson):
     blob = "\n".join(outputs)
     leaked = sorted(n for n in solution_names() if f"def {n}(" in blob or f"class {n}" in blob)
     assert not leaked, f"{ipynb.name} shows the definition of {leaked} in a cell output (an exercise's answer)"
+
+
+# ------------------------------------------------------------------------------------------------ tiered hints
+
+@pytest.mark.parametrize("lesson", ["00", "01", "02", "03", "04", "05"])
+def test_every_task_has_three_hint_levels(lesson):
+    from minillm.grading import TASKS
+    from minillm.hints import HINTS, _recipes, hint
+
+    recipes = _recipes(lesson)
+    for marker, _ in TASKS[lesson]:
+        assert marker in HINTS and all(HINTS[marker]), f"{marker} has no level 1/2 hint in minillm/hints.py"
+        assert marker in recipes, f"{marker}: no 'task NN.name: ...' recipe in its stub"
+        task = marker.split("_", 2)[2]
+        one, three = hint(lesson, task, 1), hint(lesson, task, 3)
+        assert HINTS[marker][0] in one and HINTS[marker][1] not in one  # level 1 is only the nudge
+        assert HINTS[marker][1] in three and recipes[marker].splitlines()[0] in three
+
+
+def test_cli_hint_and_generate_compile_flag(capsys):
+    from minillm.cli import build_parser, main
+
+    assert build_parser().parse_args(["generate", "hi", "--compile"]).compile is True
+    assert build_parser().parse_args(["generate", "hi"]).compile is False
+    assert main(["hint", "00", "rope", "--level", "2"]) == 0
+    assert "rotate" in capsys.readouterr().out.lower()

@@ -1,0 +1,100 @@
+"""Tiered hints for the exercises: `minillm hint NN [task] [--level 1|2|3]`.
+
+Level 1 is a nudge (what to think about), level 2 the contract and the trap the grader checks, level 3 the recipe
+(for now: the stub's own NotImplementedError message, read from exercises/exNN_*.py).
+"""
+
+from __future__ import annotations
+
+import ast
+
+from .grading import ROOT, TASKS
+
+# task marker -> (level 1 nudge, level 2 contract and trap)
+HINTS: dict[str, tuple[str, str]] = {
+    "task_00_rmsnorm": ("RMSNorm divides by the root of the mean square over the last dim, then scales.",
+                        "eps goes inside the square root; compute the statistics in float32 and return x's dtype "
+                        "(float16 x^2 overflows at ~256)."),
+    "task_00_rope": ("Each pair of dims is a 2-D vector rotated by position x frequency. Which dims form a pair?",
+                     "Rotate-half pairing: dim i pairs with i + head_dim/2. Rotate in float32 and cast back once "
+                     "(the grader bounds bf16 error against one rounding)."),
+    "task_00_attention": ("softmax(q k^T / sqrt(d)) v, with a mask and shared KV heads.",
+                          "The causal mask is bottom-right aligned (q_len may be < kv_len); query head h reads KV "
+                          "head h // group; scores of hundreds must not overflow exp."),
+    "task_00_sampler": ("Greedy is argmax; otherwise turn logits into a distribution, then draw from it.",
+                        "Order: temperature, top-k, top-p. Top-p keeps the smallest most-likely set reaching p: "
+                        "a token is dropped once the mass before it is >= p. Shift by the max before exp."),
+    "task_01_cache_append": ("The cache is a preallocated buffer plus a fill position.",
+                             "Write positions start..start+new-1 and return the new length; past capacity raise "
+                             "CacheFullError and write nothing."),
+    "task_01_cached_attention": ("One new query attends over every filled slot, and nothing else.",
+                                 "Only the first n_filled slots are valid (the rest may be NaN); no causal mask for "
+                                 "the newest token; GQA mapping h // group; subtract the max."),
+    "task_02_grouped_attention": ("Can you attend with 3 KV heads for 9 query heads without copying K/V 3 times?",
+                                  "View q as (batch, n_kv_heads, group, q_len, d) and broadcast K/V over the group; "
+                                  "bottom-right causal mask; float32 softmax with the max subtracted."),
+    "task_02_mean_pool": ("A KV head is a block of head_dim rows of the projection weight.",
+                          "Average adjacent heads (g*r .. g*r+r-1), in float32, return w's dtype; a count that "
+                          "does not divide is a ValueError."),
+    "task_03_merge": ("Two partial softmaxes are relative to different maxima.",
+                      "Rescale both to m = max(m1, m2) with exp(m_i - m); an empty side is (0, -inf, 0) and two "
+                      "empty sides must not give nan."),
+    "task_03_flash": ("Keep a running max, a running sum and a running output per query row.",
+                      "Start the max at -inf (rows of very negative scores), rescale old sums when the max grows, "
+                      "skip key tiles above the diagonal, never build a whole score row."),
+    "task_03_triton": ("The same online-softmax step, in log2 units, on one tile of keys.",
+                       "Masked tiles need masked loads and -inf scores; accumulate in float32."),
+    "task_04_allocator": ("A free list and a reference count per block.",
+                          "allocate is all or nothing; free validates every id before changing anything (double "
+                          "free, unknown id: ValueError)."),
+    "task_04_paged_attention": ("Gather each sequence's blocks in table order, then it is ordinary attention.",
+                                "Mask positions past context_lens in the scores AND zero those values (0 * NaN is "
+                                "NaN); -1 table entries; GQA h // group."),
+    "task_05_schedule": ("Running sequences first, then admissions; blocks are the scarce resource.",
+                         "When a block is missing, preempt the most recently admitted; admit strictly in arrival "
+                         "order (never skip a blocked head); admit nothing in a step that preempted."),
+    "task_05_static_vs_continuous": ("Static waits for the whole batch; continuous refills every step.",
+                                     "Both return the busy slots at each step; continuous refills free slots from "
+                                     "the waiting queue before every step, in arrival order."),
+}
+
+
+def _recipes(lesson: str) -> dict[str, str]:
+    """task marker -> the stub's NotImplementedError message ('task NN.name: ...')."""
+    out: dict[str, str] = {}
+    for path in sorted((ROOT / "exercises").glob(f"ex{lesson}_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
+                try:
+                    msg = ast.literal_eval(node.exc.args[0])
+                except ValueError:
+                    continue
+                if isinstance(msg, str) and msg.startswith("task "):
+                    task, _, text = msg.partition(":")
+                    marker = "task_" + task.split()[1].replace(".", "_")
+                    out[marker] = (out[marker] + "\n" if marker in out else "") + text.strip()
+    return out
+
+
+def hint(lesson: str, task: str | None = None, level: int = 1) -> str:
+    if lesson not in TASKS:
+        raise ValueError(f"unknown lesson {lesson!r}; lessons with exercises: {', '.join(TASKS)}")
+    markers = [m for m, _ in TASKS[lesson]]
+    if task:
+        wanted = task if task.startswith("task_") else f"task_{lesson}_{task.split('.')[-1]}"
+        if wanted not in markers:
+            raise ValueError(f"lesson {lesson} has tasks {', '.join(m.split('_', 2)[2] for m in markers)}")
+        markers = [wanted]
+    recipes = _recipes(lesson) if level >= 3 else {}
+    lines = []
+    for m in markers:
+        nudge, contract = HINTS.get(m, ("(no hint written for this task yet)", "(no hint written for this task yet)"))
+        lines.append(f"{m}:")
+        lines.append(f"  1. {nudge}")
+        if level >= 2:
+            lines.append(f"  2. {contract}")
+        if level >= 3:
+            lines.append(f"  3. {recipes.get(m, '(no recipe in the stub)')}")
+    if level < 3:
+        lines.append(f"(more: minillm hint {lesson}{' ' + task if task else ''} --level {level + 1})")
+    return "\n".join(lines)
