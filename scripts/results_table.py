@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ["decode", "kv-cache", "gqa", "attention", "paged", "batching"]
+ORDER = ["decode", "kv-cache", "gqa", "attention", "paged", "batching", "fusion"]
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 
@@ -27,6 +27,8 @@ def table() -> str:
             continue
         hw = r.get("hardware", {})
         where = hw.get("gpu") or f"{hw.get('cpu', '?')}, {hw.get('threads', '?')} threads"
+        if not hw.get("gpu") and hw.get("native_bf16") is not None:  # machines of one kind differ in bf16 support
+            where += ", native bf16" if hw["native_bf16"] else f", {hw.get('cpu_capability', '')} (bf16 emulated)"
         targets = r.get("targets", {})
         for key, value in r.get("ratios", {}).items():
             t = targets.get(key)
