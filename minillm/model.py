@@ -39,11 +39,9 @@ class KVCacheLike(Protocol):
     def begin_forward(self, batch: int, n_new: int, positions: Tensor | None) -> Tensor:
         """Called once per forward before layer 0: where the n_new tokens of each of `batch` rows go. Returns the
         positions (batch, n_new) to use (a self-managed cache may fill in positions=None from its own length)."""
-        ...
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, attn: AttentionFn) -> Tensor:
         """Store k, v (batch, n_kv_heads, new, head_dim) for layer `layer_id`; return q's attention over the cache."""
-        ...
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
