@@ -1,0 +1,228 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 06 — Eager → fused → compiled: batch-1 decode against the bandwidth roof
+#
+# Lesson 00 said batch-1 decode is **memory bound**: every step reads all the weights once for one token, so the
+# fastest a step can be is *bytes per token / memory bandwidth*. That is a roof, not a promise. A decode step of
+# SmolLM2-135M is also about **two thousand small ops**: 30 blocks × (three q/k/v matmuls, two gate/up matmuls, two
+# RMSNorms of ~8 elementwise ops each, RoPE on q and on k, reshapes, the cache write, attention...). Each op costs a
+# dispatch (a few microseconds of Python and C++ on a CPU; a kernel launch on a GPU) *whatever its size*. When the
+# weights are small, that overhead is a large part of the step, and reading fewer bytes (quantization, lesson 07)
+# would barely show.
+#
+# Two ways to remove ops without changing the math:
+# - **Operator fusion** (`minillm/fusion.py`): transformations of a loaded model. The q, k and v projections become
+#   one matmul whose output is split (GQA sizes: q is 9×64 wide, k and v 3×64 each); gate and up become one; RoPE
+#   rotates q and k in one call; the residual add is folded into the RMSNorm that follows it.
+# - **Compilation** (`minillm/compile.py`): `torch.compile` traces the whole decode step into a graph and *generates*
+#   code for it (C++ loops on a CPU, Triton kernels on a GPU): each chain of elementwise ops becomes one loop, and the
+#   Python walk over 30 blocks disappears. It needs a step whose shapes never change — a **static KV cache**
+#   (preallocated, written at the token's position, attended with a mask) — or it would recompile every token.
+#   On a GPU, **CUDA graphs** (mode="reduce-overhead") also replay the whole step's kernel launches as one.
+#
+# This lesson: (1) where a decode step's time goes (profiler); (2) fusion: fewer ops, identical logits; (3) compiling
+# the step: compile time, zero recompiles; (4) the ladder — eager fp32 → fused → compiled, and bf16 — against the
+# roofs measured in the same run; (5) what the compiler generated; (6) what a GPU adds.
+
+# %%
+import copy
+import time
+
+import matplotlib.pyplot as plt
+import torch
+
+import minillm
+from minillm.bench.fusion import first_divergence, ladder
+from minillm.bench.hardware import bf16_status
+from minillm.fusion import count_ops, fuse
+from minillm.kv_cache import KVCache
+from minillm.lesson import hardware_line, pick
+
+torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
+print(hardware_line())
+print(bf16_status("cpu"))
+model, tok = minillm.load_model("smollm2-135m", dtype="float32", device="cpu")
+prompt_ids = tok.encode("The history of the printing press begins with " * 8)[:32]
+
+# %% [markdown]
+# ## 1. Where the time of one decode step goes
+#
+# The profiler records every op of one batch-1 decode step (after a 32-token prefill into a KV cache).
+
+# %%
+def one_decode_step(m):
+    cache = KVCache.for_model(m, 1, len(prompt_ids) + 1)
+    with torch.inference_mode():
+        m(torch.tensor([prompt_ids]), kv_cache=cache)
+
+    def step():
+        cache.truncate(len(prompt_ids))  # every call decodes the same position
+        return m(torch.tensor([prompt_ids[:1]]), kv_cache=cache, last_only=True)
+    return step
+
+
+step = one_decode_step(model)
+with torch.inference_mode():
+    step()  # warm-up
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+events = prof.key_averages()
+total_us = sum(e.self_cpu_time_total for e in events)
+n_events = sum(e.count for e in events if e.key.startswith("aten::"))
+print(f"one eager decode step: {total_us / 1e3:.1f} ms of CPU time, {n_events} aten profiler events (an op that "
+      f"calls others, like linear -> matmul -> mm, is counted at every level; section 2 counts dispatched ops)")
+print(events.table(sort_by="self_cpu_time_total", row_limit=8))
+
+# %% [markdown]
+# The matmuls (`aten::addmm`/`aten::mm`/`aten::linear`) read the weights; everything else is the overhead this lesson
+# attacks. The table's "# of Calls" column is the count that matters: hundreds of RMSNorm pieces (`pow`, `mean`,
+# `rsqrt`, `mul`, `to`), RoPE pieces (`cat`, `neg`, `mul`, `add`), and reshapes.
+
+# %% [markdown]
+# ## 2. Fusion: fewer ops, the same logits
+#
+# `fuse(model)` swaps each block's attention, MLP and norm wiring for fused versions that reuse the same weights
+# (concatenated once, the originals dropped). *Predict before you run the next cell:* SmolLM2 has 30 blocks; q/k/v
+# fusion removes 2 matmul calls per block, gate/up 1, rotating q and k together ~6 elementwise ops, the folded
+# residual ~1. About how many of the ~2,000 ops per step should be left? Write your number down.
+
+# %%
+fused = fuse(copy.deepcopy(model))
+ops_step = {}
+for name, m in (("eager", model), ("fused", fused)):
+    cache = KVCache.for_model(m, 1, len(prompt_ids) + 1)
+    with torch.inference_mode():
+        m(torch.tensor([prompt_ids]), kv_cache=cache)
+    ops_step[name] = count_ops(m, torch.tensor([prompt_ids[:1]]), kv_cache=cache)
+with torch.inference_mode():
+    x = torch.tensor([prompt_ids])
+    diff = float((fused(x) - model(x)).abs().max())
+print(f"aten ops per decode step: eager {ops_step['eager']}, fused {ops_step['fused']} "
+      f"({ops_step['fused'] / ops_step['eager']:.0%} of eager); max |logit difference| fused vs eager: {diff:.2e}")
+
+# %% [markdown]
+# ## 3. Compiling the decode step
+#
+# `minillm.generate(..., compile=True)` prefills eagerly into a `StaticKVCache` (length rounded up to a power of
+# two, so many requests share one compiled program) and runs every decode step through `torch.compile(fullgraph=True)`.
+# The first call pays for tracing and code generation; inductor keeps the generated code in an on-disk cache, so a
+# second *process* compiles faster (`minillm bench fusion` measures both). We count recompiles while decoding.
+
+# %%
+torch._dynamo.reset()
+t0 = time.perf_counter()
+minillm.generate(fused, None, prompt_ids, max_new_tokens=4, ignore_eos=True, compile=True)
+compile_s = time.perf_counter() - t0
+n_new = pick(128, 16)
+with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile would raise here
+    eager_out = minillm.generate(model, None, prompt_ids, max_new_tokens=n_new, ignore_eos=True)
+    compiled_out = minillm.generate(fused, None, prompt_ids, max_new_tokens=n_new, ignore_eos=True, compile=True)
+graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+print(f"first compiled call (trace + codegen + 4 tokens): {compile_s:.1f} s; graphs compiled: {graphs}; "
+      f"{n_new} more compiled steps ran with error_on_recompile=True: no recompile")
+print("greedy tokens, compiled vs eager (float32):",
+      "identical" if compiled_out.token_ids == eager_out.token_ids else
+      f"differ from token {first_divergence(compiled_out.token_ids, eager_out.token_ids)}")
+
+# %% [markdown]
+# ## 4. The ladder, against the roofs measured in this run
+#
+# Each variant decodes the same 32-token prompt greedily; tok/s counts the tokens after the first. Three roofs,
+# measured here and now: the **read probe** (a large reduction: a decode step only *reads* weights), and the
+# **matmul ceiling** — torch's own batch-1 matrix-vector products over this model's weights with nothing else in
+# the step, i.e. what torch's kernels can reach on this machine at all. MBU = bytes read per token × tok/s ÷ read
+# bandwidth. bf16 halves the bytes; whether it is faster depends on whether this CPU has bf16 instructions (above).
+
+# %%
+repeat = pick(3, 1)
+# quick mode (CI) compiles only float32: a second compile takes most of a minute
+rows, tokens, extra = ladder(model, prompt_ids, n_new, repeat,
+                             compiled_dtypes=(torch.float32, torch.bfloat16) if repeat > 1 else (torch.float32,))
+print(f"read bandwidth {extra['read_GBps']:.1f} GB/s; {n_new} new tokens, best of {repeat} round-robin rounds")
+print(f"{'variant':<18}{'tok/s':>8}{'ops/step':>10}{'MBU':>7}{'of ceiling':>12}{'roof tok/s':>12}{'ceiling tok/s':>15}")
+for r in rows:
+    print(f"{r['variant']:<18}{r['decode_tok_s']:>8.1f}{r['ops_per_step'] or '-':>10}{r['mbu_read']:>7.0%}"
+          f"{r['of_matmul_ceiling']:>12.0%}{r['roof_tok_s']:>12.1f}{r['ceiling_tok_s']:>15.1f}")
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 3.8))
+names = [r["variant"] for r in rows]
+ax.bar(names, [r["decode_tok_s"] for r in rows], color=["#4c72b0" if "float32" in n else "#dd8452" for n in names])
+for i, r in enumerate(rows):
+    ax.hlines(r["ceiling_tok_s"], i - 0.4, i + 0.4, colors="k", linestyles="--",
+              label="matmul ceiling" if i == 0 else None)
+    ax.hlines(r["roof_tok_s"], i - 0.4, i + 0.4, colors="r", linestyles=":",
+              label="read-bandwidth roof" if i == 0 else None)
+ax.set_ylabel("decode tokens/s (batch 1)")
+ax.set_title("SmolLM2-135M decode: eager → fused → compiled")
+ax.legend(loc="upper left")
+plt.xticks(rotation=20)
+plt.tight_layout()
+plt.show()
+
+# %%
+by = {r["variant"]: r for r in rows}
+tps = {k: r["decode_tok_s"] for k, r in by.items()}
+best32 = max(("eager float32", "fused float32", "compiled float32"), key=tps.get)
+print(f"float32: the fastest variant here is {best32} at {tps[best32]:.1f} tok/s, "
+      f"{by[best32]['of_matmul_ceiling']:.0%} of what torch's bare matvecs allow; "
+      f"compiled/eager = {tps['compiled float32'] / tps['eager float32']:.2f}x, "
+      f"fused/eager = {tps['fused float32'] / tps['eager float32']:.2f}x.")
+if "compiled bfloat16" in by:
+    print(f"bfloat16: compiled/eager = {tps['compiled bfloat16'] / tps['eager bfloat16']:.2f}x.")
+print(f"bf16/fp32 eager = {tps['eager bfloat16'] / tps['eager float32']:.2f}x.")
+gap = 1 - by["eager float32"]["of_matmul_ceiling"]
+won = max(tps["fused float32"], tps["compiled float32"]) / tps["eager float32"] - 1
+print(f"eager float32 runs at {1 - gap:.0%} of the matmul ceiling: at most {gap:.0%} of the step is overhead that "
+      f"removing ops could recover; the best of fused/compiled recovered {won:+.0%} of eager's speed here"
+      + (", so the matmuls themselves bound this CPU's decode." if won < 0.1 else "."))
+
+# %% [markdown]
+# How to read this on your machine. When eager decode is already close to the matmul ceiling, the step is bound by
+# the matrix-vector products, and removing ops cannot help much; inductor's CPU code also calls matvec kernels of its
+# own, which need not be faster than eager's. That is what a CPU with few cores and a 135M-parameter model tends to
+# show, and why gpt-fast's big wins (eager 25 → compiled 107 tok/s on Llama-7B) are GPU numbers, where each of those
+# ~2,000 ops is a kernel launch of several microseconds. The ceiling itself is not the read roof either: torch's
+# matvec kernels reach only part of the memory bandwidth at these shapes — the next lesson's quantized kernels are
+# measured against both.
+
+# %% [markdown]
+# ## 5. What the compiler generated
+#
+# `torch._inductor.utils.run_and_get_code` returns the source inductor wrote. For RMSNorm (float32 upcast, mean of
+# squares, rsqrt, scale: eight ops eagerly), the CPU backend emits one C++ loop nest that reads x once.
+
+# %%
+from torch._inductor.utils import run_and_get_code
+
+from minillm.model import rms_norm
+
+torch._dynamo.reset()
+xs, w = torch.randn(1, 576), torch.ones(576)
+_, codes = run_and_get_code(torch.compile(lambda a, b: rms_norm(a, b, 1e-5)), xs, w)
+kernel = next((c for c in codes if "cpp_fused" in c or "extern" in c or "def call" in c), codes[0])
+start = kernel.find("cpp_fused")
+print(kernel[start: start + 1500] if start >= 0 else kernel[:1500])
+
+# %% [markdown]
+# ## 6. On a GPU
+#
+# On CUDA, `compile=True` uses mode="reduce-overhead": the compiled step is recorded as a **CUDA graph** and replayed,
+# so the ~hundreds of kernels of a step cost one launch. That is where the big ratios of this technique come from;
+# `scripts/gpu_check.sh` measures it when a GPU is available. This lesson's figures are from the CPU named at the top
+# (no GPU was available when it was executed).
+#
+# **Exercise 06** (`exercises/ex06_fusion.py`, graded by `minillm grade 06`): fuse the q/k/v weights and split the
+# output back with GQA sizes, and fold the residual into RMSNorm; the last task fuses the real model with your
+# functions and checks it still answers "Paris". Next, lesson 07 (quantization) reads fewer bytes per token.
