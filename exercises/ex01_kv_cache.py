@@ -8,6 +8,11 @@ already there, and its query attends over everything written so far. Fill in bot
 The graders compare yours with torch SDPA over the filled prefix, fill the unwritten slots with NaN (a read past
 the filled length shows up), and plug your functions into a cache that the real model class decodes with. Calling
 torch's attention (or minillm) inside your answer is rejected.
+
+task_01_real_model decodes SmolLM2-135M with minillm.generate through a cache that writes with your append_kv and
+decodes with your decode_attention (unwritten slots full of NaN): the same greedy tokens as minillm. It stands on
+exercise 00: your rms_norm, apply_rope, naive_attention (the prefill) and sampler run underneath where you have
+written them, minillm's where you have not; if only they break the run, the failure says so.
 """
 
 from __future__ import annotations

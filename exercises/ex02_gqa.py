@@ -7,6 +7,11 @@ read per decode step. Fill in both functions, then grade your work:
 
 The graders compare yours with torch SDPA on K/V repeated per query head, and with a per-head loop for the pooling.
 Calling torch's attention, minillm's repeat_kv (or minillm at all) inside your answer is rejected.
+
+task_02_real_model makes your grouped_attention SmolLM2-135M's attention backend (9 query heads on 3 KV heads):
+prefill logits within 1e-3 of minillm's, and generate()'s greedy tokens identical (your attention also runs every
+decode step over the cache). It stands on exercise 00 (your norm, RoPE and sampler where written, else minillm's);
+exercise 01's decode_attention stays out, so the decode steps are yours too.
 """
 
 from __future__ import annotations

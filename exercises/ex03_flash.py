@@ -7,6 +7,10 @@ Fill in each function, then grade your work:
 The graders compare with torch's SDPA on random shapes (q_len and kv_len not multiples of the block size, GQA,
 decode, chunked prefill), check that flash_attention never builds a q_len x kv_len tensor and skips the key blocks
 above the causal diagonal, and reject answers that call SDPA, softmax or minillm's own attention.
+
+task_03_real_model makes your flash_attention (16 x 16 tiles: the 37-token chat prompt spans three key tiles)
+SmolLM2-135M's attention backend: prefill logits within 1e-3 of minillm's and the same greedy tokens. It stands on
+exercise 00 (your norm, RoPE and sampler where written, else minillm's).
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@ handed out twice, all-or-nothing allocation, shared blocks kept until their last
 refused, nothing leaked. The attention grader compares with SDPA over each sequence's own keys, with shuffled block
 ids, lengths that are not multiples of the block size, GQA, and NaN in every pool slot a sequence does not own
 (reading past a sequence's length shows up); it rejects answers that call SDPA or minillm.
+
+task_04_real_model puts your BlockAllocator in every paged cache and registers your paged_attention as their decode
+backend (register_attention(..., kind="paged_decode")): minillm.generate(cache="paged") and the engine (minillm.LLM,
+six requests on a six-block pool, with preemptions) must give minillm's greedy tokens. It stands on exercises 00
+(norm, RoPE, sampler) and 02/03 (the prefill attention: the latest you wrote), minillm's where you have not.
 """
 
 from __future__ import annotations

@@ -3,6 +3,11 @@
 Read lessons/05_continuous_batching.py first. The scheduler works on plain data: Sequence objects (tokens, status,
 block table), a BlockManager whose verbs you call (can_allocate / allocate / can_append / may_append / deallocate),
 and the `preempt` helper. Grade with `minillm grade 05`.
+
+task_05_real_model drives minillm.LLM's Scheduler with your schedule_step and postprocess_step over SmolLM2-135M:
+a seeded workload of six real-text requests on a six-block pool (the reference preempts three times) must come out
+token for token as minillm serves it. It stands on exercises 00 (norm, RoPE), 02/03 (prefill attention) and 04
+(block allocator, paged decode attention): yours where written, minillm's where not.
 """
 
 from __future__ import annotations

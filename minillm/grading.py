@@ -21,27 +21,33 @@ TASKS: dict[str, list[tuple[str, str]]] = {
         ("task_00_rope", "rotary position embedding (rotate-half pairing)"),
         ("task_00_attention", "causal GQA attention from scores"),
         ("task_00_sampler", "temperature, top-k, top-p sampling"),
+        ("task_00_real_model", "your decoder pieces in SmolLM2: reference logits, answers Paris"),
     ],
     "01": [
         ("task_01_cache_append", "write new keys/values at the right cache positions"),
         ("task_01_cached_attention", "one decode step attending over the filled cache only"),
+        ("task_01_real_model", "your KV cache decodes SmolLM2: the reference greedy tokens"),
     ],
     "02": [
         ("task_02_grouped_attention", "attention with n_kv_heads < n_heads (query head h uses KV head h // group)"),
         ("task_02_mean_pool", "GQA -> fewer KV heads by mean-pooling groups"),
+        ("task_02_real_model", "your grouped attention runs SmolLM2: the reference greedy tokens"),
     ],
     "03": [
         ("task_03_merge", "merge two partial softmax results (online softmax)"),
         ("task_03_flash", "tiled flash-attention forward in torch"),
+        ("task_03_real_model", "your flash attention runs SmolLM2: the reference greedy tokens"),
         ("task_03_triton", "optional: Triton flash forward, graded under the interpreter"),
     ],
     "04": [
         ("task_04_allocator", "block allocator: allocate, free, ref counts"),
         ("task_04_paged_attention", "paged decode attention by gathering through the block table"),
+        ("task_04_real_model", "your allocator + paged decode in generate and the engine on SmolLM2"),
     ],
     "05": [
         ("task_05_schedule", "one scheduler step: admit, preempt, finish"),
         ("task_05_static_vs_continuous", "the static and continuous batching loops"),
+        ("task_05_real_model", "your scheduler serves a seeded workload on SmolLM2: reference outputs"),
     ],
     "06": [
         ("task_06_qkv", "fuse the q/k/v weights into one and split the output back (GQA sizes)"),

@@ -1,7 +1,8 @@
 """Tiered hints for the exercises: `minillm hint NN [task] [--level 1|2|3]`.
 
 Level 1 is a nudge (what to think about), level 2 the contract and the trap the grader checks, level 3 the recipe
-(for now: the stub's own NotImplementedError message, read from exercises/exNN_*.py).
+(the stub's own NotImplementedError message, read from exercises/exNN_*.py; RECIPES for the real-model tasks,
+which have no stub of their own).
 """
 
 from __future__ import annotations
@@ -53,15 +54,46 @@ HINTS: dict[str, tuple[str, str]] = {
     "task_05_schedule": ("Running sequences first, then admissions; blocks are the scarce resource.",
                          "When a block is missing, preempt the most recently admitted; admit strictly in arrival "
                          "order (never skip a blocked head); admit nothing in a step that preempted."),
+    "task_00_real_model": ("Nothing new to write: this runs SmolLM2 on your four pieces. Fix the unit tasks first.",
+                           "The logits are checked one piece at a time (the message names the piece), so a bug the "
+                           "unit cases miss on random tensors shows here: e.g. RoPE's pairing, or the causal mask "
+                           "at decode (q_len 1 over a longer cache)."),
+    "task_01_real_model": ("Nothing new to write: generate() decodes SmolLM2 through a cache using your two functions.",
+                           "The cache's unwritten slots hold NaN; each decode step passes n_filled = what append_kv "
+                           "returned. If this fails after 00 changed, the message says whether exercise 00 is at fault."),
+    "task_02_real_model": ("Nothing new to write: your grouped_attention becomes SmolLM2's attention backend.",
+                           "It runs at prefill (q_len == kv_len) and at every decode step (q_len 1 over the cache): "
+                           "the causal mask must be bottom-right aligned; 9 query heads read 3 KV heads."),
+    "task_03_real_model": ("Nothing new to write: your flash_attention becomes SmolLM2's attention backend.",
+                           "It runs with 16 x 16 tiles, so the 37-token prompt spans three key tiles: the rescale "
+                           "of the running sums and the decode case (one query row over the cache) both matter."),
+    "task_04_real_model": ("Nothing new to write: your allocator and paged attention serve generate() and the engine.",
+                           "The engine pool is small (6 blocks of 8), so sequences are preempted and their blocks "
+                           "freed and reused: free must return blocks, paged_attention must follow each table."),
+    "task_05_real_model": ("Nothing new to write: minillm.LLM runs SmolLM2 with your scheduler's two functions.",
+                           "6 requests on a 6-block pool: preemption has to happen, recomputed sequences must end "
+                           "with the same tokens, finished ones must free their blocks or the engine stalls."),
     "task_05_static_vs_continuous": ("Static waits for the whole batch; continuous refills every step.",
                                      "Both return the busy slots at each step; continuous refills free slots from "
                                      "the waiting queue before every step, in arrival order."),
 }
 
 
+# level 3 of the tasks that have no stub of their own: they run the learner's other functions on the real model
+_REAL_MODEL_RECIPE = ("MINILLM_GRADE=exercises python -m pytest tests/graders/{file} -m {marker} -x shows the failing case; try it yourself "
+                      "with minillm.checkpoints.use_exercises(model, exercises.{module}) around minillm.generate / "
+                      "minillm.chat / LLM.from_model and compare with the same call outside the block.")
+_REAL_MODEL_MODULES = {"00": "ex00_decoder", "01": "ex01_kv_cache", "02": "ex02_gqa", "03": "ex03_flash",
+                       "04": "ex04_paged", "05": "ex05_batching"}
+RECIPES: dict[str, str] = {
+    f"task_{n}_real_model": _REAL_MODEL_RECIPE.format(file=f"test_{m}.py", marker=f"task_{n}_real_model", module=m)
+    for n, m in _REAL_MODEL_MODULES.items()
+}
+
+
 def _recipes(lesson: str) -> dict[str, str]:
-    """task marker -> the stub's NotImplementedError message ('task NN.name: ...')."""
-    out: dict[str, str] = {}
+    """task marker -> the stub's NotImplementedError message ('task NN.name: ...'), or its RECIPES entry."""
+    out: dict[str, str] = {m: r for m, r in RECIPES.items() if m.startswith(f"task_{lesson}_")}
     for path in sorted((ROOT / "exercises").glob(f"ex{lesson}_*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:

@@ -64,6 +64,9 @@ MUTANTS = [
            "top-p keeps a token whose predecessors already reach p exactly"),
     Mutant("top_k_keeps_k_minus_1", "ex00_decoder", "logits_to_probs", "task_00_sampler",
            (("logits.masked_fill(logits < kth", "logits.masked_fill(logits <= kth"),), "top-k drops the k-th token"),
+    Mutant("rope_interleaved_pairing", "ex00_decoder", "apply_rope", "task_00_real_model",
+           (("x1, x2 = x.chunk(2, dim=-1)", "x1, x2 = x[..., 0::2], x[..., 1::2]"),),
+           "GPT-J pairing (2i, 2i+1) on q/k weights laid out for rotate-half: runs, but SmolLM2 stops answering"),
     # ---------------------------------------------------------------- ex01
     Mutant("append_returns_start", "ex01_kv_cache", "append_kv", "task_01_cache_append",
            (("    return end", "    return start"),), "reports the old length"),
@@ -75,6 +78,9 @@ MUTANTS = [
     Mutant("decode_reads_whole_buffer", "ex01_kv_cache", "decode_attention", "task_01_cached_attention",
            (("k_cache[:, :, :n_filled]", "k_cache"), ("v_cache[:, :, :n_filled]", "v_cache")),
            "attends over unwritten slots"),
+    Mutant("decode_reads_whole_buffer_real", "ex01_kv_cache", "decode_attention", "task_01_real_model",
+           (("k_cache[:, :, :n_filled]", "k_cache"), ("v_cache[:, :, :n_filled]", "v_cache")),
+           "attends over the real cache's unwritten slots during generate()"),
     # ---------------------------------------------------------------- ex02
     Mutant("grouped_softmax_no_max", "ex02_gqa", "grouped_attention", "task_02_grouped_attention",
            (("scores.softmax(dim=-1)", SOFTMAX_NO_MAX),), "softmax without subtracting the row max"),
@@ -84,6 +90,10 @@ MUTANTS = [
            "query head h reads KV head h % n_kv_heads"),
     Mutant("mean_pool_sums", "ex02_gqa", "mean_pool_kv_heads", "task_02_mean_pool",
            ((".mean(dim=1)", ".sum(dim=1)"),), "sums the group instead of averaging it"),
+    Mutant("grouped_mask_top_left", "ex02_gqa", "grouped_attention", "task_02_real_model",
+           (("i = torch.arange(q_len, device=q.device)[:, None] + (kv_len - q_len)",
+             "i = torch.arange(q_len, device=q.device)[:, None]"),),
+           "causal mask aligned top-left: a decode step's one query sees only the first key"),
     # ---------------------------------------------------------------- ex03
     Mutant("merge_no_empty_guard", "ex03_flash", "merge_partials", "task_03_merge",
            (("m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)", "m_safe = m"),),
@@ -96,6 +106,10 @@ MUTANTS = [
            (("l = rescale * l + p.sum(dim=-1)", "l = l + p.sum(dim=-1)"),
             ("acc = rescale[..., None] * acc + p @ v_tile", "acc = acc + p @ v_tile")),
            "old sums are not rescaled to the new max"),
+    Mutant("flash_no_rescale_real", "ex03_flash", "flash_attention", "task_03_real_model",
+           (("l = rescale * l + p.sum(dim=-1)", "l = l + p.sum(dim=-1)"),
+            ("acc = rescale[..., None] * acc + p @ v_tile", "acc = acc + p @ v_tile")),
+           "no rescale when the max grows: wrong as soon as the prompt spans several key tiles"),
     # ---------------------------------------------------------------- ex04
     Mutant("allocate_not_all_or_nothing", "ex04_paged", "BlockAllocator.allocate", "task_04_allocator",
            (("if n > len(self._free):", "if n > len(self._free) + len(self._free):"),
@@ -108,6 +122,9 @@ MUTANTS = [
     Mutant("paged_masks_scores_only", "ex04_paged", "paged_attention", "task_04_paged_attention",
            (("values = torch.where(valid[:, None, :, None], values, 0)", "pass"),),
            "unused value slots (NaN) leak through 0 * NaN"),
+    Mutant("free_leaks_blocks", "ex04_paged", "BlockAllocator.free", "task_04_real_model",
+           (("self._free.append(i)", "pass"),),
+           "freed blocks never return to the free list: the engine's small pool runs dry and it stalls"),
     # ---------------------------------------------------------------- ex05
     # "admits new work in the step that just preempted" is checked by the grader (test_ex05 drive()) but is no
     # mutant here: with FCFS admission it cannot change behaviour in this engine. The victim goes to the head of the
@@ -123,6 +140,8 @@ MUTANTS = [
            "admits a later request that fits while the head waits: not FCFS, can starve the head"),
     Mutant("finished_keep_blocks", "ex05_batching", "postprocess_step", "task_05_schedule",
            (("block_manager.deallocate(seq)", "pass"),), "finished sequences never free their blocks"),
+    Mutant("finished_keep_blocks_real", "ex05_batching", "postprocess_step", "task_05_real_model",
+           (("block_manager.deallocate(seq)", "pass"),), "finished sequences keep their blocks: the real engine stalls"),
     Mutant("continuous_leaves_a_slot_idle", "ex05_batching", "continuous_batching_loop", "task_05_static_vs_continuous",
            (("while waiting and len(active) < max_batch:", "while waiting and len(active) < max_batch - 1:"),),
            "refills one slot short"),

@@ -435,3 +435,30 @@ def test_sampler_grader_accepts_a_right_variant():
 def test_sampler_grader_rejects_wrong_answers(wrong):
     with pytest.raises((AssertionError, RuntimeError)):  # nan probabilities raise
         check_sampler(wrong)
+
+
+# ===================================================================================== the real model, your decoder
+
+
+@pytest.mark.task_00_real_model
+def test_your_decoder_runs_smollm2(real_model):
+    """Your rms_norm, apply_rope, naive_attention (as the model's attention backend) and sample_from_logits inside
+    SmolLM2-135M (float32): the chat prompt's logits within 1e-3 of the reference's, one piece at a time and all
+    together, then `minillm.chat` answers "The capital of France is Paris." (minillm.checkpoints.use_exercises)."""
+    import minillm
+    from minillm.checkpoints import use_exercises
+    from tests.graders.real_model import ANSWER, PROMPT, chat_ids, one_thread, reference_logits
+
+    model, tok = real_model
+    want = reference_logits(model, tok)
+    x = torch.tensor([chat_ids(tok)])
+    for only in ({"rms_norm"}, {"apply_rope"}, {"naive_attention"}, None):
+        with use_exercises(model, impl, only=only), torch.inference_mode():
+            got = one_thread(model)(x)
+        what = f"with your {next(iter(only))} in SmolLM2 (the rest: minillm's)" if only else "with all your pieces"
+        assert got.shape == want.shape and torch.isfinite(got).all(), f"{what}: logits are not finite"
+        err = (got - want).abs().max().item()
+        assert err <= 1e-3, f"{what}: the chat prompt's logits differ from the reference by up to {err:.3g} (> 1e-3)"
+    with use_exercises(model, impl):
+        out = one_thread(minillm.chat)(model, tok, PROMPT, max_new_tokens=12)
+    assert out.text.strip() == ANSWER, f"SmolLM2 on your decoder answered {out.text!r}, expected {ANSWER!r}"

@@ -266,3 +266,36 @@ def test_model_check_rejects_wrong_answers():
     for wrong_decode in (_decode_whole_buffer, _decode_misses_newest, _decode_modulo_heads):
         with pytest.raises(AssertionError):
             check_with_model(append_kv, wrong_decode)
+
+
+# ======================================================================================== the real model, your cache
+
+
+@pytest.mark.task_01_real_model
+def test_your_cache_decodes_smollm2(real_model):
+    """minillm.generate on SmolLM2-135M (float32) with a KVCache that writes with your append_kv and decodes with your
+    decode_attention, its unwritten slots full of NaN: the same greedy tokens as the reference. Stands on exercise
+    00: your rms_norm / apply_rope / naive_attention / sampler run underneath where you wrote them (else minillm's)."""
+    import minillm.kv_cache
+    from minillm.checkpoints import check_on_ladder
+    from tests.graders.real_model import greedy_ids, reference_greedy, same_tokens
+
+    model, tok = real_model
+    want = reference_greedy(model, tok)
+
+    def check():
+        cache_cls = minillm.kv_cache.KVCache  # yours, swapped in by the ladder
+
+        class NaNFilled(cache_cls):  # a slot read before it is written poisons the output
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.k.fill_(NAN)
+                self.v.fill_(NAN)
+
+        minillm.kv_cache.KVCache = NaNFilled
+        try:
+            same_tokens(greedy_ids(model, tok), want, tok, "SmolLM2 with your KV cache")
+        finally:
+            minillm.kv_cache.KVCache = cache_cls
+
+    check_on_ladder(model, impl, check)

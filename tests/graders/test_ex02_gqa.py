@@ -196,3 +196,31 @@ def _pool_bf16_arithmetic(w, n_kv_heads, new_n_kv_heads):  # correct, but averag
 def test_mean_pool_grader_rejects_wrong_answers(wrong):
     with pytest.raises(AssertionError):
         check_mean_pool(wrong)
+
+
+# ============================================================================= the real model, your grouped attention
+
+
+@pytest.mark.task_02_real_model
+def test_your_grouped_attention_runs_smollm2(real_model):
+    """Your grouped_attention as SmolLM2-135M's attention backend (9 query heads on 3 KV heads, float32): the chat
+    prompt's logits within 1e-3 of the reference's, and generate()'s greedy tokens (your attention runs the prefill
+    and every decode step over minillm's contiguous cache) identical. Stands on exercise 00 (your norm, RoPE and
+    sampler underneath where you wrote them, else minillm's)."""
+    from minillm.checkpoints import check_on_ladder
+    from tests.graders.real_model import (
+        close_logits,
+        greedy_ids,
+        reference_greedy,
+        reference_logits,
+        same_tokens,
+    )
+
+    model, tok = real_model
+    want, want_logits = reference_greedy(model, tok), reference_logits(model, tok)  # before anything is swapped in
+
+    def check():
+        close_logits(model, tok, want_logits, "SmolLM2 with your grouped attention")
+        same_tokens(greedy_ids(model, tok), want, tok, "SmolLM2 with your grouped attention")
+
+    check_on_ladder(model, impl, check)

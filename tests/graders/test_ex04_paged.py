@@ -316,3 +316,37 @@ def test_paged_attention_rejects_sdpa():
 
     with pytest.raises(pytest.fail.Exception):
         forbid_calls(calls_sdpa, ["scaled_dot_product_attention", "minillm"])
+
+
+# ========================================================================================= the real model, paged
+
+
+@pytest.mark.task_04_real_model
+def test_your_paged_cache_runs_smollm2(real_model):
+    """Your BlockAllocator hands out the blocks and your paged_attention is the decode backend
+    (`register_attention(..., kind="paged_decode")`) of every paged cache: `minillm.generate(cache="paged")` and the
+    engine (minillm.LLM, 6 requests on a 6-block pool, with preemptions) give SmolLM2-135M's reference greedy tokens.
+    Stands on exercises 00, 02 and 03 (norm, RoPE, sampler; the prefill attention: the latest you wrote, else
+    minillm's)."""
+    from minillm.checkpoints import check_on_ladder
+    from tests.graders.real_model import (
+        greedy_ids,
+        reference_greedy,
+        reference_serve,
+        same_tokens,
+        serve,
+        workload,
+    )
+
+    model, tok = real_model
+    want = reference_greedy(model, tok, cache="paged")
+    requests = workload(tok)
+    want_served, _ = reference_serve(model, tok, requests)
+
+    def check():
+        same_tokens(greedy_ids(model, tok, cache="paged"), want, tok, "generate(cache='paged') with your paged cache")
+        got, _ = serve(model, tok, requests)
+        for i, (g, w) in enumerate(zip(got, want_served)):
+            same_tokens(g, w, tok, f"engine request {i} with your allocator and paged attention")
+
+    check_on_ladder(model, impl, check)
