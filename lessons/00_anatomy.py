@@ -265,4 +265,4 @@ if QUICK:
 # is why MBU, not MFU, is its figure of merit. Prefill is compute-bound. The KV cache trades memory for not
 # recomputing the past; its size per token follows directly from the config. Next, lesson 01 measures what that
 # cache buys over the no-cache baseline (`minillm bench kv-cache`); exercise 00 has you write the decoder's
-# pieces: `minillm grade 00`.
+# pieces: `minillm grade 00` (its last task runs SmolLM2 on them), hints with `minillm hint 00`.

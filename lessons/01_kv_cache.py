@@ -226,3 +226,8 @@ print(f"MBU = {bytes_tok / measured_s / bw:.0%} of the measured copy bandwidth; 
 # **On this machine** (a shared 2-core CPU; see the hardware line above) absolute times move with other processes'
 # load, so read ratios measured in the same run. On a GPU the same picture holds with ~100x more bandwidth and
 # ~1000x more FLOP/s: decode at batch 1 is even more firmly memory-bound there.
+
+# %% [markdown]
+# **Exercise 01** (`exercises/ex01_kv_cache.py`): write the cache's write (`append_kv`) and one decode step's
+# attention over the filled cache (`decode_attention`). `minillm grade 01` grades them, its last task decoding SmolLM2
+# through a cache built from your two functions; `minillm hint 01 [task] --level 1|2|3` when you are stuck.

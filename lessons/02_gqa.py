@@ -227,3 +227,8 @@ plt.show()
 #   uses mean-pooling only as the *initialisation* and then continues pre-training for ~5% of the original compute to
 #   recover quality; the models you download as GQA were trained that way (or from scratch). The lesson: the KV-head
 #   count is an architecture decision made before or during training, and the memory it saves is paid for there.
+
+# %% [markdown]
+# **Exercise 02** (`exercises/ex02_gqa.py`): write `grouped_attention` (no per-query-head copy of K/V) and
+# `mean_pool_kv_heads`. `minillm grade 02` grades them, its last task running SmolLM2 with your attention as its
+# backend; `minillm hint 02 [task] --level 1|2|3` when you are stuck.

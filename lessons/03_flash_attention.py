@@ -228,18 +228,23 @@ for n in time_lengths:
           + f" {times['flash', n] / times['naive', n]:12.2f} {tiles:6d}")
 
 # %% [markdown]
-# On a CPU the torch flash loop is **slower** than naive attention, and that is expected: each 64×64 tile is a Python
-# iteration issuing about ten small torch ops, and every op pays dispatch overhead that one big matmul pays once.
-# The loop shows the *algorithm* and its memory behaviour; it is not how anyone runs it. The speed comes from doing
-# the whole loop inside **one kernel**: torch's `sdpa` on CPU is such a fused kernel (the fastest column above),
+# The `flash/naive` column is the comparison of the two torch implementations in this run (below 1: the loop was
+# faster). Two costs pull against each other: each 64×64 tile is a Python iteration issuing about ten small torch ops,
+# and every op pays dispatch overhead that one big matmul pays once; naive attention instead writes and re-reads the
+# whole N×N score matrix in memory. Both costs grow with N² (so does the `tiles` column): the loop pays per tile, naive
+# per score written and read back. Which side wins depends on N and on the machine: read the column, not this
+# paragraph. The loop shows the *algorithm* and its memory behaviour; it is not how anyone runs it. The speed comes
+# from doing the whole loop inside **one kernel**: torch's `sdpa` on CPU is such a fused kernel (the fastest column above),
 # and on a GPU the Triton kernel below keeps each tile in SRAM and never sends the scores to HBM.
 #
 # ## 6. The Triton kernel
 #
 # `minillm_kernels.flash_attn` is the same algorithm as a GPU kernel: one program per (batch, query head, block of
 # 128 queries); its KV head is `head // group`; it loops first over the key tiles every query may see (no masks),
-# then over the tiles that cross the diagonal or the end of the keys (masked loads, `-inf` scores). The inner step is
-# the online softmax again, in log2 units so that it can use the cheap `exp2`:
+# then over the tiles that cross the diagonal or the end of the keys (masked loads, `-inf` scores). The cell below
+# prints that outer part of the kernel: the running max and sum start at `-inf` and 0, and both loops hand each key
+# tile to `attend_key_block`, the inner step, which is the online softmax again in log2 units so that it can use the
+# cheap `exp2` (exercise 03's optional task asks you to write it):
 
 # %%
 try:
@@ -316,5 +321,6 @@ else:
 # * The speed is a property of the *kernel*, not of the algorithm written in Python: fused (torch SDPA on CPU, the
 #   Triton kernel on GPU) it is fast; as a Python loop it is slow.
 #
-# Exercise 03 (`exercises/ex03_flash.py`, `minillm grade 03`): write `merge_partials`, `flash_attention`, and
-# optionally the Triton kernel's inner step `attend_key_block`. Benchmark: `minillm bench attention`.
+# Exercise 03 (`exercises/ex03_flash.py`, `minillm grade 03`, hints: `minillm hint 03`): write `merge_partials`,
+# `flash_attention`, and optionally the Triton kernel's inner step `attend_key_block`. Benchmark:
+# `minillm bench attention`.

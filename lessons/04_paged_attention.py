@@ -342,3 +342,9 @@ if gpu.exists() and "configs" in (report := json.loads(gpu.read_text())):
                   f"({c['triton_vs_contiguous_time']:.2f}x), torch gather {c['torch_gather_us']:.0f} us")
 else:
     print("no GPU results yet: run `python scripts/gpu_check_paged.py` on a CUDA machine")
+
+# %% [markdown]
+# **Exercise 04** (`exercises/ex04_paged.py`): write the `BlockAllocator`'s allocate / free / incref and
+# `paged_attention` through block tables. `minillm grade 04` grades them, its last task serving SmolLM2 through
+# `generate(cache="paged")` and the engine with your allocator and attention; `minillm hint 04 [task] --level 1|2|3`
+# when you are stuck.

@@ -234,4 +234,5 @@ print("free blocks after the run:", tight.num_free_blocks(), "of", tight.block_m
 # * **Preemption by recompute** trades compute for memory: the evicted sequence's KV is thrown away and rebuilt by a
 #   prefill, which is cheap next to its decode steps. vLLM can also swap blocks to host memory instead.
 #
-# Exercise 05 (`exercises/ex05_batching.py`, `minillm grade 05`): write one scheduler step and the two loops.
+# Exercise 05 (`exercises/ex05_batching.py`, `minillm grade 05`, hints: `minillm hint 05`): write one scheduler step
+# and the two loops; the last task serves a seeded workload on SmolLM2 through `minillm.LLM` with your scheduler.

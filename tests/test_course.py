@@ -2,6 +2,10 @@
 
 - No lesson shows an exercise's answer: no cell prints the source of a function that solutions/ copies from the
   engine (SAME_AS), and no committed notebook output contains its definition.
+- Prose never outruns the numbers: no markdown cell states a measured speed comparison ("3.1x faster", "**slower**",
+  "faster than X by 20 ms"); such a sentence is printed by the cell that measured it. A few regexes, so a rephrased
+  claim can slip through: they catch the forms these lessons used.
+- Every lesson 00-05 points to its exercise at the end (`minillm grade NN`).
 """
 
 from __future__ import annotations
@@ -81,3 +85,47 @@ def test_cli_hint_and_generate_compile_flag(capsys):
     assert build_parser().parse_args(["generate", "hi"]).compile is False
     assert main(["hint", "00", "rope", "--level", "2"]) == 0
     assert "rotate" in capsys.readouterr().out.lower()
+
+
+# ------------------------------------------------------------------------------------ prose vs measured numbers
+
+# a typed speed verdict: "3.1x faster", "faster than naive by 2 ms", "12 ms ... slower", a bold **faster**/**slower**
+MEASURED_CLAIMS = [
+    r"\d[\d.]*\s*(?:x|×)\s+(?:faster|slower)\b",
+    r"\b(?:faster|slower)\s+(?:by|than)\b[^.\n]{0,30}\d",
+    r"\d[\d.]*\s*(?:ms|µs|us|tok/s|GB/s)\b[^.\n]{0,40}\b(?:faster|slower)\b",
+    r"\*\*(?:faster|slower)\*\*",
+]
+
+
+def markdown_claims(source: str) -> list[str]:
+    import re
+
+    return [source[max(0, m.start() - 40):m.end() + 20].replace("\n", " ")
+            for pat in MEASURED_CLAIMS for m in re.finditer(pat, source, re.IGNORECASE)]
+
+
+def test_claim_patterns_catch_typed_verdicts():
+    assert markdown_claims("On a CPU the torch flash loop is **slower** than naive attention")  # lesson 03, before
+    assert markdown_claims("MQA decodes 1.4x faster than GQA at 4k tokens")
+    assert not markdown_claims("Llama-2-70B has 2.5x more layers")  # a config fact, not a measurement
+    assert not markdown_claims("read the flash/naive column: below 1, the loop was faster")
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=[p.stem for p in LESSONS])
+def test_no_markdown_states_a_measured_comparison(lesson):
+    jupytext = pytest.importorskip("jupytext")
+    claims = [c for cell in jupytext.read(lesson).cells if cell.cell_type == "markdown"
+              for c in markdown_claims(cell.source)]
+    assert not claims, (f"{lesson.name}: markdown states a measured comparison, which a rerun can contradict; print it "
+                        f"from the numbers in the cell that measures them: {claims}")
+
+
+@pytest.mark.parametrize("lesson", [p for p in LESSONS if p.name[:2] in ("00", "01", "02", "03", "04", "05")],
+                         ids=lambda p: p.stem)
+def test_every_lesson_ends_with_its_exercise(lesson):
+    jupytext = pytest.importorskip("jupytext")
+    n = lesson.name[:2]
+    tail = [c.source for c in jupytext.read(lesson).cells if c.cell_type == "markdown"][-2:]
+    assert any(f"minillm grade {n}" in t for t in tail), (
+        f"{lesson.name}: the last markdown cells should point to exercise {n} (`minillm grade {n}`, `minillm hint {n}`)")
