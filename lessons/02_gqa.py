@@ -220,6 +220,13 @@ plt.show()
 #   weights are read once per step for the whole batch, the cache once per sequence), which is where serving lives.
 #   On a CPU, per-operation overhead also blurs small differences; compare each row with its bandwidth roof.
 #   (The roofs differ even at short context: MHA's k/v projections are 3x larger too, MQA's 3x smaller.)
+# - **Reading the speed table without over-reading it.** Each tok/s is a median of a few repeats on a shared CPU and
+#   the table prints no spread, so a difference of some 20% between neighbouring rows (a variant that seems to get
+#   *faster* as its context grows) is not evidence of anything. And where the ratio printed under the table between
+#   two variants is larger than the ratio of their roofs, bytes cannot be the explanation: multiply the per-layer times
+#   of the attention table by the 30 layers and compare that with the difference in step time. On a CPU the attention
+#   *kernel* (how it handles each head layout: torch's `enable_gqa` path, minillm's group folded into the query length,
+#   plain MHA) can account for more of the gap than the bandwidth does; a rerun of this notebook shows which it is.
 # - **Quality**: MHA by repetition is exact (KL 0, same perplexity): it is the same function, with 3x the cache.
 #   Going *down* is not free. SmolLM2's three KV heads learned different things; averaging them into one gives every
 #   query head a key that none of them was trained to read, in every one of the 30 layers, and the errors compound.
