@@ -76,6 +76,15 @@ HINTS: dict[str, tuple[str, str]] = {
     "task_05_static_vs_continuous": ("Static waits for the whole batch; continuous refills every step.",
                                      "Both return the busy slots at each step; continuous refills free slots from "
                                      "the waiting queue before every step, in arrival order."),
+    "task_06_qkv": ("One matmul whose output rows are q's, then k's, then v's: how wide is each part with GQA?",
+                    "Stack the weights along the output dim in the order q, k, v (the grader checks the layout, not "
+                    "just a round trip); split sizes are n_heads*head_dim, then n_kv_heads*head_dim twice."),
+    "task_06_add_norm": ("The residual stream needs the sum; the next sublayer needs its normalised version.",
+                         "Return (rms_norm(x + residual), x + residual): the sum once, normalised in float32 by the "
+                         "given rms_norm, in x's dtype."),
+    "task_06_real_model": ("Nothing new to write: your three functions fuse SmolLM2 and it must still say Paris.",
+                           "The fused model's logits must equal the unfused model's (fp32, <= 1e-4): a wrong order "
+                           "or split size shows up as garbage text, not an error."),
 }
 
 
@@ -89,6 +98,10 @@ RECIPES: dict[str, str] = {
     f"task_{n}_real_model": _REAL_MODEL_RECIPE.format(file=f"test_{m}.py", marker=f"task_{n}_real_model", module=m)
     for n, m in _REAL_MODEL_MODULES.items()
 }
+RECIPES["task_06_real_model"] = (
+    "MINILLM_GRADE=exercises python -m pytest tests/graders/test_ex06_fusion.py -m task_06_real_model -x shows the "
+    "failing case; by hand: set minillm.fusion's three functions to yours, fuse a copy of the model with "
+    "minillm.fusion.fuse and compare its logits with the original's.")
 
 
 def _recipes(lesson: str) -> dict[str, str]:
