@@ -135,9 +135,12 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"expected 4-d (batch, heads, seq, head_dim) q and k/v of one shape, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1] or q.shape[2] > k.shape[2]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree: same batch and head_dim, n_kv_heads "
-                         f"dividing n_heads, q_len <= kv_len")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"batch/head_dim mismatch between q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"n_kv_heads={k.shape[1]} must divide n_heads={q.shape[1]}")
+    if q.shape[2] > k.shape[2]:
+        raise ValueError(f"q_len {q.shape[2]} > kv_len {k.shape[2]}: queries must be the last kv positions")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype not in SUPPORTED_DTYPES:
