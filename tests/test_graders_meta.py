@@ -1,4 +1,8 @@
-"""Graders must be able to fail: every task fails on the stubs in exercises/ and passes on solutions/."""
+"""Graders must be able to fail: every task fails on the stubs in exercises/ and passes on solutions/.
+
+That the solutions pass is shown by the default test run itself, which collects tests/graders against solutions/
+(a failing task there fails CI); running them a second time here would double the graders' share of CI time.
+`minillm grade NN --solutions` is the same check by hand."""
 
 from __future__ import annotations
 
@@ -10,13 +14,11 @@ LESSONS = [lesson for lesson in TASKS if list((ROOT / "tests" / "graders").glob(
 
 
 @pytest.mark.parametrize("lesson", LESSONS)
-def test_solutions_pass_and_stubs_fail(lesson):
-    solved = run_graders(lesson, "solutions")
+def test_stubs_fail(lesson):
     stubs = run_graders(lesson, "exercises")
-    for task, outcome in solved.items():
-        assert outcome in ("pass", "skip"), f"{task} does not pass on solutions/ ({outcome})"
-        if outcome == "pass":
-            assert stubs[task] == "fail", f"{task} passes on the stub: its grader cannot fail"
+    for task, what in TASKS[lesson]:
+        allowed = ("fail", "skip") if what.startswith("optional") else ("fail",)
+        assert stubs.get(task) in allowed, f"{task} does not fail on the stub ({stubs.get(task)}): its grader cannot fail"
 
 
 # ------------------------------------------------------------------------------------------- the mutant list
