@@ -40,7 +40,6 @@ def generate_request(model, req: Request, cache: str = "contiguous", compile: bo
     compile=True prefills eagerly into a StaticKVCache and runs every decode step through the compiled forward
     (lesson 06); the first call compiles (seconds), later calls with the same cache length reuse it."""
     params, ids = req.params, req.prompt_ids
-    forward = model
     if compile:
         from .compile import StaticKVCache, compiled_decode, static_length
 
@@ -59,7 +58,7 @@ def generate_request(model, req: Request, cache: str = "contiguous", compile: bo
             logits = step(step_input, positions=positions, kv_cache=kv, last_only=True)[:, -1]
             kv.seq_len += 1
         else:
-            logits = forward(step_input, kv_cache=kv, last_only=True)[:, -1]  # (1, vocab)
+            logits = model(step_input, kv_cache=kv, last_only=True)[:, -1]  # (1, vocab)
         token = sample_from_logits(logits, params.temperature, params.top_k, params.top_p, req.generator)  # (1,)
         tok = int(token)
         yield tok
@@ -77,9 +76,7 @@ def generate_ids(model, prompt_ids: list[int], params: SamplingParams, stop_ids:
     """Yield new token ids one at a time. Stops after a token in `stop_ids | params.stop_ids` (which is yielded)."""
     req = make_request(list(prompt_ids), params, None, model.config, model.device, clip_to_context=True,
                        eos_ids=frozenset(stop_ids))
-    if cache not in CACHE_KINDS:
-        raise ValueError(f"unknown cache {cache!r}; choose one of {CACHE_KINDS}")
-    return generate_request(model, req, cache)
+    return generate_request(model, req, cache)  # an unknown cache kind is refused by make_cache
 
 
 def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,

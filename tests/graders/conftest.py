@@ -73,7 +73,6 @@ def forbid_reference_imports(fn) -> None:
     module that it calls, reaches a minillm function, class or module through a module-level import or alias
     (`from minillm.model import rms_norm as _a`). The given names (given_names) are allowed."""
     target = getattr(fn, "__wrapped__", fn)
-    module = inspect.getmodule(target)
     exercise_module = f"{TARGET}."
     home = getattr(target, "__module__", "") or ""
     if not home.startswith(exercise_module):

@@ -119,3 +119,17 @@ def reference_serve(model, tok, requests, **kw) -> tuple[list[list[int]], list[d
     if key not in _cache:
         _cache[key] = serve(model, tok, requests, **kw)
     return _cache[key]
+
+
+def check_attention_backend(model, tok, impl, what: str) -> None:
+    """The learner's attention (swapped in by check_on_ladder) gives the reference's chat-prompt logits within 1e-3
+    and generate()'s greedy tokens; the references are taken before anything is swapped in."""
+    from minillm.checkpoints import check_on_ladder
+
+    want, want_logits = reference_greedy(model, tok), reference_logits(model, tok)
+
+    def check():
+        close_logits(model, tok, want_logits, what)
+        same_tokens(greedy_ids(model, tok), want, tok, what)
+
+    check_on_ladder(model, impl, check)
