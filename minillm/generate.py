@@ -19,17 +19,18 @@ CACHE_KINDS = ("none", "contiguous", "paged")
 GenerationResult = RequestOutput  # the name generate() returned before the request layer was shared
 
 
-def make_cache(kind: str, model, max_len: int, batch_size: int = 1):
+def make_cache(kind: str, model, max_len: int, batch_size: int = 1, kv_dtype: torch.dtype | None = None):
+    """kv_dtype=torch.int8 stores keys/values in int8 with a scale per token and head (lesson 07)."""
     if kind == "none":
         return None
     if kind == "contiguous":
         from .kv_cache import KVCache
 
-        return KVCache.for_model(model, batch_size, max_len)
+        return KVCache.for_model(model, batch_size, max_len, kv_dtype=kv_dtype)
     if kind == "paged":
         from .paged import PagedSequenceCache
 
-        return PagedSequenceCache.for_model(model, batch_size, max_len)
+        return PagedSequenceCache.for_model(model, batch_size, max_len, kv_dtype=kv_dtype)
     raise ValueError(f"unknown cache {kind!r}; choose one of {CACHE_KINDS}")
 
 

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .attention import AttentionFn
 from .config import ModelConfig
+from .kv_pool import quantize_kv_int8
 
 
 class CacheFullError(RuntimeError):
@@ -92,26 +93,34 @@ class KVCache:
     prefix. `truncate(n)` forgets everything from position n on (speculative decoding's rollback, lesson 10)."""
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", n_layers: int | None = None):
+                 device: torch.device | str = "cpu", n_layers: int | None = None, kv_dtype: torch.dtype | None = None):
         if max_len < 1 or batch_size < 1:
             raise ValueError(f"batch_size and max_len must be >= 1, got {batch_size}, {max_len}")
         if max_len > cfg.max_seq_len:
             raise ValueError(f"max_len {max_len} is past the model's context window ({cfg.max_seq_len})")
+        if kv_dtype not in (None, dtype, torch.int8):
+            raise ValueError(f"kv_dtype must be None (same as dtype) or torch.int8, got {kv_dtype}")
         shape = (n_layers or cfg.n_layers, batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.dtype, self.quantized = dtype, kv_dtype == torch.int8
+        # int8 (lesson 07): half the bytes of bf16 per token, plus one float16 scale per token and head
+        self.k = torch.zeros(shape, dtype=kv_dtype or dtype, device=device)
+        self.v = torch.zeros(shape, dtype=kv_dtype or dtype, device=device)
+        self.k_scale = torch.ones(shape[:-1], dtype=torch.float16, device=device) if self.quantized else None
+        self.v_scale = torch.ones(shape[:-1], dtype=torch.float16, device=device) if self.quantized else None
         self.batch_size, self.max_len = batch_size, max_len
         self.seq_len = 0  # positions [0, seq_len) hold valid keys/values
         self.start = 0  # first position the current forward writes (set by begin_forward)
 
     @classmethod
-    def for_model(cls, model, batch_size: int, max_len: int) -> KVCache:
+    def for_model(cls, model, batch_size: int, max_len: int, kv_dtype: torch.dtype | None = None) -> KVCache:
         # one cache layer per block the model has now (a pruned model has fewer than its config said)
-        return cls(model.config, batch_size, max_len, model.dtype, model.device, n_layers=len(model.layers))
+        return cls(model.config, batch_size, max_len, model.dtype, model.device, n_layers=len(model.layers),
+                   kv_dtype=kv_dtype)
 
     def nbytes(self) -> int:
         """Bytes reserved, used or not: the number lesson 04 compares against the paged cache."""
-        return self.k.numel() * self.k.element_size() * 2
+        scales = 2 * self.k_scale.numel() * 2 if self.quantized else 0
+        return self.k.numel() * self.k.element_size() * 2 + scales
 
     def begin_forward(self, batch: int, n_new: int, positions: Tensor | None = None) -> Tensor:
         """Place n_new tokens per row at seq_len .. seq_len + n_new - 1; explicit positions must be exactly those
@@ -135,9 +144,19 @@ class KVCache:
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, attn: AttentionFn) -> Tensor:
         """Write k, v (batch, n_kv_heads, new, head_dim) at this forward's positions; attend q over the prefix."""
+        if self.quantized:
+            return self._attend_int8(layer_id, q, k, v, attn)
         end = append_kv(self.k[layer_id], self.v[layer_id], k, v, self.start)
         # read only the filled prefix: slots past `end` hold zeros (or a previous request's data), never valid keys
         return attn(q, self.k[layer_id, :, :, :end], self.v[layer_id, :, :, :end], causal=True)
+
+    def _attend_int8(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, attn: AttentionFn) -> Tensor:
+        start, end = self.start, self.start + k.shape[2]
+        cached = []
+        for store, scale, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            store[layer_id, :, :, start:end], scale[layer_id, :, :, start:end] = quantize_kv_int8(x)
+            cached.append((store[layer_id, :, :, :end].float() * scale[layer_id, :, :, :end, None].float()).to(q.dtype))
+        return attn(q, cached[0], cached[1], causal=True)
 
     def truncate(self, n_tokens: int) -> None:
         """Keep positions [0, n_tokens); the next forward writes from n_tokens on (rejected draft tokens vanish)."""

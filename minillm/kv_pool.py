@@ -39,8 +39,19 @@ class KVCacheSpec:
     def bytes_per_block(self) -> int:
         per_slot = self.n_kv_heads * self.head_dim * torch.empty((), dtype=self.storage_dtype).element_size()
         if self.quantized:
-            per_slot += self.n_kv_heads * 4  # one float32 scale per token and head
+            per_slot += self.n_kv_heads * 2  # one float16 scale per token and head
         return 2 * self.n_layers * self.block_size * per_slot
+
+
+def quantize_kv_int8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 per token and head: x (..., head_dim) ~= q * s[..., None], s = max|x| / 127 in float16.
+
+    Each head of each token has its own scale, so one large key does not flatten its neighbours (lesson 07). The
+    scale is float16, not float32: 2 bytes per 64 values instead of 4 is what lets an int8 cache hold 1.94x (not
+    1.88x) the tokens of a bf16 one. It is rounded first and q computed from the rounded scale; the floor keeps it a
+    normal float16 (a near-zero vector then uses fewer than 127 levels, its error stays below 3e-5)."""
+    s = (x.float().abs().amax(dim=-1) / 127).clamp(min=2 ** -14).half()
+    return (x.float() / s.float()[..., None]).round().clamp(-127, 127).to(torch.int8), s
 
 
 class KVBlockPool:
@@ -55,8 +66,8 @@ class KVBlockPool:
         self.v = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
         self.k_scale = self.v_scale = None
         if spec.quantized:
-            self.k_scale = torch.ones(shape[:-1], dtype=torch.float32, device=device)  # (..., n_kv_heads)
-            self.v_scale = torch.ones(shape[:-1], dtype=torch.float32, device=device)
+            self.k_scale = torch.ones(shape[:-1], dtype=torch.float16, device=device)  # (..., n_kv_heads)
+            self.v_scale = torch.ones(shape[:-1], dtype=torch.float16, device=device)
 
     def _tensors(self) -> dict[str, Tensor]:
         return {n: t for n, t in (("k", self.k), ("v", self.v), ("k_scale", self.k_scale),
@@ -68,9 +79,9 @@ class KVBlockPool:
             flat = pool[layer_id].view(-1, *pool.shape[-2:])  # (num_blocks * block_size, n_kv_heads, head_dim)
             if scale is None:
                 flat.index_copy_(0, slots, x.to(flat.dtype))
-            else:  # symmetric int8 per token and head: x ~= q * s, s = max|x| / 127
-                s = x.float().abs().amax(dim=-1).clamp(min=1e-8) / 127
-                flat.index_copy_(0, slots, (x.float() / s[..., None]).round().clamp(-127, 127).to(torch.int8))
+            else:
+                q, s = quantize_kv_int8(x)
+                flat.index_copy_(0, slots, q)
                 scale[layer_id].view(-1, scale.shape[-1]).index_copy_(0, slots, s)
 
     def read(self, layer_id: int, slots: Tensor) -> tuple[Tensor, Tensor]:
@@ -79,7 +90,7 @@ class KVBlockPool:
         for pool, scale in ((self.k, self.k_scale), (self.v, self.v_scale)):
             x = pool[layer_id].view(-1, *pool.shape[-2:]).index_select(0, slots.flatten())
             if scale is not None:
-                x = x.float() * scale[layer_id].view(-1, scale.shape[-1]).index_select(0, slots.flatten())[..., None]
+                x = x.float() * scale[layer_id].view(-1, scale.shape[-1]).index_select(0, slots.flatten()).float()[..., None]
             out.append(x.to(self.spec.dtype).view(*slots.shape, *pool.shape[-2:]))
         return out[0], out[1]
 

@@ -59,9 +59,8 @@ def int8_matmul_with_outliers(x: Tensor, q: Tensor, scale: Tensor, threshold: fl
 class LLMInt8Linear(Int8Linear):
     """Same int8 storage as Int8Linear (per-row scales); a different matmul: int8 activations + float outliers."""
 
-    def __init__(self, q: Tensor, scale: Tensor, compute_dtype: torch.dtype, threshold: float = 6.0):
-        super().__init__(q, scale, compute_dtype)
-        self.scale = scale.float()  # the int32 result is rescaled in float32
+    def __init__(self, q: Tensor, scale: Tensor, threshold: float = 6.0):
+        super().__init__(q, scale)
         self.threshold = threshold
         self.outlier_counts: list[int] | None = None  # set to [] to record the outlier columns of every call
 
@@ -71,7 +70,7 @@ class LLMInt8Linear(Int8Linear):
             raise ValueError("LLM.int8() here supports Linear layers without bias")
         if threshold <= 0:
             raise ValueError(f"threshold must be > 0 (the paper uses 6.0), got {threshold}")
-        return cls(*quantize_int8(linear.weight.detach()), compute_dtype=linear.weight.dtype, threshold=threshold)
+        return cls(*quantize_int8(linear.weight.detach()), threshold=threshold)
 
     def forward(self, x: Tensor) -> Tensor:
         y, outliers = int8_matmul_with_outliers(x.reshape(-1, x.shape[-1]), self.weight, self.scale, self.threshold)

@@ -113,6 +113,18 @@ class QuantizedLinear(nn.Module):
                             "float checkpoint into the float model, then quantize(model, scheme)")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    def _apply(self, fn, recurse=True):
+        # .to(bfloat16) on the model must move the scales, never re-round them: keep their dtype, follow the device
+        kept = {name: getattr(self, name) for name in ("scale", "minimum") if hasattr(self, name)}
+        super()._apply(fn, recurse)
+        for name, t in kept.items():
+            setattr(self, name, t.to(self.weight_storage.device))
+        return self
+
+    @property
+    def weight_storage(self) -> Tensor:
+        raise NotImplementedError
+
     def dequantize(self) -> Tensor:
         raise NotImplementedError
 
@@ -122,21 +134,25 @@ class QuantizedLinear(nn.Module):
 
 
 class Int8Linear(QuantizedLinear):
-    def __init__(self, q: Tensor, scale: Tensor, compute_dtype: torch.dtype):
+    def __init__(self, q: Tensor, scale: Tensor):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.register_buffer("weight", q.contiguous())
-        self.register_buffer("scale", scale.to(compute_dtype))  # the kernel wants the scale in x's dtype
+        self.register_buffer("scale", scale.float())
+
+    @property
+    def weight_storage(self) -> Tensor:
+        return self.weight
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
         if linear.bias is not None:
             raise ValueError("int8 weight-only quantization here supports Linear layers without bias")
-        return cls(*quantize_int8(linear.weight.detach()), compute_dtype=linear.weight.dtype)
+        return cls(*quantize_int8(linear.weight.detach()))
 
     def forward(self, x: Tensor) -> Tensor:
         if x.is_cuda and (kernels := _cuda_kernels()) is not None:
-            return kernels.int8_weight_matmul(x, self.weight, self.scale)
+            return kernels.int8_weight_matmul(x, self.weight, self.scale.to(x.dtype))
         if x.is_cuda:
             return F.linear(x, self.weight.to(x.dtype) * self.scale[:, None].to(x.dtype))
         # torch's CPU kernel is fast with bf16 activations only (FACTS): an fp32 input is rounded to bf16 for this
@@ -149,7 +165,7 @@ class Int8Linear(QuantizedLinear):
         return dequantize_int8(self.weight, self.scale)
 
     def embedding(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        return (self.weight[ids].to(dtype) * self.scale[ids, None].to(dtype))
+        return self.weight[ids].to(dtype) * self.scale[ids, None].to(dtype)
 
 
 class Int4Linear(QuantizedLinear):
@@ -158,11 +174,15 @@ class Int4Linear(QuantizedLinear):
     On CPU the matmul is torch's int4 kernel, which wants its own nibble layout and a bf16 (scale, zero) table: that
     copy is built on the first CPU call (same size as the packed codes) and is not part of the state dict."""
 
-    def __init__(self, codes: Tensor, scale: Tensor, minimum: Tensor, group_size: int, compute_dtype: torch.dtype):
+    def __init__(self, codes: Tensor, scale: Tensor, minimum: Tensor, group_size: int):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         check_group_size(self.in_features, group_size)
-        self.group_size, self.compute_dtype = group_size, compute_dtype
+        if scale.shape != (self.out_features, self.in_features // group_size) or minimum.shape != scale.shape:
+            raise ValueError(f"scale and minimum must be (out, in // group_size) = "
+                             f"{(self.out_features, self.in_features // group_size)}, got {tuple(scale.shape)}, "
+                             f"{tuple(minimum.shape)}")
+        self.group_size = group_size
         self.register_buffer("qweight", pack_int4(codes))
         self.register_buffer("scale", scale.half())
         self.register_buffer("minimum", minimum.half())
@@ -173,7 +193,11 @@ class Int4Linear(QuantizedLinear):
         if linear.bias is not None:
             raise ValueError("int4 quantization here supports Linear layers without bias")
         w = linear.weight.detach()
-        return cls(*quantize_int4(w, group_size), group_size=group_size, compute_dtype=w.dtype)
+        return cls(*quantize_int4(w, group_size), group_size=group_size)
+
+    @property
+    def weight_storage(self) -> Tensor:
+        return self.qweight
 
     def codes(self) -> Tensor:
         return unpack_int4(self.qweight)
@@ -198,7 +222,8 @@ class Int4Linear(QuantizedLinear):
     def forward(self, x: Tensor) -> Tensor:
         if x.is_cuda and (kernels := _cuda_kernels()) is not None:
             return kernels.int4_group_matmul(x, self.qweight, self.scale, self.minimum, self.group_size)
-        if x.is_cuda or self.out_features % 16:  # torch's CPU kernel packs 16 rows at a time
+        if x.is_cuda or self.out_features % 16 or self.group_size not in (32, 64, 128, 256):
+            # torch's CPU kernel packs 16 rows at a time and knows these group sizes only
             return F.linear(x, self.dequantize().to(x.dtype))
         packed, zeros = self._torch_cpu_pack()
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # fast in bf16 only, as for int8
@@ -206,7 +231,7 @@ class Int4Linear(QuantizedLinear):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _apply(self, fn, recurse=True):
-        self._cpu_pack = None  # moved or cast: rebuild torch's copy from the buffers on the next CPU call
+        self._cpu_pack = None  # moved: rebuild torch's copy from the buffers on the next CPU call
         return super()._apply(fn, recurse)
 
 

@@ -266,15 +266,33 @@ def read_gguf_metadata(path: Path) -> dict:
     return _metadata(GGUFReader(str(path)))
 
 
-def read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """(metadata, tensors) from a GGUF file; tensors dequantized to float32 in nn.Linear layout (out, in)."""
-    from gguf import GGUFReader
+def read_gguf(path: Path, keep_q4_1: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
+    """(metadata, tensors) from a GGUF file; tensors dequantized to float32 in nn.Linear layout (out, in).
+    keep_q4_1: Q4_1 tensors come back as their raw blocks instead, uint8 (out, in // 32 * 20) (see q4_1_blocks)."""
+    from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
     tensors = {}
     for t in reader.tensors:
+        if keep_q4_1 and t.tensor_type == GGMLQuantizationType.Q4_1:
+            tensors[t.name] = np.array(t.data, dtype=np.uint8, copy=True)
+            continue
         arr = dequantize(t.data, t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
         tensors[t.name] = np.array(arr, dtype=np.float32, copy=True).reshape(shape)  # memmaps are read-only
     return _metadata(reader), tensors
+
+
+def q4_1_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Raw Q4_1 rows (out, n_blocks * 20 bytes) -> (codes uint8 (out, in), d float16 (out, n_blocks), m float16).
+
+    A Q4_1 block is 32 weights in 20 bytes: d (fp16), m (fp16), then 16 bytes whose low nibbles are weights 0-15
+    and high nibbles weights 16-31. Weight = code * d + m. Nothing is rounded: these are the file's own values."""
+    out = raw.shape[0]
+    blocks = raw.reshape(out, -1, 20)
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
+    m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
+    qs = blocks[..., 4:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # (out, n_blocks, 32) in weight order
+    return codes.reshape(out, -1), d, m

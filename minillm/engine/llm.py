@@ -22,8 +22,10 @@ import time
 from collections.abc import Iterator
 from typing import NamedTuple
 
+import torch
+
 from ..block_allocator import blocks_needed
-from ..kv_cache import kv_bytes_per_token
+from ..kv_pool import KVCacheSpec
 from ..paged import PagedKVCache
 from ..request import Request, RequestOutput, make_request
 from ..sampling import SamplingParams
@@ -47,32 +49,42 @@ class LLM:
     def __init__(self, model_name: str = "smollm2-135m", dtype: str = "float32", device: str = "cpu",
                  num_blocks: int | None = None, kv_cache_bytes: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, attn_backend: str = "sdpa",
-                 fuse: bool = False):
+                 fuse: bool = False, kv_cache_dtype: str | None = None, weights: str = "dequantized"):
         from ..loader import load_model
 
-        model, tokenizer = load_model(model_name, dtype=dtype, device=device, attn_backend=attn_backend, fuse=fuse)
-        self._setup(model, tokenizer, num_blocks, kv_cache_bytes, block_size, max_num_seqs, max_num_batched_tokens)
+        model, tokenizer = load_model(model_name, dtype=dtype, device=device, attn_backend=attn_backend, fuse=fuse,
+                                      weights=weights)
+        self._setup(model, tokenizer, num_blocks, kv_cache_bytes, block_size, max_num_seqs, max_num_batched_tokens,
+                    kv_cache_dtype)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, num_blocks: int | None = None, kv_cache_bytes: int | None = None,
-                   block_size: int = 16, max_num_seqs: int = 16, max_num_batched_tokens: int = 512) -> LLM:
-        """Serve an already loaded model (tokenizer None: prompts must be token ids; text comes back empty)."""
+                   block_size: int = 16, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
+                   kv_cache_dtype: str | None = None) -> LLM:
+        """Serve an already loaded model (tokenizer None: prompts must be token ids; text comes back empty).
+        kv_cache_dtype="int8" stores the KV blocks in int8 with a scale per token and head (lesson 07)."""
         llm = cls.__new__(cls)
-        llm._setup(model, tokenizer, num_blocks, kv_cache_bytes, block_size, max_num_seqs, max_num_batched_tokens)
+        llm._setup(model, tokenizer, num_blocks, kv_cache_bytes, block_size, max_num_seqs, max_num_batched_tokens,
+                   kv_cache_dtype)
         return llm
 
-    def _setup(self, model, tokenizer, num_blocks, kv_cache_bytes, block_size, max_num_seqs, max_num_batched_tokens):
+    def _setup(self, model, tokenizer, num_blocks, kv_cache_bytes, block_size, max_num_seqs, max_num_batched_tokens,
+               kv_cache_dtype=None):
         cfg = model.config
+        if kv_cache_dtype not in (None, "int8"):
+            raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', got {kv_cache_dtype!r}")
+        kv_dtype = torch.int8 if kv_cache_dtype == "int8" else None
         if num_blocks is None:  # size the pool by a byte budget, no bigger than max_num_seqs full contexts
             budget = DEFAULT_KV_CACHE_BYTES if kv_cache_bytes is None else kv_cache_bytes
-            per_block = kv_bytes_per_token(cfg, model.dtype) * block_size
+            per_block = KVCacheSpec(len(model.layers), cfg.n_kv_heads, cfg.head_dim, 1, block_size, model.dtype,
+                                    kv_dtype).bytes_per_block()
             num_blocks = min(budget // per_block, max_num_seqs * blocks_needed(cfg.max_seq_len, block_size))
         elif kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
         if num_blocks < 1:
             raise ValueError(f"the KV budget holds no block of {block_size} tokens: raise kv_cache_bytes/num_blocks")
         self.model, self.tokenizer = model, tokenizer
-        self.cache = PagedKVCache(cfg, int(num_blocks), block_size, model.dtype, model.device,
+        self.cache = PagedKVCache(cfg, int(num_blocks), block_size, model.dtype, model.device, kv_dtype=kv_dtype,
                                   n_layers=len(model.layers))
         self.block_manager = BlockManager(self.cache.allocator)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
