@@ -35,6 +35,13 @@ def eval_ids(tokenizer, max_tokens: int, text: str | None = None) -> list[int]:
     return ids[:max_tokens]
 
 
+def calibration_ids(tokenizer, max_tokens: int) -> list[int]:
+    """`max_tokens` token ids from the *end* of pydoc_text(): calibration data (AWQ, lesson 07) held apart from the
+    evaluation text, which eval_ids takes from the start (the text is ~100k tokens long)."""
+    ids = tokenizer.encode(pydoc_text()[-8 * max_tokens - 64:])
+    return ids[-max_tokens:]
+
+
 def _windows(ids: list[int], window: int) -> list[list[int]]:
     if window < 2:
         raise ValueError(f"window must be >= 2 tokens (one to predict from, one to predict), got {window}")

@@ -201,3 +201,27 @@ def test_native_q4_model_is_the_files_bytes():
     assert len(names) == 210
     for n in names:
         assert torch.equal(q4.get_submodule(n).dequantize(), fp.get_submodule(n).weight), n
+
+
+def test_awq_keeps_the_float_model_and_beats_round_to_nearest():
+    from minillm.awq import apply_awq
+
+    ref = tiny_model(seed=3)
+    for block in ref.layers:  # give some input channels large activations, as real models have
+        block.attn_norm.weight[:4] *= 25
+        block.mlp_norm.weight[:4] *= 25
+    calib = torch.randint(0, TINY.vocab_size, (96,), generator=torch.Generator().manual_seed(4)).tolist()
+    ids = torch.randint(0, TINY.vocab_size, (1, 24), generator=torch.Generator().manual_seed(5))
+    awq = Transformer(TINY).eval().requires_grad_(False)
+    awq.load_state_dict(ref.state_dict())
+    report = apply_awq(awq, calib, group_size=16, bits=3, grid=10, window=32)
+    torch.testing.assert_close(awq(ids), ref(ids), atol=1e-4, rtol=1e-4)  # scaling alone changes nothing
+    assert len(report) == 3 * TINY.n_layers and all(r["gain"] >= 1 for r in report)
+    rtn = Transformer(TINY).eval().requires_grad_(False)
+    rtn.load_state_dict(ref.state_dict())
+    want = ref(ids)
+    err = {name: float((fake_quantize_int4(m, 16, 3)(ids) - want).norm()) for name, m in (("rtn", rtn), ("awq", awq))}
+    assert err["awq"] < err["rtn"], err
+    quantize(awq, "int8")
+    with pytest.raises(ValueError, match="before quantize"):
+        apply_awq(awq, calib, group_size=16)

@@ -24,6 +24,7 @@ ENTRIES: dict[str, str] = {
     "paged": "minillm.bench.paged:run",
     "batching": "minillm.bench.batching:run",
     "fusion": "minillm.bench.fusion:run",
+    "quant": "minillm.bench.quant:run",
 }
 
 __all__ = ["ENTRIES", "BenchResult", "Timing", "hardware_info", "load_entry", "run_entry", "time_fn"]
