@@ -54,6 +54,12 @@ TASKS: dict[str, list[tuple[str, str]]] = {
         ("task_06_add_norm", "RMSNorm with the residual add folded in"),
         ("task_06_real_model", "your fusion on SmolLM2: same logits, same answer"),
     ],
+    "07": [
+        ("task_07_int8", "int8 per output row, symmetric [-127, 127], and back"),
+        ("task_07_int4", "int4 per group, asymmetric (GGUF Q4_1, bit-exact), two codes per byte"),
+        ("task_07_outliers", "LLM.int8(): int8 x int8 -> int32 matmul, outlier columns in float"),
+        ("task_07_real_model", "your quantization of SmolLM2: int8 still says Paris, perplexity kept"),
+    ],
 }
 
 ROOT = Path(__file__).resolve().parent.parent

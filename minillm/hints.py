@@ -85,6 +85,26 @@ HINTS: dict[str, tuple[str, str]] = {
     "task_06_real_model": ("Nothing new to write: your three functions fuse SmolLM2 and it must still say Paris.",
                            "The fused model's logits must equal the unfused model's (fp32, <= 1e-4): a wrong order "
                            "or split size shows up as garbage text, not an error."),
+    "task_07_int8": ("Each output row gets one number that maps its integers back to floats. Which value of the "
+                     "row should land on the edge of the int8 range?",
+                     "scale = max|w| / 127 per row (float32, whatever w's dtype), q = round(w / scale) in [-127, 127] "
+                     "(never -128). An all-zero row must not compute 0 / 0 (NaN, then an undefined cast): e.g. scale 1."),
+    "task_07_int4": ("Sixteen codes per group: where does code 0 sit, and how far apart are the codes?",
+                     "Groups are group_size consecutive inputs of a row: minimum = group min, scale = (max - min) "
+                     "/ 15, code = floor((w - min) / scale + 0.5) with the float32 scale (round() differs at .5); "
+                     "return scale and minimum as float16; a constant group has scale 0 and codes 0 (no 0 / 0). "
+                     "Pack column 2j in the low nibble; odd widths are a ValueError."),
+    "task_07_outliers": ("A few input columns hold huge values. What would one of them do to its token's int8 "
+                         "scale?",
+                         "Outliers: columns with any |x| > threshold (strictly). Zero them, quantize each token row "
+                         "with its own scale, int8 x int8 -> int32 (_int8_mm), times the token's and the weight "
+                         "row's scales; add x[:, outliers] @ the dequantized weight columns in float."),
+    "task_07_real_model": ("Nothing new to write: minillm.quant.quantize builds SmolLM2's int8 and int4 layers with "
+                           "your functions.",
+                           "The file's weights are Q4_1 already, so your int4 must give them back to float32 "
+                           "rounding; the int8 model must answer Paris, and perplexity may rise at most 2% (int8) "
+                           "and 10% (int4). One real layer's input (values in the thousands) runs through your "
+                           "LLM.int8() matmul."),
 }
 
 
@@ -102,6 +122,11 @@ RECIPES["task_06_real_model"] = (
     "MINILLM_GRADE=exercises python -m pytest tests/graders/test_ex06_fusion.py -m task_06_real_model -x shows the "
     "failing case; by hand: set minillm.fusion's three functions to yours, fuse a copy of the model with "
     "minillm.fusion.fuse and compare its logits with the original's.")
+RECIPES["task_07_real_model"] = (
+    "MINILLM_GRADE=exercises python -m pytest tests/graders/test_ex07_quant.py -m task_07_real_model -x -rP shows "
+    "the failing case and the perplexities; by hand: set minillm.quant's quantize_int8 ... unpack_int4 to yours, "
+    "quantize a bfloat16 copy of the model with minillm.quant.quantize(copy, 'int8') and compare "
+    "minillm.quality.perplexity with the float model's.")
 
 
 def _recipes(lesson: str) -> dict[str, str]:
