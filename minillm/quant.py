@@ -5,7 +5,7 @@ of bf16 weight read, far below what any CPU or GPU can compute per byte, so the 
 roughly `weight bytes / memory bandwidth`. Storing int8 halves those bytes, int4 quarters them; the matmul kernel
 reads the small integers and multiplies by a scale in registers, so the full-precision weight never crosses memory.
 
-Two formats, both real storage (the bytes are counted from the tensors, `model_bytes`):
+Two formats, both real storage (the bytes are counted from the tensors, `minillm.model.model_bytes`):
 
 - int8, per output channel, symmetric: w[n, :] ~= q[n, :] * scale[n], q in [-127, 127]. One scale per row costs
   nothing; symmetric keeps zero exact. CPU kernel: torch._weight_int8pack_mm (fast with bf16 activations);
@@ -44,14 +44,15 @@ def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
+    """q int8 (out, in), scale (out,) -> float32 (out, in): q * scale per row."""
     return q.float() * scale.float()[:, None]
 
 
 def quantize_int4(w: Tensor, group_size: int, bits: int = 4) -> tuple[Tensor, Tensor, Tensor]:
     """w (out, in) -> (codes uint8 (out, in) in [0, 2**bits - 1], scale (out, in // g), minimum (out, in // g)).
 
-    Asymmetric round-to-nearest per group of `group_size` inputs, as GGUF's Q4_1: scale = (max - min) / 15,
-    code = floor((w - min) / scale + 0.5). scale and minimum are returned in float16 (what is stored); codes are
+    Asymmetric round-to-nearest per group of `group_size` inputs, as GGUF's Q4_1: scale = (max - min) / 15
+    (2**bits - 1 levels), code = floor((w - min) / scale + 0.5). scale and minimum are returned in float16 (what is stored); codes are
     computed before that rounding, as llama.cpp does. `bits` < 4 is for quality experiments (3-bit codes)."""
     out, n_in = w.shape
     check_group_size(n_in, group_size)

@@ -37,6 +37,7 @@ def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
+    """q int8 (out, in), scale (out,) -> float32 (out, in): q * scale per row."""
     return q.float() * scale.float()[:, None]
 
 
@@ -46,8 +47,8 @@ def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
 def quantize_int4(w: Tensor, group_size: int, bits: int = 4) -> tuple[Tensor, Tensor, Tensor]:
     """w (out, in) -> (codes uint8 (out, in) in [0, 2**bits - 1], scale (out, in // g), minimum (out, in // g)).
 
-    Asymmetric round-to-nearest per group of `group_size` inputs, as GGUF's Q4_1: scale = (max - min) / 15,
-    code = floor((w - min) / scale + 0.5). scale and minimum are returned in float16 (what is stored); codes are
+    Asymmetric round-to-nearest per group of `group_size` inputs, as GGUF's Q4_1: scale = (max - min) / 15
+    (2**bits - 1 levels), code = floor((w - min) / scale + 0.5). scale and minimum are returned in float16 (what is stored); codes are
     computed before that rounding, as llama.cpp does. `bits` < 4 is for quality experiments (3-bit codes)."""
     out, n_in = w.shape
     check_group_size(n_in, group_size)
