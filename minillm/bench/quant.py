@@ -63,10 +63,10 @@ def variants(quick: bool, calib: list[int]):
     def fresh(dtype="bfloat16", **kw):
         return load_model("smollm2-135m", dtype=dtype, **kw)[0]
 
-    def awq(dtype, g, bits):
-        m = fresh(dtype)
+    def awq(dtype, g, bits):  # calibrate in float32 (bf16 GEMMs crawl on CPUs without bf16), then cast
+        m = fresh("float32")
         apply_awq(m, calib, group_size=g, bits=bits, grid=4 if quick else 20)
-        return m
+        return m.to(getattr(torch, dtype))
 
     out = {"fp32 (reference)": (lambda: fresh("float32"), False)}
     if not quick:  # quick mode (CI) skips bf16: on a CPU without bf16 instructions its prefill GEMMs crawl
@@ -110,12 +110,16 @@ def kv_int8_capacity(quick: bool) -> tuple[list[dict], dict]:
     from minillm.engine.llm import LLM
     from minillm.sampling import SamplingParams
 
-    model, tok = load_model("smollm2-135m", dtype="bfloat16")
+    # the model computes in float32 (on a CPU without bf16 instructions bf16 GEMMs crawl); the pools *store* bf16 or
+    # int8 keys/values: the bytes the comparison is about
+    model, tok = load_model("smollm2-135m", dtype="float32")
     n_req, prompt_len, n_new = (4, 16, 4) if quick else (32, 64, 64)
-    budget = (n_req // 3) * (prompt_len + n_new + 16) * 23040  # room for ~a third of the requests in bf16
+    float_kv = "bf16 KV"
+    per_token = 2 * len(model.layers) * model.config.n_kv_heads * model.config.head_dim * 2  # bf16 bytes per token
+    budget = (n_req // 3) * (prompt_len + n_new + 16) * per_token  # room for ~a third of the requests in bf16
     prompts = [tok.encode(f"Request {i}: the history of the printing press " * 8)[:prompt_len] for i in range(n_req)]
     rows, out = [], {}
-    for name, kv in (("bf16 KV", None), ("int8 KV", "int8")):
+    for name, kv in ((float_kv, "bfloat16"), ("int8 KV", "int8")):
         llm = LLM.from_model(model, tok, kv_cache_bytes=budget, max_num_seqs=n_req, kv_cache_dtype=kv)
         t = time.perf_counter()
         results = llm.generate(prompts, SamplingParams(max_tokens=n_new, ignore_eos=True))
@@ -125,10 +129,11 @@ def kv_int8_capacity(quick: bool) -> tuple[list[dict], dict]:
                      [r.token_ids for r in results])
         rows.append({"variant": f"engine, {name}", "kv_blocks": out[name][0], "peak_running_seqs": peak,
                      "engine_tok_s": out[name][2]})
-    same = sum(a == b for a, b in zip(out["bf16 KV"][3], out["int8 KV"][3])) / n_req
-    return rows, {"int8_kv_blocks_vs_bf16": out["int8 KV"][0] / out["bf16 KV"][0],
-                  "int8_kv_peak_seqs_vs_bf16": out["int8 KV"][1] / out["bf16 KV"][1],
-                  "int8_kv_throughput_vs_bf16": out["int8 KV"][2] / out["bf16 KV"][2],
+    f = float_kv.split()[0]
+    same = sum(a == b for a, b in zip(out[float_kv][3], out["int8 KV"][3])) / n_req
+    return rows, {f"int8_kv_blocks_vs_{f}": out["int8 KV"][0] / out[float_kv][0],
+                  f"int8_kv_peak_seqs_vs_{f}": out["int8 KV"][1] / out[float_kv][1],
+                  f"int8_kv_throughput_vs_{f}": out["int8 KV"][2] / out[float_kv][2],
                   "int8_kv_requests_same_greedy_tokens": same}
 
 
@@ -158,7 +163,7 @@ def run(quick: bool = False) -> BenchResult:
             mb = float("nan")
         row = {"variant": name, "weight_MB": mb, **quality(model, ref_logits, chunks)}
         if not quality_only:
-            row["prefill_tok_s"] = prefill_tok_s(model, ids[:window], repeat)
+            row["prefill_tok_s"] = prefill_tok_s(model, ids[:128], min(repeat, 2))
             models[name] = model
         rows.append(row)
     speed = {name: [] for name in models}
@@ -200,7 +205,7 @@ def run(quick: bool = False) -> BenchResult:
     kv_rows, kv_ratios = kv_int8_capacity(quick)
     rows += kv_rows
     ratios.update(kv_ratios)
-    targets["int8_kv_peak_seqs_vs_bf16"] = (">=", 1.9)
+    targets[next(k for k in kv_ratios if k.startswith("int8_kv_peak_seqs"))] = (">=", 1.9)
     notes = [f"bf16 on this CPU: {bf16_status('cpu')}",
              "the reference is the fp32 model dequantized from the file's Q4_1 weights",
              "groups of 128 do not divide the model's 576-wide inputs: g64 stands in for the paper's g128",

@@ -71,9 +71,11 @@ class LLM:
     def _setup(self, model, tokenizer, num_blocks, kv_cache_bytes, block_size, max_num_seqs, max_num_batched_tokens,
                kv_cache_dtype=None):
         cfg = model.config
-        if kv_cache_dtype not in (None, "int8"):
-            raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', got {kv_cache_dtype!r}")
-        kv_dtype = torch.int8 if kv_cache_dtype == "int8" else None
+        kv_dtypes = {None: None, "int8": torch.int8, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if kv_cache_dtype not in kv_dtypes:
+            raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or one of {list(kv_dtypes)[1:]}, "
+                             f"got {kv_cache_dtype!r}")
+        kv_dtype = kv_dtypes[kv_cache_dtype]  # a float kv dtype is storage only: attention computes in model.dtype
         if num_blocks is None:  # size the pool by a byte budget, no bigger than max_num_seqs full contexts
             budget = DEFAULT_KV_CACHE_BYTES if kv_cache_bytes is None else kv_cache_bytes
             per_block = KVCacheSpec(len(model.layers), cfg.n_kv_heads, cfg.head_dim, 1, block_size, model.dtype,
