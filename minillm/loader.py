@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from .config import ModelConfig
 from .model import Transformer
-from .weights import gguf_path, model_source, read_gguf
+from .weights import cache_dir, gguf_path, model_source, read_gguf, read_gguf_metadata
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -131,3 +135,63 @@ def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
     model.load_seconds = time.perf_counter() - t0
     return model, Tokenizer.from_gguf_metadata(meta)
 
+
+
+# ------------------------------------------------------------------------------- transformed models on disk
+
+
+def saved_model_dir(name: str) -> Path:
+    """Where save_model(model, name) writes: <cache dir>/saved/<name> ($MINILLM_CACHE or ~/.cache/minillm)."""
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"a saved model's name is one plain folder name (e.g. 'smollm2-pruned-22'), got {name!r}")
+    return cache_dir() / "saved" / name
+
+
+def save_model(model: Transformer, name: str, base: str = "smollm2-135m", info: dict | None = None) -> Path:
+    """Save a transformed float model (pruned, distilled: lessons 08-09) as config.json + model.pt under
+    saved_model_dir(name). The config says what the model now is; `base` names the model whose tokenizer it uses;
+    `info` is kept as-is (what was done to it). The state dict's SHA-256 is recorded and checked on load."""
+    model_source(base)
+    if any(type(m).__name__.endswith("Linear") and not isinstance(m, torch.nn.Linear) for m in model.modules()):
+        raise ValueError("save_model stores float weights: save before quantizing (quantize again after loading)")
+    folder = saved_model_dir(name)
+    folder.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
+          if not (model.config.tie_embeddings and k == "lm_head.weight")}
+    tmp = folder / "model.pt.tmp"
+    torch.save(sd, tmp)
+    digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+    tmp.replace(folder / "model.pt")  # a crash mid-write never leaves a half file under the real name
+    meta = {"config": dataclasses.asdict(model.config), "base": base, "dtype": str(model.dtype).removeprefix("torch."),
+            "sha256": digest, "info": info or {}}
+    (folder / "config.json").write_text(json.dumps(meta, indent=1))
+    return folder
+
+
+def load_saved(name: str, dtype: str | torch.dtype | None = None, device: str | None = "cpu"):
+    """(model, tokenizer) from save_model's folder; weights round-trip exactly (dtype=None keeps the saved one)."""
+    from .tokenizer import Tokenizer
+
+    folder = saved_model_dir(name)
+    if not (folder / "config.json").exists() or not (folder / "model.pt").exists():
+        raise FileNotFoundError(f"no saved model {name!r} in {folder}: save one first with "
+                                f"minillm.loader.save_model(model, {name!r})")
+    meta = json.loads((folder / "config.json").read_text())
+    raw = (folder / "model.pt").read_bytes()
+    if hashlib.sha256(raw).hexdigest() != meta["sha256"]:
+        raise RuntimeError(f"{folder / 'model.pt'} does not match the checksum in its config.json (corrupted or "
+                           f"overwritten): delete {folder} and save the model again")
+    cfg = ModelConfig(**meta["config"])
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=resolve_device(device))
+    sd = torch.load(folder / "model.pt", weights_only=True, map_location=model.device)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"{folder} does not match its config: missing {missing}, unexpected {unexpected}")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model = model.to(resolve_dtype(dtype or meta["dtype"])).eval().requires_grad_(False)
+    model.saved_info = meta["info"]
+    return model, Tokenizer.from_gguf_metadata(read_gguf_metadata(gguf_path(meta["base"])))
