@@ -340,3 +340,16 @@ def test_dropping_a_quarter_of_smollm2_still_runs_the_engine(real_model):
     want = list(generate_ids(m, prompt, params, cache="contiguous"))
     assert list(generate_ids(m, prompt, params, cache="paged")) == want
     assert LLM.from_model(m, tok, num_blocks=8).generate([prompt], params)[0].token_ids == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="2:4 sparse kernels need an NVIDIA GPU (compute 8.0+)")
+def test_semi_structured_cuda_linear_matches_dense():
+    from torch.sparse import to_sparse_semi_structured
+
+    w = torch.randn(576, 1536, device="cuda", dtype=torch.float16)
+    w = w * semi_structured_mask(w.abs().float()).to(w.dtype)
+    x = torch.randn(64, 1536, device="cuda", dtype=torch.float16)
+    want = x.float() @ w.float().T
+    got = torch.nn.functional.linear(x, to_sparse_semi_structured(w)).float()
+    assert (got - want).abs().max() <= 1e-2 * want.abs().max()

@@ -25,6 +25,7 @@ ENTRIES: dict[str, str] = {
     "batching": "minillm.bench.batching:run",
     "fusion": "minillm.bench.fusion:run",
     "quant": "minillm.bench.quant:run",
+    "sparsity": "minillm.bench.sparsity:run",
 }
 
 __all__ = ["ENTRIES", "BenchResult", "Timing", "hardware_info", "load_entry", "run_entry", "time_fn"]

@@ -1,0 +1,160 @@
+"""`minillm bench sparsity` (lesson 08): what pruning costs in quality, and what it buys in speed, in one run.
+
+Three parts, all on SmolLM2-135M in float32 (the reference is the unpruned model):
+
+1. Unstructured and 2:4 curves: perplexity (head of the pydoc text), mean KL to the reference and top-1 agreement,
+   for magnitude pruning (compared per matrix, the classic baseline) and Wanda (per output row, activation norms
+   from the pydoc text's tail, held apart) at each sparsity. No speed column: a dense matmul multiplies the zeros.
+2. Structured pruning: dropped blocks, fewer KV groups, narrower FFN — parameters removed, perplexity, batch-1
+   decode tok/s (variants timed round-robin, best round) and prefill tok/s.
+3. The 2:4 format's bytes for the model's linear shapes; on CUDA, torch's semi-structured sparse matmul
+   (to_sparse_semi_structured) against dense fp16 at decode and prefill sizes. CPUs have no such kernel.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from minillm.bench.fusion import decode_tok_s
+from minillm.bench.harness import BenchResult
+from minillm.bench.quant import prefill_tok_s, quality
+
+SHAPES = {"wq/wo": (576, 576), "wk/wv": (192, 576), "gate/up": (1536, 576), "down": (576, 1536)}
+
+
+def unstructured_rows(ref, calib, ref_logits, chunks, quick: bool) -> list[dict]:
+    from minillm.sparsity import prune, sparsity_of
+
+    levels = [0.5] if quick else [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
+    todo = [(m, "unstructured", s) for s in levels for m in ("magnitude", "wanda")]
+    todo += [("magnitude", "2:4", 0.5), ("wanda", "2:4", 0.5)]
+    rows = []
+    for method, pattern, s in todo:
+        model = copy.deepcopy(ref)
+        prune(model, s, method, pattern, calib_ids=calib)
+        rows.append({"variant": f"{method} {pattern} {s:.0%}", "part": "masks", "method": method,
+                     "pattern": pattern, "sparsity": sparsity_of(model), **quality(model, ref_logits, chunks)})
+    return rows
+
+
+def structured_variants(quick: bool) -> dict[str, dict]:
+    if quick:
+        return {"drop 10 blocks": {"drop_n_blocks": 10}}
+    return {"drop 4 blocks": {"drop_n_blocks": 4}, "drop 8 blocks": {"drop_n_blocks": 8},
+            "drop 10 blocks": {"drop_n_blocks": 10}, "KV groups 3 -> 2": {"kv_groups": 2},
+            "FFN 1536 -> 1024": {"ffn_dim": 1024},
+            "drop 6 blocks + KV 2 + FFN 1280": {"drop_n_blocks": 6, "kv_groups": 2, "ffn_dim": 1280}}
+
+
+def structured_rows(ref, calib, ref_logits, chunks, ids, quick: bool) -> list[dict]:
+    from minillm.pruning import n_params, prune_structured
+
+    n_new, repeat = (8, 1) if quick else (64, 5)
+    prompt = ids[:32]
+    models, rows = {"dense": ref}, [{"variant": "dense", "part": "structured", "params_M": n_params(ref) / 1e6,
+                                     "params_removed": 0.0, **quality(ref, ref_logits, chunks)}]
+    for name, kw in structured_variants(quick).items():
+        model = copy.deepcopy(ref)
+        report = prune_structured(model, calib, **kw)
+        rows.append({"variant": name, "part": "structured", "params_M": report["params_after"] / 1e6,
+                     "params_removed": report["params_removed"], **quality(model, ref_logits, chunks),
+                     "config": f"{model.config.n_layers} blocks, {model.config.n_kv_heads} KV groups, "
+                               f"FFN {model.config.ffn_dim}"})
+        models[name] = model
+    by = {r["variant"]: r for r in rows}
+    for name, model in models.items():
+        by[name]["prefill_tok_s"] = prefill_tok_s(model, ids[:128], min(repeat, 2))
+    speed = {name: [] for name in models}
+    for _ in range(repeat):  # round-robin: a noisy neighbour slows every variant, not one
+        for name, model in models.items():
+            speed[name].append(decode_tok_s(model, prompt, n_new, 1)[0])
+    for name in models:
+        by[name]["decode_tok_s"] = max(speed[name])
+    return rows
+
+
+def semi_structured_bytes() -> list[dict]:
+    from minillm.sparsity import format_bytes
+
+    rows = []
+    for name, shape in SHAPES.items():
+        b = format_bytes(shape, 0.5)
+        rows.append({"variant": f"format, {name} {shape[0]}x{shape[1]}", "part": "format",
+                     "dense_bf16_KB": b["dense"] / 1024, "2:4_KB": b["2:4"] / 1024, "csr_50%_KB": b["csr"] / 1024})
+    return rows
+
+
+def gpu_semi_structured(quick: bool) -> tuple[list[dict], dict]:
+    """fp16 dense vs 2:4 sparse linear on CUDA (torch's to_sparse_semi_structured), for the model's shapes."""
+    from torch.sparse import to_sparse_semi_structured
+    from triton.testing import do_bench
+
+    from minillm.sparsity import semi_structured_mask
+
+    rows, ratios = [], {}
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.float16)
+        w = w * semi_structured_mask(w.abs().float()).to(w.dtype)
+        sparse = to_sparse_semi_structured(w)
+        for m in ([1, 2048] if quick else [1, 16, 256, 2048, 8192]):
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            dense_ms = do_bench(lambda: torch.nn.functional.linear(x, w))
+            sparse_ms = do_bench(lambda: torch.nn.functional.linear(x, sparse))
+            rows.append({"variant": f"cuda {name} M={m}", "part": "gpu", "dense_ms": dense_ms, "sparse_ms": sparse_ms,
+                         "speedup": dense_ms / sparse_ms})
+    big = [r["speedup"] for r in rows if r["variant"].endswith(("M=2048", "M=8192"))]
+    ratios["gpu_2to4_speedup_prefill_best"] = max(big)
+    return rows, ratios
+
+
+def run(quick: bool = False) -> BenchResult:
+    from minillm import load_model
+    from minillm.quality import calibration_ids, eval_ids
+    from minillm.sparsity import is_n_m_sparse, prune
+
+    eval_len, window = (64, 64) if quick else (512, 256)
+    ref, tok = load_model("smollm2-135m", dtype="float32")
+    ids = eval_ids(tok, eval_len)
+    chunks = [ids[i:i + window] for i in range(0, len(ids), window)]
+    with torch.inference_mode():
+        ref_logits = [ref(torch.tensor([c]))[0].float() for c in chunks]
+    calib = calibration_ids(tok, 128 if quick else 512)
+    rows = unstructured_rows(ref, calib, ref_logits, chunks, quick)
+    by = {r["variant"]: r for r in rows}
+    ratios = {"wanda_ppl_over_magnitude_at_50": by["wanda unstructured 50%"]["ppl"] / by["magnitude unstructured 50%"]["ppl"],
+              "wanda_2to4_ppl_over_magnitude_2to4": by["wanda 2:4 50%"]["ppl"] / by["magnitude 2:4 50%"]["ppl"]}
+    check = copy.deepcopy(ref)  # 2:4 masks valid on every layer of a pruned model
+    prune(check, 0.5, "wanda", "2:4", calib_ids=calib)
+    linears = [m for b in check.layers for m in b.modules() if isinstance(m, torch.nn.Linear)]
+    ratios["layers_2to4_valid"] = sum(is_n_m_sparse(m.weight) for m in linears) / len(linears)
+    del check
+    s_rows = structured_rows(ref, calib, ref_logits, chunks, ids, quick)
+    dense = s_rows[0]
+    for r in s_rows[1:]:
+        r["decode_vs_dense"] = r["decode_tok_s"] / dense["decode_tok_s"]
+        r["prefill_vs_dense"] = r["prefill_tok_s"] / dense["prefill_tok_s"]
+    rows += s_rows
+    ten = next(r for r in s_rows if r["variant"] == "drop 10 blocks")
+    ratios.update({"drop10_params_removed": ten["params_removed"], "drop10_decode_vs_dense": ten["decode_vs_dense"],
+                   "drop10_prefill_vs_dense": ten["prefill_vs_dense"], "drop10_ppl_over_dense": ten["ppl"] / dense["ppl"]})
+    rows += semi_structured_bytes()
+    ratios["2to4_bytes_vs_dense_bf16"] = rows[-1]["2:4_KB"] / rows[-1]["dense_bf16_KB"]
+    targets = {"wanda_ppl_over_magnitude_at_50": ("<", 1.0), "layers_2to4_valid": (">=", 1.0),
+               "drop10_params_removed": (">=", 0.25), "drop10_decode_vs_dense": (">=", 1.25)}
+    notes = ["float32 throughout; the reference is the unpruned model (the file's Q4_1 weights expanded)",
+             "magnitude compares weights per matrix, Wanda per output row (each method's own comparison group)",
+             "unstructured and 2:4 rows have no speed column: a dense matmul multiplies the zeros"]
+    if torch.cuda.is_available():
+        g_rows, g_ratios = gpu_semi_structured(quick)
+        rows += g_rows
+        ratios.update(g_ratios)
+        targets["gpu_2to4_speedup_prefill_best"] = (">=", 1.2)
+    else:
+        notes.append("no CUDA: torch's 2:4 sparse kernels (to_sparse_semi_structured) need an NVIDIA GPU of compute "
+                     "capability 8.0+; scripts/gpu_check_sparsity.py times them on one")
+    return BenchResult(name="sparsity", rows=rows, ratios=ratios, targets=targets,
+                       settings={"eval_tokens": eval_len, "window": window, "calibration_tokens": len(calib),
+                                 "threads": torch.get_num_threads(), "dtype": "float32"},
+                       notes=notes)
