@@ -1,0 +1,204 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 08 — Sparsity and pruning: zeros that cost quality, and zeros that buy speed
+#
+# Lesson 07 made every weight smaller. This lesson removes weights. Two questions decide whether that helps:
+#
+# 1. **Which weights** can go with the least damage? Magnitude pruning drops the smallest |W|. Wanda (Sun et al.,
+#    2023) drops the smallest |W| × ‖X‖: the error of removing W[i, j] is W[i, j]·x_j, so a small weight on a loud
+#    input channel matters more than a big one on a quiet channel — and lesson 07 showed how loud some of SmolLM2's
+#    channels are (the input of `mlp.down`).
+# 2. **What the zeros buy.** A batch-1 decode step is memory-bound: its time is the bytes it reads. Zeros scattered
+#    inside a dense matrix are still read and still multiplied — **unstructured sparsity speeds up nothing** on a
+#    dense kernel, and a sparse format that stores positions is no smaller until far past 50%. **2:4 sparsity** (two
+#    of every four consecutive weights are zero) is the hardware's compromise: NVIDIA's sparse tensor cores skip the
+#    zeros and the format is 0.56x the bytes of bf16 — but only on those GPUs. **Structured pruning** removes whole
+#    blocks, KV groups of heads or FFN channels: a smaller *dense* model, faster on any hardware, at a larger quality
+#    cost that lesson 09 (distillation) pays back.
+#
+# Sections: (1) magnitude vs Wanda on one real layer; (2) what zeros cost to store; (3) the benchmark — quality vs
+# sparsity curves, and speed vs quality of structured pruning; (4) a pruned model through every engine path, saved
+# for lesson 09; (5) on a GPU.
+
+# %%
+import copy
+
+import matplotlib.pyplot as plt
+import torch
+
+import minillm
+from minillm.bench import run_entry
+from minillm.engine.llm import LLM
+from minillm.lesson import QUICK, hardware_line, pick
+from minillm.loader import save_model
+from minillm.pruning import block_importance, n_params, prune_structured
+from minillm.quality import calibration_ids, perplexity
+from minillm.sampling import SamplingParams
+from minillm.sparsity import (compress_2to4, decompress_2to4, format_bytes, magnitude_scores, semi_structured_mask,
+                              unstructured_mask, wanda_scores)
+
+torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
+print(hardware_line())
+model, tok = minillm.load_model(dtype="float32")
+calib = calibration_ids(tok, pick(512, 128))  # the tail of the pydoc text; perplexity is scored on its head
+
+# %% [markdown]
+# ## 1. Which weights to remove: magnitude vs Wanda on one real layer
+#
+# Wanda needs the L2 norm of each input channel over some calibration tokens — one forward pass, no gradients.
+# Take block 12's `mlp.down` (its input is where lesson 07 found the outliers), prune it to 50% both ways, and
+# measure the error each mask causes *on the layer's output* for calibration activations.
+
+# %%
+layer = model.layers[12].mlp.down
+seen = []
+hook = layer.register_forward_pre_hook(lambda mod, args: seen.append(args[0].reshape(-1, args[0].shape[-1])))
+with torch.inference_mode():
+    model(torch.tensor([calib]))
+hook.remove()
+x = torch.cat(seen)  # (tokens, 1536): the layer's real inputs
+norm = x.pow(2).sum(0).sqrt()
+w = layer.weight
+masks = {"magnitude (per matrix)": unstructured_mask(magnitude_scores(w), 0.5, per_row=False),
+         "magnitude (per row)": unstructured_mask(magnitude_scores(w), 0.5),
+         "Wanda (per row)": unstructured_mask(wanda_scores(w, norm), 0.5),
+         "Wanda 2:4": semi_structured_mask(wanda_scores(w, norm))}
+want = x @ w.T
+print(f"input channel norms: median {norm.median():.1f}, max {norm.max():.1f} ({norm.max() / norm.median():.0f}x)")
+print(f"{'mask':<24}{'kept':>7}{'rel. output error':>20}")
+for name, mask in masks.items():
+    err = (x @ (w * mask).T - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()
+    print(f"{name:<24}{mask.float().mean():>7.0%}{err:>20.2%}")
+agree = (masks["magnitude (per row)"] == masks["Wanda (per row)"]).float().mean()
+print(f"magnitude and Wanda agree on {agree:.0%} of the weights; they differ on the loud channels")
+
+# %% [markdown]
+# ## 2. What zeros cost to store
+#
+# A zero in a dense bf16 matrix still takes 2 bytes. CSR stores each kept value plus its column index — at 50%
+# sparsity that is *more* bytes than dense. 2:4 stores the two kept values of every group of four and their two 2-bit
+# positions: half the values plus 1 bit per weight of metadata. `compress_2to4` builds that layout from a real pruned
+# layer and `decompress_2to4` restores it exactly.
+
+# %%
+print(f"{'layer shape':<14}{'dense bf16':>12}{'CSR @50%':>12}{'2:4':>10}")
+for shape in [(576, 576), (192, 576), (1536, 576), (576, 1536)]:
+    b = format_bytes(shape, 0.5)
+    print(f"{str(shape):<14}{b['dense'] / 1024:>10.0f}KB{b['csr'] / 1024:>10.0f}KB{b['2:4'] / 1024:>8.0f}KB")
+w24 = (w * masks["Wanda 2:4"]).bfloat16()
+values, meta = compress_2to4(w24)
+print(f"real layer: values {tuple(values.shape)} bf16 + metadata {tuple(meta.shape)} uint8 = "
+      f"{(values.numel() * 2 + meta.numel()) / (w24.numel() * 2):.4f}x dense; "
+      f"round trip exact: {torch.equal(decompress_2to4(values, meta), w24)}")
+
+# %% [markdown]
+# ## 3. The benchmark
+#
+# `minillm bench sparsity` prunes a copy of the model per variant and scores perplexity, KL and top-1 agreement
+# against the unpruned model on the head of the pydoc text (Wanda calibrates on its tail). Blocks are pruned in
+# order, each calibrated on the outputs of the already-pruned blocks before it (as in the Wanda paper). Structured
+# variants are also timed: batch-1 decode (variants round-robin, best round) and a 128-token prefill.
+
+# %%
+result = run_entry("sparsity", quick=QUICK, save=True, out="../results")
+curve = [r for r in result.rows if r["part"] == "masks"]
+structured = [r for r in result.rows if r["part"] == "structured"]
+dense = structured[0]
+
+# %%
+fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+for method, style in (("magnitude", "o-"), ("wanda", "s-")):
+    pts = sorted((r["sparsity"], r["ppl"]) for r in curve if r["method"] == method and r["pattern"] == "unstructured")
+    a1.plot(*zip(*pts), style, label=f"{method}, unstructured")
+    two4 = [r for r in curve if r["method"] == method and r["pattern"] == "2:4"]
+    a1.scatter([r["sparsity"] for r in two4], [r["ppl"] for r in two4], marker="x", s=80, label=f"{method}, 2:4")
+a1.axhline(dense["ppl"], color="gray", ls=":", label="unpruned")
+a1.set_yscale("log")
+a1.set_xlabel("fraction of block weights zeroed")
+a1.set_ylabel("perplexity (pydoc head)")
+a1.set_title("quality vs sparsity")
+a1.legend(fontsize=7)
+for r in structured:
+    a2.scatter(r["params_removed"], r["decode_tok_s"])
+    a2.annotate(r["variant"], (r["params_removed"], r["decode_tok_s"]), fontsize=7)
+a2.set_xlabel("fraction of parameters removed")
+a2.set_ylabel("batch-1 decode tok/s")
+a2.set_title(f"structured pruning — {hardware_line()[:50]}", fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %%
+by = {r["variant"]: r for r in curve}
+mag, wan = by["magnitude unstructured 50%"], by["wanda unstructured 50%"]
+print(f"At 50% unstructured sparsity: magnitude perplexity {mag['ppl']:.1f}, Wanda {wan['ppl']:.1f} "
+      f"(unpruned {dense['ppl']:.1f}): Wanda's is {mag['ppl'] / wan['ppl']:.1f}x "
+      f"{'lower' if wan['ppl'] < mag['ppl'] else 'higher'}, from one forward pass of calibration text.")
+m24, w24r = by["magnitude 2:4 50%"], by["wanda 2:4 50%"]
+print(f"2:4 (also 50%, but constrained to every group of 4): magnitude {m24['ppl']:.1f}, Wanda {w24r['ppl']:.1f} — "
+      f"the constraint costs Wanda {w24r['ppl'] / wan['ppl']:.1f}x in perplexity over free placement.")
+print(f"\n{'structured variant':<34}{'removed':>8}{'ppl':>8}{'decode':>9}{'prefill':>9}")
+for r in structured:
+    print(f"{r['variant']:<34}{r['params_removed']:>8.0%}{r['ppl']:>8.1f}"
+          f"{r.get('decode_vs_dense', 1):>8.2f}x{r.get('prefill_vs_dense', 1):>8.2f}x")
+best = max(structured[1:], key=lambda r: r["decode_vs_dense"])
+print(f"\nLargest decode gain: {best['variant']} ({best['decode_vs_dense']:.2f}x, {best['params_removed']:.0%} of the "
+      f"parameters, perplexity {best['ppl'] / dense['ppl']:.1f}x the unpruned model's).")
+
+# %% [markdown]
+# How to read the structured table. A decode step's time is the bytes it reads *plus* a fixed cost per operation
+# (Python, kernel launches, the attention over the cache). Dropping a block removes both its bytes and its ~dozen
+# operations; narrowing the FFN or removing a KV group removes bytes only, and at 135M parameters on a CPU the fixed
+# cost per block is a large share of the step — so narrowing buys less speed per parameter removed than dropping.
+# Which blocks go: those whose output is most similar to their input (section 4 prints the importances). Perplexity
+# rises several-fold without any training: lesson 09 distills the unpruned model back into the pruned one.
+
+# %% [markdown]
+# ## 4. A pruned model through every path, saved for lesson 09
+#
+# The importance of each block is 1 − cos(input, output) of its hidden states on calibration text: the first and
+# last blocks change the residual stream the most. Drop the ten least important; the config says 20 blocks, and
+# generate (contiguous and paged caches) and the continuous-batching engine all run it unchanged.
+
+# %%
+imp = block_importance(model, calib)
+print("block importance:", " ".join(f"{v:.2f}" for v in imp.tolist()))
+pruned = copy.deepcopy(model)
+report = prune_structured(pruned, calib, drop_n_blocks=10)
+print(f"dropped blocks {report['dropped_blocks']}: {n_params(model) / 1e6:.1f}M -> {n_params(pruned) / 1e6:.1f}M "
+      f"parameters ({report['params_removed']:.0%} removed); config: {pruned.config.n_layers} layers")
+print(f"perplexity: unpruned {perplexity(model, tok, max_tokens=pick(512, 64), window=256):.1f}, "
+      f"pruned {perplexity(pruned, tok, max_tokens=pick(512, 64), window=256):.1f}")
+prompt = "The capital of France is"
+for cache in ("contiguous", "paged"):
+    print(f"{cache:>10}: {prompt}{minillm.generate(pruned, tok, prompt, max_new_tokens=12, cache=cache).text!r}")
+engine = LLM.from_model(pruned, tok, num_blocks=64)
+outs = engine.generate([prompt, "Python is a programming language that"], SamplingParams(max_tokens=12))
+for o in outs:
+    print(f"    engine: {o.text!r}")
+folder = save_model(pruned, "smollm2-pruned-20", info={"dropped_blocks": report["dropped_blocks"]})
+print(f"saved to {folder} (lesson 09 starts from it: minillm.loader.load_saved('smollm2-pruned-20'))")
+
+# %% [markdown]
+# ## 5. On a GPU
+#
+# NVIDIA GPUs from Ampere on run 2:4-sparse fp16/bf16 matmuls on their sparse tensor cores:
+# `torch.sparse.to_sparse_semi_structured(w)` compresses a 2:4 weight into the values + metadata layout of section 2
+# and `F.linear` dispatches to the sparse kernel. The speedup appears at prefill sizes (the matmul is compute-bound
+# and the sparse core does half the math); at batch-1 decode the step is bound by bytes and launch overhead.
+# `scripts/gpu_check.sh` times it for this model's shapes (`scripts/gpu_check_sparsity.py`). No GPU was available
+# when this notebook was executed: its numbers are the CPU named at the top, where torch has no sparse kernel.
+#
+# **Exercise 08** (`exercises/ex08_sparsity.py`, graded by `minillm grade 08`): Wanda scores and per-row masks, a
+# 2:4 mask, and dropping blocks from a model; the last task prunes the real model with your functions. Next, lesson 09
+# recovers the pruned model's quality by distilling the unpruned one into it.
