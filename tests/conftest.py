@@ -17,6 +17,10 @@ settings.load_profile("minillm")
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2` (the README's command): one thread per worker per core
     torch.set_num_threads(1)
+    # and the processes a worker starts (notebook kernels, graded subprocesses) inherit one thread too: two workers
+    # each running a two-thread kernel on two cores made the lesson tests 3-4x slower than alone
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
 
 # Triton picks interpreter or driver when it is first imported, and some test modules import it indirectly
 # (torch.utils.flop_counter does) before minillm_kernels can choose: decide here, first (kernels/_triton_env.py).
