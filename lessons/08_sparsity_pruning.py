@@ -158,10 +158,12 @@ print(f"\nLargest decode gain: {best['variant']} ({best['decode_vs_dense']:.2f}x
 # %% [markdown]
 # How to read the structured table. A decode step's time is the bytes it reads *plus* a fixed cost per operation
 # (Python, kernel launches, the attention over the cache). Dropping a block removes both its bytes and its ~dozen
-# operations; narrowing the FFN or removing a KV group removes bytes only, and at 135M parameters on a CPU the fixed
-# cost per block is a large share of the step — so narrowing buys less speed per parameter removed than dropping.
-# Which blocks go: those whose output is most similar to their input (section 4 prints the importances). Perplexity
-# rises several-fold without any training: lesson 09 distills the unpruned model back into the pruned one.
+# operations; narrowing the FFN removes bytes only, and removing a KV group removes the fewest bytes (the K/V
+# projections are the small ones with GQA). Compare rows with a similar "removed" column to see which of the two
+# costs dominates on the machine named above; prefill, which is compute-bound, gains roughly in proportion to the
+# FLOPs removed. Which blocks go: those whose output is most similar to their input (section 4 prints the
+# importances). Perplexity rises several-fold without any training: lesson 09 distills the unpruned model back into
+# the pruned one.
 
 # %% [markdown]
 # ## 4. A pruned model through every path, saved for lesson 09
