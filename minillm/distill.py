@@ -50,6 +50,9 @@ class DistillConfig:
     checkpoint_every: int = 50
     seed: int = 0
     autocast: str = "auto"  # "auto": bf16 where native; "off"
+    # the tied embedding / LM head is 28M of SmolLM2's 135M parameters and was not pruned: leaving it frozen saves its
+    # weight gradient and optimizer state, the largest per-token cost of the backward pass after the blocks
+    train_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -180,6 +183,8 @@ def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, eval_ids:
     check_pair(student, teacher)
     teacher.eval().requires_grad_(False)
     student.train().requires_grad_(True)
+    if not cfg.train_embeddings:
+        student.embed.weight.requires_grad_(False)  # the tied LM head is the same tensor
     if cfg.ce == 0 and cfg.kd == 0 and cfg.cos > 0:
         raise ValueError("the cosine term alone does not train the LM head: add kd or ce")
     params = [p for p in student.parameters() if p.requires_grad]

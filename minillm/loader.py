@@ -15,6 +15,12 @@ from .config import ModelConfig
 from .model import Transformer
 from .weights import cache_dir, gguf_path, model_source, read_gguf, read_gguf_metadata
 
+# saved models the course makes, and how (load_model names them in its error when they are missing)
+HOW_TO_MAKE = {
+    "smollm2-pruned-20": "run lesson 08 (lessons/08_sparsity_pruning.py), which saves it",
+    "smollm2-135m-student": "train it with `minillm bench distill` (a few minutes quick, ~30 full) or lesson 09",
+}
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -95,9 +101,18 @@ def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
                attn_backend: str = "sdpa", fuse: bool = False, weights: str = "dequantized"):
     """Load a known model: returns (model, tokenizer). Downloads and verifies the weights on first use.
     fuse=True applies lesson 06's fusions (minillm.fusion.fuse): same logits, fewer ops per step.
-    weights="q4" keeps the file's 4-bit layers packed (see WEIGHTS); the tied Q8_0 embedding is expanded."""
+    weights="q4" keeps the file's 4-bit layers packed (see WEIGHTS); the tied Q8_0 embedding is expanded.
+    A name saved with save_model (a pruned or distilled model: lessons 08-09) loads from the cache dir."""
     from .tokenizer import Tokenizer
+    from .weights import KNOWN_MODELS
 
+    if name not in KNOWN_MODELS:
+        if name and "/" not in name and (saved_model_dir(name) / "config.json").exists():
+            if fuse or weights != "dequantized":
+                raise ValueError(f"{name!r} is a saved float model: load it, then fuse or quantize it")
+            return load_saved(name, dtype, device)
+        if name in HOW_TO_MAKE:
+            raise ValueError(f"{name!r} has not been made on this machine yet: {HOW_TO_MAKE[name]}")
     model_source(name)  # unknown names fail here, before any download
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weights={weights!r}; choose one of {list(WEIGHTS)}")

@@ -26,6 +26,7 @@ ENTRIES: dict[str, str] = {
     "fusion": "minillm.bench.fusion:run",
     "quant": "minillm.bench.quant:run",
     "sparsity": "minillm.bench.sparsity:run",
+    "distill": "minillm.bench.distill:run",
 }
 
 __all__ = ["ENTRIES", "BenchResult", "Timing", "hardware_info", "load_entry", "run_entry", "time_fn"]

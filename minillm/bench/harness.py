@@ -138,6 +138,7 @@ class BenchResult:
     targets: dict[str, tuple[str, float]] = field(default_factory=dict)  # ratio name -> (">=", 2.0)
     settings: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    series: dict = field(default_factory=dict)  # curves for plots (e.g. a loss per step): saved, not printed
     hardware: dict | None = None  # filled from hardware_info(settings.get("device", "cpu")) when first needed
     quick: bool = False
 

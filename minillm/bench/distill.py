@@ -1,0 +1,116 @@
+"""`minillm bench distill` (lesson 09): heal a structurally pruned SmolLM2 by distillation, against fine-tuning on
+the text alone with the same token budget, in one run.
+
+The teacher is SmolLM2-135M (float32). The student is the teacher with its least important blocks dropped
+(lesson 08's block importance). Three students train from that same start, on the same batches (a pure function of
+seed and step): KD (soft targets at T = 2), CE-only (the text's labels), and — full mode — DistilBERT's triple loss
+(KD + CE + hidden-state cosine). Training data: the pydoc text after its first 8,192 tokens, plus continuations the
+teacher samples from prompts taken from that text (generated once with the batching engine, cached). Evaluation: the
+first 512 tokens of the pydoc text, never trained on. Per student: parameters, weight bytes, batch-1 decode tok/s
+(round-robin with the teacher, best round), perplexity, KL to the teacher and top-1 agreement with the teacher. The
+KD student is saved as "smollm2-135m-student" (load_model loads it by name; lesson 10 uses it as the draft model).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from minillm.bench.fusion import decode_tok_s
+from minillm.bench.harness import BenchResult
+
+
+def budget(quick: bool) -> dict:
+    if quick:
+        return {"steps": 6, "batch_size": 2, "seq_len": 64, "warmup": 2, "eval_every": 6, "eval_tokens": 128,
+                "drop_n_blocks": 14, "n_prompts": 0, "new_tokens": 0}
+    return {"steps": 40, "batch_size": 4, "seq_len": 128, "warmup": 5, "eval_every": 10, "eval_tokens": 512,
+            "drop_n_blocks": 14, "n_prompts": 32, "new_tokens": 96}
+
+
+def training_ids(teacher, tok, b: dict) -> tuple[torch.Tensor, dict]:
+    """The pydoc training split, plus the teacher's own continuations of prompts from it (cached)."""
+    from minillm.distill import teacher_continuations, train_ids
+    from minillm.weights import cache_dir
+
+    ids = train_ids(tok)
+    info = {"pydoc_tokens": ids.numel(), "teacher_tokens": 0}
+    if b["n_prompts"]:
+        step = ids.numel() // b["n_prompts"]
+        prompts = [ids[i * step:i * step + 32].tolist() for i in range(b["n_prompts"])]
+        seqs = teacher_continuations(teacher, tok, prompts, b["new_tokens"],
+                                     cache=cache_dir() / "distill" / f"teacher_{b['n_prompts']}x{b['new_tokens']}.json")
+        eos = tok.eos_id
+        extra = torch.tensor([t for s in seqs for t in s + [eos]])
+        info["teacher_tokens"] = extra.numel()
+        ids = torch.cat([ids, extra])
+    return ids, info
+
+
+def run(quick: bool = False) -> BenchResult:
+    from minillm import load_model
+    from minillm.distill import DistillConfig, distill, evaluate
+    from minillm.loader import save_model
+    from minillm.model import model_bytes
+    from minillm.pruning import n_params, prune_structured
+    from minillm.quality import calibration_ids, eval_ids
+
+    b = budget(quick)
+    teacher, tok = load_model("smollm2-135m", dtype="float32")
+    start = copy.deepcopy(teacher)
+    report = prune_structured(start, calibration_ids(tok, 256), drop_n_blocks=b["drop_n_blocks"])
+    ids, data = training_ids(teacher, tok, b)
+    ev = torch.tensor(eval_ids(tok, b["eval_tokens"] + 1))
+    common = {k: b[k] for k in ("steps", "batch_size", "seq_len", "warmup", "eval_every", "eval_tokens")}
+    runs = {"KD (T=2)": dict(kd=1.0, ce=0.0, cos=0.0, temperature=2.0, lr=5e-4),
+            "CE only": dict(kd=0.0, ce=1.0, cos=0.0, lr=5e-4)}
+    if not quick:
+        runs["KD + CE + cosine"] = dict(kd=1.0, ce=0.5, cos=0.5, temperature=2.0, lr=5e-4)
+    models = {"teacher": teacher, "pruned, untrained": start}
+    rows = [{"variant": "teacher", **evaluate(teacher, teacher, ev)},
+            {"variant": "pruned, untrained", **evaluate(start, teacher, ev)}]
+    curves = {}
+    for name, terms in runs.items():
+        student = copy.deepcopy(start)
+        cfg = DistillConfig(**common, **terms)
+        t0 = time.perf_counter()
+        hist = distill(student, teacher, ids, ev, cfg, progress=not quick)
+        seconds = time.perf_counter() - t0
+        rows.append({"variant": name, **evaluate(student, teacher, ev), "train_s": seconds,
+                     "train_tokens": cfg.steps * cfg.batch_size * (cfg.seq_len - 1)})
+        curves[name] = [{k: h[k] for k in h if k in ("step", "loss", "eval_ppl", "eval_kl", "eval_top1_agree")}
+                        for h in hist]
+        models[name] = student
+    by = {r["variant"]: r for r in rows}
+    for name, m in models.items():
+        by[name].update({"params_M": n_params(m) / 1e6, "weight_MB": model_bytes(m) / 1e6,
+                         "blocks": m.config.n_layers})
+    prompt = eval_ids(tok, 32)
+    speed = {"teacher": [], "KD (T=2)": []}
+    for _ in range(1 if quick else 5):  # round-robin: a noisy neighbour slows both
+        for name in speed:
+            speed[name].append(decode_tok_s(models[name], prompt, 8 if quick else 64, 1)[0])
+    for name, v in speed.items():
+        by[name]["decode_tok_s"] = max(v)
+    saved = save_model(models["KD (T=2)"], "smollm2-135m-student" if not quick else "smollm2-135m-student-quick",
+                       info={"dropped_blocks": report["dropped_blocks"], "runs": runs["KD (T=2)"], "budget": b,
+                             "data": data, "eval": by["KD (T=2)"]})
+    t, p, kd, ce = (by[k]["ppl"] for k in ("teacher", "pruned, untrained", "KD (T=2)", "CE only"))
+    ratios = {"kd_gap_closed": (p - kd) / (p - t), "ce_gap_closed": (p - ce) / (p - t),
+              "kd_ppl_over_ce_ppl": kd / ce,
+              "student_decode_vs_teacher": by["KD (T=2)"]["decode_tok_s"] / by["teacher"]["decode_tok_s"],
+              "student_top1_agree_with_teacher": by["KD (T=2)"]["top1_agree"],
+              "student_params_vs_teacher": by["KD (T=2)"]["params_M"] / by["teacher"]["params_M"]}
+    if "KD + CE + cosine" in by:
+        ratios["triple_gap_closed"] = (p - by["KD + CE + cosine"]["ppl"]) / (p - t)
+    targets = {"kd_gap_closed": (">=", 0.5), "kd_ppl_over_ce_ppl": ("<", 1.0), "student_decode_vs_teacher": (">=", 1.8)}
+    tokens = rows[-1]["train_tokens"]
+    notes = [f"student: the teacher minus blocks {report['dropped_blocks']} (lesson 08's block importance)",
+             f"budget per student: {tokens} training tokens ({b['steps']} steps x {b['batch_size']} x {b['seq_len']}), "
+             f"the embedding/LM head frozen; data: {data['pydoc_tokens']} pydoc tokens + {data['teacher_tokens']} "
+             f"teacher-generated tokens; eval: the first {b['eval_tokens']} pydoc tokens",
+             f"float32 on this machine; the KD student was saved to {saved}"]
+    return BenchResult(name="distill", rows=rows, ratios=ratios, targets=targets,
+                       settings={**b, "threads": torch.get_num_threads()}, notes=notes, series=curves)
