@@ -291,6 +291,12 @@ def test_save_and_load_round_trip_exactly(tmp_path, monkeypatch):
         assert k == k2 and torch.equal(a, b), k
     assert back.lm_head.weight is back.embed.weight
     assert torch.equal(logits(back), logits(m))
+    by_name, _ = loader.load_model("pruned")  # everything that loads a model by name finds a saved one
+    assert by_name.config == m.config and torch.equal(logits(by_name), logits(m))
+    with pytest.raises(ValueError, match="saved float model"):
+        loader.load_model("pruned", fuse=True)
+    with pytest.raises(ValueError, match="not been made on this machine yet: train it"):
+        loader.load_model("smollm2-135m-student")
     raw = bytearray((folder / "model.pt").read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     (folder / "model.pt").write_bytes(bytes(raw))
