@@ -60,6 +60,12 @@ TASKS: dict[str, list[tuple[str, str]]] = {
         ("task_07_outliers", "LLM.int8(): int8 x int8 -> int32 matmul, outlier columns in float"),
         ("task_07_real_model", "your quantization of SmolLM2: int8 still says Paris, perplexity kept"),
     ],
+    "08": [
+        ("task_08_wanda", "Wanda scores |W| * activation norm; drop the lowest of each row (or of the matrix)"),
+        ("task_08_2to4", "n:m semi-structured masks: the 2 highest of every 4 consecutive weights of a row"),
+        ("task_08_drop_blocks", "remove whole blocks in place: an nn.ModuleList and a config that agree"),
+        ("task_08_real_model", "your pruning of SmolLM2: Wanda 50% keeps perplexity, 2:4 everywhere, 26 blocks run"),
+    ],
 }
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -105,6 +105,30 @@ HINTS: dict[str, tuple[str, str]] = {
                            "rounding; the int8 model must answer Paris, and perplexity may rise at most 2% (int8) "
                            "and 10% (int4). One real layer's input (values in the thousands) runs through your "
                            "LLM.int8() matmul."),
+    "task_08_wanda": ("Zeroing W[i, j] changes output i by W[i, j] * x_j. How big is x_j on real text, and which "
+                      "weights should compete with each other to survive?",
+                      "scores = |W| * act_norm per input column (column j times act_norm[j]), float32; an act_norm "
+                      "that is not one value per input column is a ValueError. The mask is True = keep and drops "
+                      "exactly floor(sparsity * n) of the lowest scores per row (per_row=True) or of the whole "
+                      "matrix. Refuse before any work: sparsity outside [0, 1) and NaN/inf scores (the given "
+                      "check_sparsity and _check_scores)."),
+    "task_08_2to4": ("Sparse tensor cores read each row in runs of 4 weights. How many of every run survive, and "
+                     "which ones?",
+                     "Exactly n kept (the n highest) in every run of m consecutive scores of a row, never counted "
+                     "across the row or down a column. ValueError when m does not divide the width, when not "
+                     "0 < n < m, and on NaN/inf scores."),
+    "task_08_drop_blocks": ("A model is its blocks plus a config that says how many there are: both must change, "
+                            "and the blocks must stay visible to .to() and state_dict().",
+                            "Check every index first (0..n-1, no negatives, no repeats, not all of them: "
+                            "ValueError, model untouched); then a new nn.ModuleList of the kept blocks in their "
+                            "order (torch refuses a plain list there) and config.with_(n_layers=...); return the "
+                            "same model."),
+    "task_08_real_model": ("Nothing new to write: minillm.sparsity.prune and minillm.pruning run SmolLM2 through your "
+                           "four functions.",
+                           "Wanda at 50% must keep the perplexity within 2x the dense model's (the reference ~1.7x, "
+                           "|W| alone ~15x); 2:4 must leave every block Linear 2:4 and half zeros; dropping the 4 "
+                           "least important blocks must leave 26 in a ModuleList, a config that agrees, and the "
+                           "engine generating what generate() does."),
 }
 
 
@@ -127,6 +151,12 @@ RECIPES["task_07_real_model"] = (
     "the failing case and the perplexities; by hand: set minillm.quant's quantize_int8 ... unpack_int4 to yours, "
     "quantize a bfloat16 copy of the model with minillm.quant.quantize(copy, 'int8') and compare "
     "minillm.quality.perplexity with the float model's.")
+RECIPES["task_08_real_model"] = (
+    "MINILLM_GRADE=exercises python -m pytest tests/graders/test_ex08_sparsity.py -m task_08_real_model -x -rP shows "
+    "the failing case and what your pruned model says; by hand: set minillm.sparsity's wanda_scores and "
+    "unstructured_mask to yours, prune a float32 copy with minillm.sparsity.prune(copy, 0.5, 'wanda', "
+    "calib_ids=minillm.quality.calibration_ids(tok, 128), window=128) and compare minillm.quality.perplexity with "
+    "the dense model's.")
 
 
 def _recipes(lesson: str) -> dict[str, str]:

@@ -1,0 +1,81 @@
+"""Exercise 08 (reference solutions): Wanda's importance scores, the unstructured and 2:4 masks, and dropping whole
+blocks of the model.
+
+Each function is a verbatim copy of minillm's own (see SAME_AS); tests/test_exercise_sync.py keeps them in sync.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+# given: Transformer (the model class: drop_blocks' annotation), check_sparsity (ValueError unless
+# 0 <= sparsity < 1) and _check_scores (ValueError unless the scores are a 2-D matrix of finite numbers)
+from minillm.model import Transformer
+from minillm.sparsity import _check_scores, check_sparsity
+
+SAME_AS = {
+    "wanda_scores": "minillm.sparsity",
+    "unstructured_mask": "minillm.sparsity",
+    "semi_structured_mask": "minillm.sparsity",
+    "drop_blocks": "minillm.pruning",
+}
+
+# task 08.wanda -----------------------------------------------------------------------------------------------
+
+
+def wanda_scores(weight: Tensor, act_norm: Tensor) -> Tensor:
+    """|W[i, j]| * ||X_j||_2: weight (out, in), act_norm (in,) = the L2 norm of input channel j over the tokens."""
+    if act_norm.shape != weight.shape[1:]:
+        raise ValueError(f"act_norm must have one entry per input channel ({weight.shape[1]}), "
+                         f"got shape {tuple(act_norm.shape)}")
+    return weight.detach().float().abs() * act_norm.float()[None, :]
+
+
+def unstructured_mask(scores: Tensor, sparsity: float, per_row: bool = True) -> Tensor:
+    """True = keep. Zero the lowest-scoring `sparsity` of each output row (per_row, Wanda's comparison group) or of
+    the whole matrix (per_row=False, classic magnitude pruning). Exactly floor(sparsity * n) are zeroed per group."""
+    check_sparsity(sparsity)
+    _check_scores(scores)
+    flat = scores if per_row else scores.reshape(1, -1)
+    n_drop = int(flat.shape[1] * sparsity)
+    mask = torch.ones_like(flat, dtype=torch.bool)
+    if n_drop:
+        drop = torch.sort(flat, dim=1, stable=True).indices[:, :n_drop]  # stable: ties drop the earlier column
+        mask.scatter_(1, drop, False)
+    return mask.reshape(scores.shape)
+
+
+# task 08.2to4 ------------------------------------------------------------------------------------------------
+
+
+def semi_structured_mask(scores: Tensor, n: int = 2, m: int = 4) -> Tensor:
+    """True = keep: the n highest-scoring weights of every m consecutive ones along each row (2:4 by default)."""
+    _check_scores(scores)
+    if not 0 < n < m:
+        raise ValueError(f"an n:m pattern keeps 0 < n < m weights per group, got {n}:{m}")
+    if scores.shape[1] % m:
+        raise ValueError(f"{n}:{m} sparsity groups each row in runs of {m}: in_features {scores.shape[1]} is not "
+                         f"divisible by {m} (prune this layer unstructured, or leave it dense)")
+    groups = scores.reshape(scores.shape[0], -1, m)
+    keep = torch.topk(groups, n, dim=-1, sorted=False).indices
+    mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, keep, True)
+    return mask.reshape(scores.shape)
+
+
+# task 08.drop_blocks -----------------------------------------------------------------------------------------
+
+
+def drop_blocks(model: Transformer, drop: list[int]) -> Transformer:
+    """Remove blocks `drop` (indices into model.layers) in place; the config's n_layers follows."""
+    n = len(model.layers)
+    bad = [i for i in drop if not isinstance(i, int) or not 0 <= i < n]
+    if bad:
+        raise ValueError(f"block indices must be in 0..{n - 1}, got {bad}")
+    if len(set(drop)) != len(drop):
+        raise ValueError(f"duplicate block indices in {sorted(drop)}")
+    if len(drop) >= n:
+        raise ValueError(f"cannot drop all {n} blocks: keep at least one")
+    model.layers = nn.ModuleList(b for i, b in enumerate(model.layers) if i not in set(drop))
+    model.config = model.config.with_(n_layers=len(model.layers))
+    return model
