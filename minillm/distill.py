@@ -23,7 +23,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -168,6 +168,33 @@ def load_checkpoint(path: Path, student, optimizer, cfg: DistillConfig) -> tuple
     return ckpt["step"], ckpt["history"]
 
 
+def train_step(student: nn.Module, teacher: nn.Module, x: Tensor, optimizer: torch.optim.Optimizer,
+               cfg: DistillConfig) -> dict[str, float]:
+    """One optimizer step on token windows x (batch, seq_len): position t of x[:, :-1] predicts x[:, t + 1].
+    The teacher runs without gradients; the student's loss is the weighted sum of the enabled terms; gradients are
+    clipped to norm cfg.clip. Returns the loss, each term and the gradient norm before clipping."""
+    inp, target = x[:, :-1], x[:, 1:]
+    with torch.no_grad():
+        t_logits, t_h = _forward(teacher, inp, cfg.cos > 0)
+    s_logits, s_h = _forward(student, inp, cfg.cos > 0)
+    terms = {}
+    if cfg.kd:
+        terms["kd"] = distillation_loss(s_logits, t_logits, cfg.temperature)
+    if cfg.ce:
+        terms["ce"] = F.cross_entropy(s_logits.float().flatten(0, 1), target.flatten())
+    if cfg.cos:
+        terms["cos"] = hidden_cosine_loss(s_h, t_h)
+    loss = cfg.kd * terms.get("kd", 0) + cfg.ce * terms.get("ce", 0) + cfg.cos * terms.get("cos", 0)
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"the loss is {loss.item()}: lower the learning rate or check the data")
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+    optimizer.step()
+    return {"loss": loss.item(), **{k: v.item() for k, v in terms.items()}, "grad_norm": float(grad_norm)}
+
+
 def use_autocast(cfg: DistillConfig, device: torch.device) -> bool:
     from .bench.hardware import native_bf16
 
@@ -201,30 +228,12 @@ def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, eval_ids:
     for step in range(start, end):
         t0 = time.perf_counter()
         x = batch_at(train_ids, step, cfg)
-        inp, target = x[:, :-1], x[:, 1:]
-        with torch.no_grad(), torch.autocast(student.device.type, torch.bfloat16, enabled=amp):
-            t_logits, t_h = _forward(teacher, inp, cfg.cos > 0)
-        with torch.autocast(student.device.type, torch.bfloat16, enabled=amp):
-            s_logits, s_h = _forward(student, inp, cfg.cos > 0)
-        terms = {}
-        if cfg.kd:
-            terms["kd"] = distillation_loss(s_logits, t_logits, cfg.temperature)
-        if cfg.ce:
-            terms["ce"] = F.cross_entropy(s_logits.float().flatten(0, 1), target.flatten())
-        if cfg.cos:
-            terms["cos"] = hidden_cosine_loss(s_h, t_h)
-        loss = cfg.kd * terms.get("kd", 0) + cfg.ce * terms.get("ce", 0) + cfg.cos * terms.get("cos", 0)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss.item()} at step {step}: lower lr (now {cfg.lr}) or check data")
         for g in optimizer.param_groups:
             g["lr"] = lr_at(step, cfg)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
-        optimizer.step()
-        rec = {"step": step + 1, "loss": loss.item(), **{k: v.item() for k, v in terms.items()},
-               "lr": lr_at(step, cfg), "grad_norm": float(grad_norm),
-               "tok_s": inp.numel() / (time.perf_counter() - t0)}
+        with torch.autocast(student.device.type, torch.bfloat16, enabled=amp):
+            out = train_step(student, teacher, x, optimizer, cfg)
+        tok_s = (x.numel() - x.shape[0]) / (time.perf_counter() - t0)  # tokens predicted per second
+        rec = {"step": step + 1, **out, "lr": lr_at(step, cfg), "tok_s": tok_s}
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             rec.update({f"eval_{k}": v for k, v in evaluate(student, teacher, eval_ids[:cfg.eval_tokens + 1]).items()})
         history.append(rec)

@@ -12,8 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm.config import ModelConfig
-from minillm.distill import (DistillConfig, batch_at, distill, distillation_loss, evaluate, hidden_cosine_loss, lr_at,
-                             save_checkpoint)
+from minillm.distill import (
+    DistillConfig,
+    batch_at,
+    distill,
+    distillation_loss,
+    evaluate,
+    hidden_cosine_loss,
+    lr_at,
+    save_checkpoint,
+)
 from minillm.model import Transformer
 from minillm.pruning import drop_blocks
 

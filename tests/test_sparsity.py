@@ -12,11 +12,30 @@ from torch import nn
 from minillm.config import ModelConfig
 from minillm.generate import generate_ids
 from minillm.model import Transformer
-from minillm.pruning import (block_importance, drop_blocks, ffn_channel_importance, kv_group_importance,
-                             least_important, n_params, prune_ffn_channels, prune_kv_groups, prune_structured)
+from minillm.pruning import (
+    block_importance,
+    drop_blocks,
+    ffn_channel_importance,
+    kv_group_importance,
+    least_important,
+    n_params,
+    prune_ffn_channels,
+    prune_kv_groups,
+    prune_structured,
+)
 from minillm.sampling import SamplingParams
-from minillm.sparsity import (compress_2to4, decompress_2to4, format_bytes, is_n_m_sparse, magnitude_scores, prune,
-                              semi_structured_mask, sparsity_of, unstructured_mask, wanda_scores)
+from minillm.sparsity import (
+    compress_2to4,
+    decompress_2to4,
+    format_bytes,
+    is_n_m_sparse,
+    magnitude_scores,
+    prune,
+    semi_structured_mask,
+    sparsity_of,
+    unstructured_mask,
+    wanda_scores,
+)
 
 TINY = ModelConfig(vocab_size=96, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128)
 CALIB = [(7 * i + 3) % 96 for i in range(96)]
@@ -274,7 +293,7 @@ def test_structured_bad_input():
 
 
 def test_save_and_load_round_trip_exactly(tmp_path, monkeypatch):
-    import minillm.loader as loader
+    from minillm import loader
 
     monkeypatch.setattr(loader, "saved_model_dir", lambda name: tmp_path / name)
     monkeypatch.setattr(loader, "read_gguf_metadata", lambda path: {})

@@ -100,8 +100,8 @@ def gpu_semi_structured(quick: bool) -> tuple[list[dict], dict]:
         sparse = to_sparse_semi_structured(w)
         for m in ([1, 2048] if quick else [1, 16, 256, 2048, 8192]):
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            dense_ms = do_bench(lambda: torch.nn.functional.linear(x, w))
-            sparse_ms = do_bench(lambda: torch.nn.functional.linear(x, sparse))
+            dense_ms = do_bench(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+            sparse_ms = do_bench(lambda x=x, sparse=sparse: torch.nn.functional.linear(x, sparse))
             rows.append({"variant": f"cuda {name} M={m}", "part": "gpu", "dense_ms": dense_ms, "sparse_ms": sparse_ms,
                          "speedup": dense_ms / sparse_ms})
     big = [r["speedup"] for r in rows if r["variant"].endswith(("M=2048", "M=8192"))]
