@@ -45,15 +45,8 @@ from minillm.loader import save_model
 from minillm.pruning import block_importance, n_params, prune_structured
 from minillm.quality import calibration_ids, perplexity
 from minillm.sampling import SamplingParams
-from minillm.sparsity import (
-    compress_2to4,
-    decompress_2to4,
-    format_bytes,
-    magnitude_scores,
-    semi_structured_mask,
-    unstructured_mask,
-    wanda_scores,
-)
+from minillm.sparsity import (compress_2to4, decompress_2to4, format_bytes, magnitude_scores, semi_structured_mask,
+                              unstructured_mask, wanda_scores)
 
 torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
 print(hardware_line())
@@ -102,7 +95,7 @@ print(f"magnitude and Wanda agree on {agree:.0%} of the weights; they differ on 
 print(f"{'layer shape':<14}{'dense bf16':>12}{'CSR @50%':>12}{'2:4':>10}")
 for shape in [(576, 576), (192, 576), (1536, 576), (576, 1536)]:
     b = format_bytes(shape, 0.5)
-    print(f"{shape!s:<14}{b['dense'] / 1024:>10.0f}KB{b['csr'] / 1024:>10.0f}KB{b['2:4'] / 1024:>8.0f}KB")
+    print(f"{str(shape):<14}{b['dense'] / 1024:>10.0f}KB{b['csr'] / 1024:>10.0f}KB{b['2:4'] / 1024:>8.0f}KB")
 w24 = (w * masks["Wanda 2:4"]).bfloat16()
 values, meta = compress_2to4(w24)
 print(f"real layer: values {tuple(values.shape)} bf16 + metadata {tuple(meta.shape)} uint8 = "
