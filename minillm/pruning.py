@@ -75,7 +75,7 @@ def block_importance(model: Transformer, calib_ids: list[int], window: int = 256
 def drop_blocks(model: Transformer, drop: list[int]) -> Transformer:
     """Remove blocks `drop` (indices into model.layers) in place; the config's n_layers follows."""
     n = len(model.layers)
-    bad = [i for i in drop if not isinstance(i, int) or not 0 <= i < n]
+    bad = [i for i in drop if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
     if bad:
         raise ValueError(f"block indices must be in 0..{n - 1}, got {bad}")
     if len(set(drop)) != len(drop):

@@ -69,7 +69,7 @@ def semi_structured_mask(scores: Tensor, n: int = 2, m: int = 4) -> Tensor:
 def drop_blocks(model: Transformer, drop: list[int]) -> Transformer:
     """Remove blocks `drop` (indices into model.layers) in place; the config's n_layers follows."""
     n = len(model.layers)
-    bad = [i for i in drop if not isinstance(i, int) or not 0 <= i < n]
+    bad = [i for i in drop if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
     if bad:
         raise ValueError(f"block indices must be in 0..{n - 1}, got {bad}")
     if len(set(drop)) != len(drop):
