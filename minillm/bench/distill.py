@@ -3,8 +3,8 @@ the text alone with the same token budget, in one run.
 
 The teacher is SmolLM2-135M (float32). The student is the teacher with its least important blocks dropped
 (lesson 08's block importance). Three students train from that same start, on the same batches (a pure function of
-seed and step): KD (soft targets at T = 2), CE-only (the text's labels), and — full mode — DistilBERT's triple loss
-(KD + CE + hidden-state cosine). Training data: the pydoc text after its first 8,192 tokens, plus continuations the
+seed and step): KD (soft targets at T = 1), CE-only (the text's labels), and — full mode — KD at T = 2 and
+DistilBERT's triple loss (KD + CE + hidden-state cosine). Training data: the pydoc text after its first 8,192 tokens, plus continuations the
 teacher samples from prompts taken from that text (generated once with the batching engine, cached). Evaluation: the
 first 512 tokens of the pydoc text, never trained on. Per student: parameters, weight bytes, batch-1 decode tok/s
 (round-robin with the teacher, best round), perplexity, KL to the teacher and top-1 agreement with the teacher. The
@@ -14,12 +14,16 @@ KD student is saved as "smollm2-135m-student" (load_model loads it by name; less
 from __future__ import annotations
 
 import copy
+import math
 import time
 
 import torch
 
 from minillm.bench.fusion import decode_tok_s
 from minillm.bench.harness import BenchResult
+
+
+KD = "KD (T=1)"  # the student that is saved and used by lesson 10
 
 
 def budget(quick: bool) -> dict:
@@ -64,10 +68,13 @@ def run(quick: bool = False) -> BenchResult:
     ids, data = training_ids(teacher, tok, b)
     ev = torch.tensor(eval_ids(tok, b["eval_tokens"] + 1))
     common = {k: b[k] for k in ("steps", "batch_size", "seq_len", "warmup", "eval_every", "eval_tokens")}
-    runs = {"KD (T=2)": dict(kd=1.0, ce=0.0, cos=0.0, temperature=2.0, lr=5e-4),
-            "CE only": dict(kd=0.0, ce=1.0, cos=0.0, lr=5e-4)}
+    # the learning rate and T = 1 were chosen on a 20-step pilot (KD T=1: ppl 107, KD T=2: 162, CE: 124 at lr 1e-3;
+    # lr 5e-4 was slower for both); T = 2 stays in the full run to show what softening costs at this budget
+    runs = {KD: {"kd": 1.0, "ce": 0.0, "cos": 0.0, "temperature": 1.0, "lr": 1e-3},
+            "CE only": {"kd": 0.0, "ce": 1.0, "cos": 0.0, "lr": 1e-3}}
     if not quick:
-        runs["KD + CE + cosine"] = dict(kd=1.0, ce=0.5, cos=0.5, temperature=2.0, lr=5e-4)
+        runs["KD (T=2)"] = {"kd": 1.0, "ce": 0.0, "cos": 0.0, "temperature": 2.0, "lr": 1e-3}
+        runs["KD + CE + cosine"] = {"kd": 1.0, "ce": 0.5, "cos": 0.5, "temperature": 1.0, "lr": 1e-3}
     models = {"teacher": teacher, "pruned, untrained": start}
     rows = [{"variant": "teacher", **evaluate(teacher, teacher, ev)},
             {"variant": "pruned, untrained", **evaluate(start, teacher, ev)}]
@@ -88,23 +95,26 @@ def run(quick: bool = False) -> BenchResult:
         by[name].update({"params_M": n_params(m) / 1e6, "weight_MB": model_bytes(m) / 1e6,
                          "blocks": m.config.n_layers})
     prompt = eval_ids(tok, 32)
-    speed = {"teacher": [], "KD (T=2)": []}
+    speed = {"teacher": [], KD: []}
     for _ in range(1 if quick else 5):  # round-robin: a noisy neighbour slows both
         for name in speed:
             speed[name].append(decode_tok_s(models[name], prompt, 8 if quick else 64, 1)[0])
     for name, v in speed.items():
         by[name]["decode_tok_s"] = max(v)
-    saved = save_model(models["KD (T=2)"], "smollm2-135m-student" if not quick else "smollm2-135m-student-quick",
-                       info={"dropped_blocks": report["dropped_blocks"], "runs": runs["KD (T=2)"], "budget": b,
-                             "data": data, "eval": by["KD (T=2)"]})
-    t, p, kd, ce = (by[k]["ppl"] for k in ("teacher", "pruned, untrained", "KD (T=2)", "CE only"))
+    saved = save_model(models[KD], "smollm2-135m-student" if not quick else "smollm2-135m-student-quick",
+                       info={"dropped_blocks": report["dropped_blocks"], "runs": runs[KD], "budget": b,
+                             "data": data, "eval": by[KD]})
+    t, p, kd, ce = (by[k]["ppl"] for k in ("teacher", "pruned, untrained", KD, "CE only"))
+    log_gap = lambda x: (math.log(p) - math.log(x)) / (math.log(p) - math.log(t))  # noqa: E731
     ratios = {"kd_gap_closed": (p - kd) / (p - t), "ce_gap_closed": (p - ce) / (p - t),
-              "kd_ppl_over_ce_ppl": kd / ce,
-              "student_decode_vs_teacher": by["KD (T=2)"]["decode_tok_s"] / by["teacher"]["decode_tok_s"],
-              "student_top1_agree_with_teacher": by["KD (T=2)"]["top1_agree"],
-              "student_params_vs_teacher": by["KD (T=2)"]["params_M"] / by["teacher"]["params_M"]}
-    if "KD + CE + cosine" in by:
-        ratios["triple_gap_closed"] = (p - by["KD + CE + cosine"]["ppl"]) / (p - t)
+              "kd_log_ppl_gap_closed": log_gap(kd), "ce_log_ppl_gap_closed": log_gap(ce),
+              "kd_ppl_over_ce_ppl": kd / ce, "kd_kl_over_ce_kl": by[KD]["kl"] / by["CE only"]["kl"],
+              "student_decode_vs_teacher": by[KD]["decode_tok_s"] / by["teacher"]["decode_tok_s"],
+              "student_top1_agree_with_teacher": by[KD]["top1_agree"],
+              "student_params_vs_teacher": by[KD]["params_M"] / by["teacher"]["params_M"]}
+    for name, key in (("KD (T=2)", "kd_t2_log_ppl_gap_closed"), ("KD + CE + cosine", "triple_log_ppl_gap_closed")):
+        if name in by:
+            ratios[key] = log_gap(by[name]["ppl"])
     targets = {"kd_gap_closed": (">=", 0.5), "kd_ppl_over_ce_ppl": ("<", 1.0), "student_decode_vs_teacher": (">=", 1.8)}
     tokens = rows[-1]["train_tokens"]
     notes = [f"student: the teacher minus blocks {report['dropped_blocks']} (lesson 08's block importance)",
