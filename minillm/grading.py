@@ -66,6 +66,12 @@ TASKS: dict[str, list[tuple[str, str]]] = {
         ("task_08_drop_blocks", "remove whole blocks in place: an nn.ModuleList and a config that agree"),
         ("task_08_real_model", "your pruning of SmolLM2: Wanda 50% keeps perplexity, 2:4 everywhere, 26 blocks run"),
     ],
+    "09": [
+        ("task_09_loss", "T^2 * KL(teacher || student) at temperature T, stable for logits in the thousands"),
+        ("task_09_schedule", "linear warm-up from step 0, then cosine decay to lr * min_lr_ratio at the last step"),
+        ("task_09_step", "one training step: teacher without autograd, weighted terms, zero_grad, clip, step"),
+        ("task_09_real_model", "your distillation heals SmolLM2 pruned to 20 blocks: its KL to the teacher falls"),
+    ],
 }
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -129,6 +129,29 @@ HINTS: dict[str, tuple[str, str]] = {
                            "|W| alone ~15x); 2:4 must leave every block Linear 2:4 and half zeros; dropping the 4 "
                            "least important blocks must leave 26 in a ModuleList, a config that agrees, and the "
                            "engine generating what generate() does."),
+    "task_09_loss": ("The teacher's distribution is the target. Which distribution weighs the log-ratio, and what "
+                     "happens to exp() of a logit of 1000?",
+                     "T^2 * mean over every position (all leading dims) of sum over the vocabulary of "
+                     "p * (log p - log q), p = softmax(teacher / T), q = softmax(student / T); both logs from "
+                     "log_softmax, in float32. A 0-dim tensor with a gradient to the student's logits. ValueError "
+                     "for T <= 0 and for logits of different shapes (before broadcasting can hide it)."),
+    "task_09_schedule": ("Two pieces: a ramp that starts at step 0, then half a cosine. What does each end at?",
+                         "step < warmup: lr * (step + 1) / warmup (step 0 trains; step warmup - 1 reaches lr). Then "
+                         "progress = (step - warmup) / (steps - warmup) and lr * (r + (1 - r) * (1 + cos(pi * "
+                         "progress)) / 2) with r = min_lr_ratio: lr at step warmup, lr * r at step steps. warmup=0: "
+                         "no ramp."),
+    "task_09_step": ("One optimizer step, in the usual order. What may the teacher's forward keep, and when can "
+                     "clipping still change the update?",
+                     "Teacher under torch.no_grad(); student forward on x[:, :-1]; kd, ce (targets x[:, 1:]) and "
+                     "cos each only when its weight is > 0, loss = their weighted sum; zero_grad, backward, "
+                     "clip_grad_norm_ over every param group's params, optimizer.step(); return floats: loss, the "
+                     "terms, the norm before clipping. Leave the lr alone."),
+    "task_09_real_model": ("Nothing new to write: minillm.distill.distill trains a pruned SmolLM2 with your three "
+                           "functions.",
+                           "Blocks dropped: the 10 least important (block_importance on 128 calibration tokens). 10 "
+                           "steps of 2 x 64 tokens must lower the student's KL to the teacher on 128 held-apart "
+                           "tokens by at least 10% (the reference: -22%), and the teacher's weights must not change. "
+                           "A step that never updates leaves the KL where it was."),
 }
 
 
@@ -157,6 +180,12 @@ RECIPES["task_08_real_model"] = (
     "unstructured_mask to yours, prune a float32 copy with minillm.sparsity.prune(copy, 0.5, 'wanda', "
     "calib_ids=minillm.quality.calibration_ids(tok, 128), window=128) and compare minillm.quality.perplexity with "
     "the dense model's.")
+RECIPES["task_09_real_model"] = (
+    "MINILLM_GRADE=exercises python -m pytest tests/graders/test_ex09_distill.py -m task_09_real_model -x -rP shows "
+    "the failing case, the KL before and after and what your student says; by hand: set minillm.distill's "
+    "distillation_loss, lr_at and train_step to yours, drop blocks from a float32 copy of the model "
+    "(minillm.pruning.drop_blocks) and run minillm.distill.distill on minillm.distill.train_ids(tok), comparing "
+    "minillm.distill.evaluate before and after.")
 
 
 def _recipes(lesson: str) -> dict[str, str]:

@@ -67,6 +67,9 @@ CHEATS = {
                              "from minillm.attention import naive_attention as _ref\n\n"
                              "def _helper(q, k, v, causal):\n    return _ref(q, k, v, causal)\n\n"
                              "def naive_attention(q, k, v, causal=True):\n    return _helper(q, k, v, causal)\n"),
+    "ex09_module_alias": ("train_step", "import minillm.distill as _d\n\n"
+                                        "def train_step(student, teacher, x, optimizer, cfg):\n"
+                                        "    return _d.train_step(student, teacher, x, optimizer, cfg)\n"),
     "ex03_solution_alias": ("flash_attention", "import solutions.ex03_flash as _sol\n\n"
                                                "def flash_attention(q, k, v, causal=True, block_q=64, block_k=64):\n"
                                                "    return _sol.flash_attention(q, k, v, causal, block_q, block_k)\n"),
