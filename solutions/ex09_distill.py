@@ -27,7 +27,7 @@ SAME_AS = {
 
 def distillation_loss(student_logits: Tensor, teacher_logits: Tensor, temperature: float) -> Tensor:
     """T^2 * mean over positions of KL(softmax(teacher / T) || softmax(student / T)); logits (..., vocab)."""
-    if temperature <= 0:
+    if not temperature > 0:  # also refuses NaN
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
