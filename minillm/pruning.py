@@ -42,7 +42,8 @@ def _check_importance(importance: Tensor, what: str) -> None:
                          "NaN (run it in float32, and check the model's output on the calibration text)")
 
 
-def _calib_batch(model, ids: list[int], window: int) -> Tensor:
+def calib_batch(model, ids: list[int], window: int) -> Tensor:
+    """Calibration ids cut into equal windows of `window` tokens, one batch (a short last window is dropped)."""
     windows = [ids[i:i + window] for i in range(0, len(ids), window)]
     windows = [w for w in windows if len(w) == len(windows[0])]
     if not windows or len(windows[0]) < 2:
@@ -61,7 +62,7 @@ def n_params(model: nn.Module) -> int:
 @torch.inference_mode()
 def block_importance(model: Transformer, calib_ids: list[int], window: int = 256) -> Tensor:
     """(n_layers,): 1 - mean cosine similarity between each block's input and output hidden states."""
-    x = _calib_batch(model, calib_ids, window)
+    x = calib_batch(model, calib_ids, window)
     outs: list[Tensor] = []
     h0 = model.embed_tokens(x)
     model.run_layers(h0, torch.arange(x.shape[1], device=x.device).expand_as(x), hidden_states=outs)
@@ -114,7 +115,7 @@ def kv_group_importance(model: Transformer, calib_ids: list[int], window: int = 
             scores[i] += group.norm(dim=-1).mean(0).cpu()
         hooks.append(block.attn.wo.register_forward_pre_hook(hook))
     try:
-        model(_calib_batch(model, calib_ids, window))
+        model(calib_batch(model, calib_ids, window))
     finally:
         for h in hooks:
             h.remove()
@@ -175,7 +176,7 @@ def ffn_channel_importance(model: Transformer, calib_ids: list[int], window: int
             counts[i] += a.shape[0]
         hooks.append(block.mlp.down.register_forward_pre_hook(hook))
     try:
-        model(_calib_batch(model, calib_ids, window))
+        model(calib_batch(model, calib_ids, window))
     finally:
         for h in hooks:
             h.remove()

@@ -168,9 +168,9 @@ def prune(model: nn.Module, sparsity: float, method: str = "wanda", pattern: str
 
     report = []
     if method == "wanda":
-        windows = [calib_ids[i:i + window] for i in range(0, len(calib_ids), window)]
-        windows = [w for w in windows if len(w) == len(windows[0])]  # one batch: equal lengths
-        x = torch.tensor(windows, device=model.device)
+        from .pruning import calib_batch
+
+        x = calib_batch(model, calib_ids, window)
         positions = torch.arange(x.shape[1], device=x.device).expand_as(x)
         h = model.embed_tokens(x)
     for i, block in enumerate(model.layers):
