@@ -332,7 +332,7 @@ MUTANTS = [
             ("student_logits.float() / temperature", "student_logits / temperature")),
            "bf16 logits (autocast) give bf16 log-probabilities: the KL off by a percent"),
     Mutant("kd_no_temperature_check", "ex09_distill", "distillation_loss", "task_09_loss",
-           (("if temperature <= 0:", "if False:"),), "T = 0 divides by zero; a negative T inverts the ranking"),
+           (("if not temperature > 0:", "if False:"),), "T = 0 divides by zero; a negative T inverts the ranking"),
     Mutant("kd_no_shape_check", "ex09_distill", "distillation_loss", "task_09_loss",
            (("if student_logits.shape != teacher_logits.shape:", "if False:"),),
            "one teacher position broadcast over four student positions, silently"),
