@@ -35,12 +35,18 @@ def make_cache(kind: str, model, max_len: int, batch_size: int = 1, kv_dtype: to
 
 
 @torch.inference_mode()
-def generate_request(model, req: Request, cache: str = "contiguous", compile: bool = False) -> Iterator[int]:
+def generate_request(model, req: Request, cache: str = "contiguous", compile: bool = False,
+                     speculative=None, spec_stats=None) -> Iterator[int]:
     """Yield the new token ids of one validated request, one at a time; the stop token that ends it is yielded.
 
     compile=True prefills eagerly into a StaticKVCache and runs every decode step through the compiled forward
-    (lesson 06); the first call compiles (seconds), later calls with the same cache length reuse it."""
+    (lesson 06); the first call compiles (seconds), later calls with the same cache length reuse it.
+    speculative=SpeculativeConfig(...) drafts and verifies several tokens per target forward (lesson 10); the
+    counts of drafted and accepted tokens go into spec_stats (a SpecStats) if given."""
     params, ids = req.params, req.prompt_ids
+    if speculative is not None:
+        yield from _generate_speculative(model, req, cache, compile, speculative, spec_stats)
+        return
     if compile:
         from .compile import StaticKVCache, compiled_decode, static_length
 
@@ -72,6 +78,23 @@ def generate_request(model, req: Request, cache: str = "contiguous", compile: bo
             step_input = token[:, None]
 
 
+def _generate_speculative(model, req: Request, cache: str, compile: bool, config, stats) -> Iterator[int]:
+    from .block_allocator import blocks_needed
+    from .speculative import SpeculativeConfig, check_budget, generate_speculative, make_drafter
+
+    if compile:
+        raise ValueError("compile=True and speculative decoding do not combine here: choose one")
+    if not isinstance(config, SpeculativeConfig):
+        raise TypeError(f"speculative must be a SpeculativeConfig, got {type(config).__name__}")
+    check_budget(config.k, len(req.prompt_ids), model.config.max_seq_len)
+    drafter = make_drafter(config, model, num_blocks=blocks_needed(len(req.prompt_ids) + req.params.max_tokens
+                                                                   + config.k, 16))
+    try:
+        yield from generate_speculative(model, req, drafter, config.k, cache, stats)
+    finally:
+        drafter.release(req.request_id)
+
+
 def generate_ids(model, prompt_ids: list[int], params: SamplingParams, stop_ids: set[int] = frozenset(),
                  cache: str = "contiguous") -> Iterator[int]:
     """Yield new token ids one at a time. Stops after a token in `stop_ids | params.stop_ids` (which is yielded)."""
@@ -83,10 +106,12 @@ def generate_ids(model, prompt_ids: list[int], params: SamplingParams, stop_ids:
 def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int | None = None, top_p: float = 1.0, seed: int | None = None, stop_ids: set[int] | None = None,
              cache: str = "contiguous", chat: bool = False, ignore_eos: bool = False,
-             on_text: Callable[[str], None] | None = None, compile: bool = False) -> RequestOutput:
+             on_text: Callable[[str], None] | None = None, compile: bool = False, speculative=None,
+             spec_stats=None) -> RequestOutput:
     """Continue a raw text prompt or a list of token ids (vLLM's convention; `chat()` answers messages instead, and
     chat=True wraps a text prompt as one user message). `on_text` receives decoded text as it is produced
-    (streaming). compile=True runs decode steps through torch.compile (lesson 06). Returns a RequestOutput: text,
+    (streaming). compile=True runs decode steps through torch.compile (lesson 06); speculative=SpeculativeConfig(...)
+    drafts and verifies several tokens per forward, with the same output distribution (lesson 10). Returns a RequestOutput: text,
     ids, finish_reason and per-token times.
     """
     if cache not in CACHE_KINDS:
@@ -99,7 +124,7 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 12
     stream = tokenizer.stream_decoder() if on_text else None
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    for tok in generate_request(model, req, cache, compile):
+    for tok in generate_request(model, req, cache, compile, speculative, spec_stats):
         sync()
         times.append(time.perf_counter() - t0)
         out.append(tok)

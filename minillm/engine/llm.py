@@ -11,6 +11,10 @@ Requests go through the shared request layer (minillm/request.py) and are reject
 they never reach a running batch. The engine owns `step()` (one at a time, under a lock) and pushes every token as a
 StreamEvent into the output queue of the request it belongs to: any number of consumers (threads, interleaved
 iterators) each get all of their own events, whoever happens to drive the step. Lesson 05.
+
+With `speculative=SpeculativeConfig(...)` (lesson 10) a step also reserves KV slots for draft tokens, asks the
+drafter for every decoding sequence's guesses at once, and the runner verifies them all in the same packed forward;
+each sequence keeps its own number of accepted tokens. Above `max_batch` running sequences it decodes plainly.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from ..kv_pool import KVCacheSpec
 from ..paged import PagedKVCache
 from ..request import Request, RequestOutput, make_request
 from ..sampling import SamplingParams
+from ..speculative import SpecStats, SpeculativeConfig, make_drafter
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
@@ -49,27 +54,29 @@ class LLM:
     def __init__(self, model_name: str = "smollm2-135m", dtype: str = "float32", device: str = "cpu",
                  num_blocks: int | None = None, kv_cache_bytes: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, attn_backend: str = "sdpa",
-                 fuse: bool = False, kv_cache_dtype: str | None = None, weights: str = "dequantized"):
+                 fuse: bool = False, kv_cache_dtype: str | None = None, weights: str = "dequantized",
+                 speculative: SpeculativeConfig | None = None):
         from ..loader import load_model
 
         model, tokenizer = load_model(model_name, dtype=dtype, device=device, attn_backend=attn_backend, fuse=fuse,
                                       weights=weights)
         self._setup(model, tokenizer, num_blocks, kv_cache_bytes, block_size, max_num_seqs, max_num_batched_tokens,
-                    kv_cache_dtype)
+                    kv_cache_dtype, speculative)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, num_blocks: int | None = None, kv_cache_bytes: int | None = None,
                    block_size: int = 16, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
-                   kv_cache_dtype: str | None = None) -> LLM:
+                   kv_cache_dtype: str | None = None, speculative: SpeculativeConfig | None = None) -> LLM:
         """Serve an already loaded model (tokenizer None: prompts must be token ids; text comes back empty).
-        kv_cache_dtype="int8" stores the KV blocks in int8 with a scale per token and head (lesson 07)."""
+        kv_cache_dtype="int8" stores the KV blocks in int8 with a scale per token and head (lesson 07);
+        speculative=SpeculativeConfig(...) drafts and verifies several tokens per decode step (lesson 10)."""
         llm = cls.__new__(cls)
         llm._setup(model, tokenizer, num_blocks, kv_cache_bytes, block_size, max_num_seqs, max_num_batched_tokens,
-                   kv_cache_dtype)
+                   kv_cache_dtype, speculative)
         return llm
 
     def _setup(self, model, tokenizer, num_blocks, kv_cache_bytes, block_size, max_num_seqs, max_num_batched_tokens,
-               kv_cache_dtype=None):
+               kv_cache_dtype=None, speculative=None):
         cfg = model.config
         kv_dtypes = {None: None, "int8": torch.int8, "bfloat16": torch.bfloat16, "float16": torch.float16}
         if kv_cache_dtype not in kv_dtypes:
@@ -91,6 +98,12 @@ class LLM:
         self.block_manager = BlockManager(self.cache.allocator)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache, max_num_batched_tokens)
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise TypeError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}")
+        self.speculative = speculative
+        # the draft model's own paged cache holds as many tokens as the target's
+        self.drafter = make_drafter(speculative, model, int(num_blocks), block_size) if speculative else None
+        self.spec_stats = SpecStats()
         self.max_model_len = cfg.max_seq_len
         self.step_log: list[dict] = []  # one entry per step: batch occupancy, tokens, preemptions
         self._seqs: dict[str, Sequence] = {}  # in flight
@@ -154,12 +167,15 @@ class LLM:
     def step(self) -> list[tuple[Sequence, int]]:
         """One scheduler step + one forward. Returns (sequence, sampled token) for each token sampled."""
         with self._lock:
-            schedule = self.scheduler.schedule()
+            spec = self.speculative
+            speculate = spec is not None and len(self.scheduler.running) <= spec.max_batch
+            schedule = self.scheduler.schedule(spec.k if speculate else 0)
             t0 = time.perf_counter()
             for item in schedule.scheduled:
                 if item.seq.first_scheduled_time is None:
                     item.seq.first_scheduled_time = t0
-            sampled = self.runner.run(schedule)
+            draft_probs = self._propose(schedule) if speculate else None
+            sampled = self.runner.run(schedule, draft_probs)
             now = time.perf_counter()
             n_before = [item.seq.num_output_tokens for item in schedule.scheduled]
             finished = self.scheduler.postprocess(schedule, sampled, now)
@@ -170,8 +186,12 @@ class LLM:
                 "num_waiting": len(self.scheduler.waiting),
                 "occupancy": len(schedule.scheduled) / self.scheduler.max_num_seqs,
                 "free_blocks": self.block_manager.num_free(),
+                "num_draft_tokens": sum(len(item.draft_ids) for item in schedule.scheduled),
             })
             out = []
+            for item, tokens in zip(schedule.scheduled, sampled):
+                if item.num_lookahead:
+                    self.spec_stats.record(len(item.draft_ids), len(tokens) - 1, len(tokens))
             for item, n in zip(schedule.scheduled, n_before):
                 new = item.seq.output_ids[n:]  # what postprocess kept (a stop mid-list drops the tokens after it)
                 for i, tok in enumerate(new):
@@ -180,6 +200,21 @@ class LLM:
             for seq in finished:
                 self._retire(seq)
             return out
+
+    def _propose(self, schedule) -> list:
+        """Drafts for every decode that got lookahead slots (one batched call); their distributions, per item."""
+        items = [i for i, item in enumerate(schedule.scheduled) if item.num_lookahead]
+        probs: list = [None] * len(schedule.scheduled)
+        if not items:
+            return probs
+        seqs = [schedule.scheduled[i].seq for i in items]
+        proposals = self.drafter.propose([(s.request_id, s.all_ids, schedule.scheduled[i].num_lookahead)
+                                          for i, s in zip(items, seqs)],
+                                         [s.params for s in seqs], [s.generator for s in seqs])
+        for i, (draft, q) in zip(items, proposals):
+            schedule.scheduled[i].draft_ids = draft
+            probs[i] = q
+        return probs
 
     def _emit(self, seq: Sequence, token: int | None, last: bool = True) -> None:
         """Put one StreamEvent into the request's output queue (token None: it was aborted)."""
@@ -199,6 +234,8 @@ class LLM:
             self._decoders.pop(seq.request_id, None)
 
     def _retire(self, seq: Sequence) -> None:
+        if self.drafter is not None:
+            self.drafter.release(seq.request_id)
         self._seqs.pop(seq.request_id, None)
         self._finished[seq.request_id] = seq.to_output(self.tokenizer)
 

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..paged import AttentionMetadata, PagedKVCache
 from ..sampling import sample_batch
+from ..speculative import verify
 from .scheduler import Schedule
 
 
@@ -61,31 +62,53 @@ class ModelRunner:
         positions: list[int] = []
         tables, context_lens, query_lens, sample_rows = [], [], [], []
         for item in schedule.scheduled:
-            seq, start, n = item.seq, item.start, item.num_new_tokens
-            ids += seq.all_ids[start:start + n]
+            seq, start, n = item.seq, item.start, item.num_new_tokens + len(item.draft_ids)
+            ids += seq.all_ids[start:start + item.num_new_tokens] + item.draft_ids
             positions += range(start, start + n)
             tables.append(seq.block_table)
             context_lens.append(start + n)  # cached tokens after this step, the new ones included
             query_lens.append(n)
-            if item.samples:
-                sample_rows.append(len(ids) - 1)  # the sequence's last token predicts its next one
+            if item.samples:  # the last token predicts the next one; each draft is checked by the row before it
+                sample_rows += range(len(ids) - 1 - len(item.draft_ids), len(ids))
         meta = AttentionMetadata.build(tables, context_lens, query_lens, self.cache.block_size, self.device)
         return self._fill("_ids", ids)[None], self._fill("_positions", positions)[None], meta, sample_rows
 
     @torch.inference_mode()
-    def run(self, schedule: Schedule) -> list[list[int]]:
-        """One forward over the packed batch; the sampled tokens per scheduled sequence ([] for a mid-prompt chunk)."""
+    def run(self, schedule: Schedule, draft_probs: list[Tensor | None] | None = None) -> list[list[int]]:
+        """One forward over the packed batch; the sampled tokens per scheduled sequence ([] for a mid-prompt chunk).
+
+        A sequence with draft_ids (lesson 10) gets its drafts verified: the accepted ones and one token of the
+        target's come back. draft_probs[i] is the distribution scheduled[i]'s drafts were drawn from (None: one-hot
+        guesses, e.g. n-gram)."""
         if not schedule.scheduled:
             return []
         input_ids, positions, meta, sample_rows = self.prepare(schedule)
         self.cache.set_metadata(meta, check=self.check_metadata)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model(input_ids, positions=positions, kv_cache=self.cache, logits_at=rows)[0]
-        sampling = [item.seq for item in schedule.scheduled if item.samples]
-        tokens, logprobs = sample_batch(logits, [s.params for s in sampling], [s.generator for s in sampling])
-        if logprobs is not None:
-            for seq, lp in zip(sampling, logprobs):
-                if seq.params.logprobs:
-                    seq.logprobs.append(lp)
-        it = iter(tokens)
-        return [[next(it)] if item.samples else [] for item in schedule.scheduled]
+        out: list[list[int]] = [[] for _ in schedule.scheduled]
+        plain, plain_rows, row = [], [], 0
+        for i, item in enumerate(schedule.scheduled):
+            if not item.samples:
+                continue
+            n = 1 + len(item.draft_ids)
+            if item.draft_ids:
+                q = draft_probs[i] if draft_probs is not None else None
+                out[i] = verify(logits[row:row + n], item.draft_ids, q, item.seq.params, item.seq.generator)
+                if item.seq.params.logprobs:
+                    lp = logits[row:row + len(out[i])].float().log_softmax(dim=-1)
+                    item.seq.logprobs += lp.gather(1, torch.tensor(out[i], device=lp.device)[:, None])[:, 0].tolist()
+            else:
+                plain.append(i)
+                plain_rows.append(row)
+            row += n
+        if plain:  # every ordinary sample in one call (all greedy rows share one argmax)
+            seqs = [schedule.scheduled[i].seq for i in plain]
+            if len(plain_rows) < logits.shape[0]:
+                logits = logits[torch.tensor(plain_rows, device=logits.device)]
+            tokens, logprobs = sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            for j, (i, tok) in enumerate(zip(plain, tokens)):
+                out[i] = [tok]
+                if logprobs is not None and seqs[j].params.logprobs:
+                    seqs[j].logprobs.append(logprobs[j])
+        return out

@@ -15,7 +15,8 @@ One step here:
   2. then, if nothing was preempted, waiting sequences are admitted in arrival order while there are free blocks for
      their tokens, a free slot (max_num_seqs) and token budget (max_num_batched_tokens) left.
 `postprocess_step` appends the sampled tokens, checks the stop conditions and retires finished sequences, freeing
-their blocks at once. Everything here is plain Python: no tensors, testable without a model (tests/test_scheduler.py).
+their blocks at once. With speculative decoding (lesson 10) `reserve_lookahead` gives decodes KV slots for draft
+tokens after the plan is made, and `rollback_drafts` gives back the slots of the rejected ones. Everything here is plain Python: no tensors, testable without a model (tests/test_scheduler.py).
 
 Lesson 05 (lessons/05_continuous_batching.py) teaches it; exercise 05 task_05_schedule asks for schedule_step and
 postprocess_step.
@@ -39,6 +40,8 @@ class ScheduledSeq:
     start: int = field(init=False)  # num_cached_tokens when scheduled
     samples: bool = field(init=False)  # the chunk reaches the last token: the step samples the next one
     is_decode: bool = field(init=False)  # one new token after a cached history that includes output
+    num_lookahead: int = field(default=0, init=False)  # KV slots reserved for draft tokens (lesson 10)
+    draft_ids: list[int] = field(default_factory=list, init=False)  # the drafts verified after the new token
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_cached_tokens
@@ -54,7 +57,7 @@ class Schedule:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens + len(s.draft_ids) for s in self.scheduled)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -145,6 +148,30 @@ def postprocess_step(schedule: Schedule, sampled: list[list[int]], running: dequ
     return finished
 
 
+def reserve_lookahead(schedule: Schedule, block_manager: BlockManager, k: int, max_num_batched_tokens: int) -> None:
+    """Speculative decoding (lesson 10): give each decode up to k more KV slots for draft tokens, while free blocks
+    and the step's token budget last, and never past the request's max_tokens or the context. Never preempts for
+    them: a decode that gets no slots is verified with no drafts (a plain decode step)."""
+    budget = max_num_batched_tokens - schedule.num_batched_tokens
+    for item in schedule.scheduled:
+        seq = item.seq
+        n = min(k, budget, seq.params.max_tokens - seq.num_output_tokens - 1, seq.max_model_len - seq.num_tokens)
+        if item.is_decode and n > 0 and block_manager.can_append(seq, 1 + n):
+            block_manager.may_append(seq, 1 + n)
+            item.num_lookahead = n
+            budget -= n
+
+
+def rollback_drafts(schedule: Schedule, sampled: list[list[int]], block_manager: BlockManager) -> None:
+    """After postprocess: the accepted drafts' keys/values stay cached; the slots of rejected (or never proposed)
+    drafts are forgotten and whole blocks past them go back to the pool."""
+    for item, tokens in zip(schedule.scheduled, sampled):
+        seq = item.seq
+        if item.num_lookahead and not seq.is_finished:
+            seq.num_cached_tokens += len(tokens) - 1  # every emitted token but the last was a verified draft
+            block_manager.truncate(seq, seq.num_cached_tokens)
+
+
 class Scheduler:
     """Holds the two queues and the block manager; `schedule()` / `postprocess()` run one step's bookkeeping."""
 
@@ -166,14 +193,19 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> Schedule:
+    def schedule(self, num_lookahead: int = 0) -> Schedule:
+        """This step's work; num_lookahead > 0 also reserves KV slots for that many draft tokens per decode."""
         schedule = schedule_step(self.waiting, self.running, self.block_manager, self.max_num_seqs,
                                  self.max_num_batched_tokens)
         self.num_preemptions += len(schedule.preempted)
+        if num_lookahead > 0:
+            reserve_lookahead(schedule, self.block_manager, num_lookahead, self.max_num_batched_tokens)
         return schedule
 
     def postprocess(self, schedule: Schedule, sampled: list[list[int]], now: float) -> list[Sequence]:
-        return postprocess_step(schedule, sampled, self.running, self.block_manager, now)
+        finished = postprocess_step(schedule, sampled, self.running, self.block_manager, now)
+        rollback_drafts(schedule, sampled, self.block_manager)
+        return finished
 
     def abort(self, request_id: str) -> Sequence | None:
         """Cancel a waiting or running request; its blocks return to the pool. None if it is not in flight."""

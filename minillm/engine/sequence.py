@@ -95,7 +95,7 @@ class Sequence:
         return RequestOutput(self.request_id, list(self.prompt_ids), list(self.output_ids),
                              tokenizer.decode(text_ids) if tokenizer is not None else "", self.finish_reason,
                              self.metrics(), [t - self.arrival_time for t in self.token_times],
-                             list(self.logprobs) if self.params.logprobs else None)
+                             self.logprobs[:len(self.output_ids)] if self.params.logprobs else None)
 
     def metrics(self) -> dict[str, float | list[float]]:
         """Latencies in seconds (NaN where undefined, e.g. TPOT of a one-token answer)."""
