@@ -32,27 +32,30 @@ from .sampling import SamplingParams, logits_to_probs, sample
 Proposal = tuple[list[int], Tensor | None]
 
 
+def propose_ngram(ids: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
+    """Up to k tokens that continue `ids`, found in `ids` itself: take its last n tokens (n from max_n down to
+    min_n: a longer match is better evidence), find their most recent earlier occurrence that has a token after it,
+    and return the (at most k) tokens that followed it. [] when no suffix of length >= min_n occurred before."""
+    last = ids[-1] if ids else None
+    for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
+        pattern = ids[-n:]
+        for i in range(len(ids) - n - 1, -1, -1):  # most recent first; the occurrence at the very end is excluded
+            if ids[i + n - 1] == last and ids[i:i + n] == pattern:
+                return ids[i + n:i + n + k]
+    return []
+
+
 class NgramDrafter:
-    """Prompt lookup decoding: the longest suffix of max_n .. min_n tokens that occurred before is continued with
-    the k tokens that followed its most recent occurrence."""
+    """Prompt lookup decoding (propose_ngram): no model, no state."""
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        if not isinstance(max_n, int) or not isinstance(min_n, int) or not 1 <= min_n <= max_n:
+            raise ValueError(f"need integers 1 <= min_n <= max_n, got min_n={min_n!r}, max_n={max_n!r}")
         self.max_n, self.min_n = max_n, min_n
-
-    def propose_one(self, ids: list[int], k: int) -> list[int]:
-        last = ids[-1] if ids else None
-        for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
-            pattern = ids[-n:]
-            for i in range(len(ids) - n - 1, -1, -1):  # most recent first; a match must have a token after it
-                if ids[i + n - 1] == last and ids[i:i + n] == pattern:
-                    return ids[i + n:i + n + k]
-        return []
 
     def propose(self, batch: list[tuple[str, list[int], int]], params: list[SamplingParams] | None = None,
                 generators: list | None = None) -> list[Proposal]:
-        return [(self.propose_one(ids, k), None) for _, ids, k in batch]
+        return [(propose_ngram(ids, k, self.max_n, self.min_n), None) for _, ids, k in batch]
 
     def release(self, key: str) -> None:
         pass
@@ -162,4 +165,4 @@ class ModelDrafter:
         return self.model.logits(h, torch.tensor(rows, device=dev))[0].float()
 
 
-__all__ = ["ModelDrafter", "NgramDrafter", "OutOfBlocksError", "Proposal"]
+__all__ = ["ModelDrafter", "NgramDrafter", "OutOfBlocksError", "Proposal", "propose_ngram"]
