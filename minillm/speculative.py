@@ -49,7 +49,7 @@ class SpeculativeConfig:
     draft_model: object = None
     exit_layer: int = 8
     ngram_max: int = 3
-    ngram_min: int = 1
+    ngram_min: int = 2
     max_batch: int = 4
 
     def __post_init__(self) -> None:

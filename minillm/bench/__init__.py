@@ -27,6 +27,7 @@ ENTRIES: dict[str, str] = {
     "quant": "minillm.bench.quant:run",
     "sparsity": "minillm.bench.sparsity:run",
     "distill": "minillm.bench.distill:run",
+    "speculative": "minillm.bench.speculative:run",
 }
 
 __all__ = ["ENTRIES", "BenchResult", "Timing", "hardware_info", "load_entry", "run_entry", "time_fn"]

@@ -1,0 +1,193 @@
+"""`minillm bench speculative` (lesson 10): speculative decoding against target-only greedy decode, in one run.
+
+Target: SmolLM2-135M (float32), batch 1, greedy, the same prompts and token counts for every variant, each variant
+timed right after its own target-only baseline on the same prompt (so a slow moment of a shared machine hits both).
+Draft sources: prompt lookup (n-gram, k = 2/4/8), the distilled student of lesson 09 ("smollm2-135m-student", when
+saved on this machine: `minillm bench distill` makes it) and an early-exit self-draft (the target's first blocks and
+its own head, untrained). Workloads: input-grounded chat prompts (repeat, correct, extract from a given text: the
+answer copies its input), open chat prompts, and plain-text continuations of the pydoc text lesson 09 evaluated on
+(where the student's acceptance rate can be set against its measured top-1 agreement). Also measured: what a target
+forward over k + 1 tokens costs next to a one-token decode (the premise), the acceptance rate a and the tokens per
+step against (1 - a^(k+1)) / (1 - a), and the batching engine's throughput at batch 1/4/16 with and without
+prompt-lookup speculation.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .harness import BenchResult, time_fn
+
+PASSAGES = [
+    "The lighthouse on the northern cape was built in 1887 from granite quarried two miles inland. Its lamp, first "
+    "fuelled by paraffin and later by electricity, could be seen thirty kilometres out to sea. The last keeper left "
+    "in 1994, when the light was automated, and the keeper's cottage is now a small museum.",
+    "To reset the router, unplug it from the wall and wait thirty seconds. Plug it back in and wait until the status "
+    "light turns solid green, which usually takes about two minutes. If the light keeps blinking orange, hold the "
+    "reset button on the back for ten seconds to restore the factory settings.",
+    "Honeybees communicate the location of food through a waggle dance. The angle of the dance relative to vertical "
+    "shows the direction of the food relative to the sun, and the length of the waggle run tells the other bees how "
+    "far away it is. A colony can track the best patches of flowers across several kilometres this way.",
+]
+GROUNDED = [
+    "Repeat the following text exactly.\n\n{}",
+    "Copy the following paragraph, but replace every number with the word NUMBER.\n\n{}",
+    "Rewrite the following text as a bulleted list, one sentence per bullet, keeping the wording.\n\n{}",
+]
+CHAT = ["Give me three tips for staying healthy.", "Write a short poem about the sea.",
+        "Explain what a hash table is.", "What should I pack for a weekend hiking trip?"]
+STUDENT = "smollm2-135m-student"
+
+
+def budget(quick: bool) -> dict:
+    if quick:
+        return {"new_tokens": 16, "n_grounded": 1, "n_chat": 1, "n_text": 0, "ngram_k": [4], "student_k": [],
+                "early_exit": [(10, 1)], "verify_q": [1, 5], "engine_batches": [1, 4], "engine_tokens": 12}
+    return {"new_tokens": 64, "n_grounded": 6, "n_chat": 4, "n_text": 4, "ngram_k": [2, 4, 8],
+            "student_k": [1, 2, 3], "early_exit": [(10, 1), (20, 1), (20, 2)], "verify_q": [1, 2, 3, 5, 9, 17],
+            "engine_batches": [1, 4, 16], "engine_tokens": 64}
+
+
+def workloads(tok, b: dict) -> dict[str, list[tuple[list[int], bool]]]:
+    """name -> [(prompt ids, is chat)]."""
+    grounded = [GROUNDED[i % len(GROUNDED)].format(PASSAGES[(i // len(GROUNDED) + i) % len(PASSAGES)])
+                for i in range(b["n_grounded"])]
+    out = {"grounded": [(tok.encode_chat([{"role": "user", "content": p}]), True) for p in grounded],
+           "chat": [(tok.encode_chat([{"role": "user", "content": p}]), True) for p in CHAT[:b["n_chat"]]]}
+    if b["n_text"]:
+        from ..quality import eval_ids
+
+        ids = list(eval_ids(tok, 512))  # lesson 09's held-apart evaluation text
+        step = len(ids) // b["n_text"]
+        out["text"] = [(ids[i * step:i * step + 48], False) for i in range(b["n_text"])]
+    return out
+
+
+def verify_cost(model, q_lens: list[int], context: int = 128) -> list[dict]:
+    """Milliseconds of one target forward over q new tokens after `context` cached ones (q = 1: a decode step)."""
+    from ..kv_cache import KVCache
+
+    ids = torch.randint(0, model.config.vocab_size, (1, context + max(q_lens)))
+    rows = []
+    with torch.inference_mode():
+        cache = KVCache.for_model(model, 1, context + max(q_lens))
+        model(ids[:, :context], kv_cache=cache)
+        for q in q_lens:
+            def step(q=q):
+                model(ids[:, context:context + q], kv_cache=cache)
+                cache.truncate(context)
+
+            rows.append({"q_tokens": q, "forward_ms": time_fn(step, warmup=1, repeat=5).median * 1e3})
+    for r in rows:
+        r["vs_decode"] = r["forward_ms"] / rows[0]["forward_ms"]
+    return rows
+
+
+def timed(model, tok, ids: list[int], n: int, spec=None):
+    from ..generate import generate
+    from ..speculative import SpecStats
+
+    stats = SpecStats()
+    t0 = time.perf_counter()
+    out = generate(model, tok, ids, max_new_tokens=n, ignore_eos=True, speculative=spec, spec_stats=stats)
+    return out.token_ids, time.perf_counter() - t0, stats
+
+
+def engine_throughput(model, tok, prompts: list[list[int]], batch: int, n: int, spec) -> tuple[float, list]:
+    from ..engine import LLM
+    from ..sampling import SamplingParams
+
+    llm = LLM.from_model(model, tok, max_num_seqs=batch, speculative=spec)
+    reqs = [prompts[i % len(prompts)] for i in range(batch)]
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    llm.generate(reqs[:1], SamplingParams(max_tokens=2))  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(reqs, params)
+    return batch * n / (time.perf_counter() - t0), [o.token_ids for o in outs]
+
+
+def run(quick: bool = False) -> BenchResult:
+    from ..loader import load_model, saved_model_dir
+    from ..speculative import SpeculativeConfig, expected_tokens_per_step
+
+    b = budget(quick)
+    model, tok = load_model("smollm2-135m", dtype="float32", device="cpu")
+    loads = workloads(tok, b)
+    notes = []
+    student = None
+    if b["student_k"]:
+        if saved_model_dir(STUDENT).exists():
+            student, _ = load_model(STUDENT, dtype="float32", device="cpu")
+        else:
+            notes.append(f"{STUDENT} is not saved on this machine (run `minillm bench distill`): no student rows")
+    variants = [("ngram", k, SpeculativeConfig("ngram", k=k)) for k in b["ngram_k"]]
+    variants += [("student", k, SpeculativeConfig("draft", k=k, draft_model=student, max_batch=1))
+                 for k in b["student_k"] if student is not None]
+    variants += [(f"early exit {n}", k, SpeculativeConfig("early_exit", k=k, exit_layer=n)) for n, k in b["early_exit"]]
+
+    rows, curves, identical = [], {}, True
+    n = b["new_tokens"]
+    for source, k, spec in variants:
+        for load, prompts in loads.items():
+            if not quick and (source.startswith("early") and load != "chat" or source == "ngram" and load == "text"):
+                continue  # a weak draft everywhere: one workload shows it; text is there for the student
+            t_base = t_spec = 0.0
+            stats_all = None
+            for ids, _ in prompts:
+                ref, tb, _ = timed(model, tok, ids, n)
+                out, ts, stats = timed(model, tok, ids, n, spec)
+                identical &= out == ref
+                t_base, t_spec = t_base + tb, t_spec + ts
+                if stats_all is None:
+                    stats_all = stats
+                else:
+                    for f in ("steps", "proposed", "accepted", "rejected", "emitted"):
+                        setattr(stats_all, f, getattr(stats_all, f) + getattr(stats, f))
+            a = stats_all.acceptance_rate
+            rows.append({"draft": source, "workload": load, "k": k, "acceptance": a,
+                         "accepted_fraction": stats_all.accepted_fraction, "tokens_per_step": stats_all.tokens_per_step,
+                         "formula_tokens_per_step": expected_tokens_per_step(a, k), "target_tok_s": len(prompts) * n / t_base,
+                         "spec_tok_s": len(prompts) * n / t_spec, "speedup": t_base / t_spec})
+            print(f"  {source:>14s} k={k} {load:>8s}: a={a:.2f} {stats_all.tokens_per_step:.2f} tok/step "
+                  f"{t_base / t_spec:.2f}x", flush=True)
+
+    cost = verify_cost(model, b["verify_q"])
+    curves["verify_cost"] = cost
+    engine = []
+    grounded = [ids for ids, _ in loads["grounded"]]
+    for batch in b["engine_batches"]:
+        plain, ref = engine_throughput(model, tok, grounded, batch, b["engine_tokens"], None)
+        spec_tps, outs = engine_throughput(model, tok, grounded, batch, b["engine_tokens"],
+                                           SpeculativeConfig("ngram", k=4, max_batch=batch))
+        identical &= outs == ref
+        engine.append({"batch": batch, "plain_tok_s": plain, "spec_tok_s": spec_tps, "speedup": spec_tps / plain})
+        print(f"  engine batch {batch}: {plain:.1f} -> {spec_tps:.1f} tok/s", flush=True)
+    curves["engine"] = engine
+
+    def best(source: str, load: str) -> float:
+        vals = [r["speedup"] for r in rows if r["draft"] == source and r["workload"] == load]
+        return max(vals) if vals else float("nan")
+
+    ratios = {"greedy_identical": float(identical), "ngram_grounded_speedup": best("ngram", "grounded"),
+              "ngram_chat_speedup": best("ngram", "chat"),
+              "verify_k4_vs_decode": next((c["vs_decode"] for c in cost if c["q_tokens"] == 5), float("nan")),
+              "engine_b1_spec_speedup": engine[0]["speedup"], "engine_bmax_spec_speedup": engine[-1]["speedup"]}
+    targets = {"greedy_identical": (">=", 1.0), "ngram_grounded_speedup": (">=", 1.5)}
+    if student is not None:
+        ratios["student_chat_speedup"] = best("student", "chat")
+        targets["student_chat_speedup"] = (">=", 1.3)
+        text = [r for r in rows if r["draft"] == "student" and r["workload"] == "text"]
+        distill = Path("results/distill.json")
+        if text and distill.exists():
+            top1 = json.loads(distill.read_text())["ratios"]["student_top1_agree_with_teacher"]
+            ratios["student_acceptance_text"] = sum(r["acceptance"] for r in text) / len(text)
+            ratios["student_acceptance_over_lesson09_top1"] = ratios["student_acceptance_text"] / top1
+    notes.append(f"target decode alone: {rows[0]['target_tok_s']:.1f} tok/s at batch 1; greedy outputs of every "
+                 f"variant and of the engine {'equal' if identical else 'DIFFER FROM'} target-only greedy")
+    return BenchResult(name="speculative", rows=rows, ratios=ratios, targets=targets,
+                       settings={**{k: v for k, v in b.items() if not isinstance(v, list)}, "dtype": "float32",
+                                 "threads": torch.get_num_threads()}, notes=notes, series=curves)
