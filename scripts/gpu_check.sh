@@ -16,4 +16,5 @@ python3 scripts/gpu_check_paged.py 2>&1 | tee "$OUT/paged.log" | tail -n 20
 python3 scripts/gpu_check_fusion.py 2>&1 | tee "$OUT/fusion.log" | tail -n 20
 python3 scripts/gpu_check_quant.py 2>&1 | tee "$OUT/quant.log" | tail -n 40
 python3 scripts/gpu_check_sparsity.py 2>&1 | tee "$OUT/sparsity.log" | tail -n 30
+python3 scripts/gpu_check_speculative.py 2>&1 | tee "$OUT/speculative.log" | tail -n 40
 ls -la "$OUT"

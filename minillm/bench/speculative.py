@@ -71,7 +71,7 @@ def verify_cost(model, q_lens: list[int], context: int = 128) -> list[dict]:
     """Milliseconds of one target forward over q new tokens after `context` cached ones (q = 1: a decode step)."""
     from ..kv_cache import KVCache
 
-    ids = torch.randint(0, model.config.vocab_size, (1, context + max(q_lens)))
+    ids = torch.randint(0, model.config.vocab_size, (1, context + max(q_lens)), device=model.device)
     rows = []
     with torch.inference_mode():
         cache = KVCache.for_model(model, 1, context + max(q_lens))
