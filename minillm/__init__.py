@@ -14,6 +14,7 @@ from .kv_cache import KVCache, kv_bytes, kv_bytes_per_token
 from .loader import load_model
 from .request import RequestOutput
 from .sampling import SamplingParams
+from .speculative import SpecStats, SpeculativeConfig
 
 # Triton picks its interpreter or a GPU driver when it is first imported, and torch imports it lazily (dynamo,
 # flop_counter): without CUDA, choose the interpreter before anything else can (kernels/_triton_env.py, lesson 03)
@@ -27,6 +28,8 @@ __all__ = [
     "ModelConfig",
     "RequestOutput",
     "SamplingParams",
+    "SpecStats",
+    "SpeculativeConfig",
     "chat",
     "generate",
     "kv_bytes",

@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--compile", action="store_true",
                      help="run decode steps through torch.compile (lesson 06); the first call compiles for tens of "
                           "seconds")
+    gen.add_argument("--speculative", choices=["ngram", "early_exit", "draft"], default=None,
+                     help="speculative decoding (lesson 10): prompt lookup, the target's first blocks, or --draft-model")
+    gen.add_argument("--k", type=_positive_int, default=4, help="draft tokens per step with --speculative")
+    gen.add_argument("--draft-model", default=None, help="with --speculative draft, e.g. smollm2-135m-student")
 
     bench = sub.add_parser("bench", help="run a benchmark (minillm bench --list)")
     bench.add_argument("name", nargs="?")
@@ -123,6 +127,12 @@ def cmd_generate(args) -> int:
         if not native_bf16("cpu"):
             print("minillm: note: this CPU emulates bf16 (no avx512_bf16/amx_bf16): the prompt's prefill (a matrix "
                   "multiply) runs far slower than in float32; decode (matrix-vector) much less so", file=sys.stderr)
+    spec = None
+    if args.speculative:
+        from minillm.speculative import SpeculativeConfig, SpecStats
+
+        spec = SpeculativeConfig(args.speculative, k=args.k, draft_model=args.draft_model)  # refuses bad combos
+        spec_stats = SpecStats()
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, attn_backend=args.attn)
 
     def emit(text: str) -> None:
@@ -130,7 +140,7 @@ def cmd_generate(args) -> int:
 
     res = generate(model, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache, chat=not args.raw,
-                   on_text=emit, compile=args.compile)
+                   on_text=emit, compile=args.compile, speculative=spec, spec_stats=spec_stats if spec else None)
     print()
     n = len(res.token_ids)
     tps = res.decode_tokens_per_s
@@ -141,13 +151,16 @@ def cmd_generate(args) -> int:
     ]
     if n > 1 and not math.isnan(tps):  # nan when only one token came out
         line = f"decode {tps:.1f} tokens/s"
-        if args.cache != "none":
+        if args.cache != "none" and spec is None:  # with speculation one weight read yields several tokens
             # MBU needs only the bandwidth: a bounded probe (< 1 s), measured once per machine and kept on disk
             moved = decode_bytes_per_token(model, res.prompt_tokens + n // 2)
             bw = bandwidth(model.device)
             line += (f", MBU {mbu(moved, 1 / tps, bw):.0%} "
                      f"({moved / 2**20:.0f} MiB read per token, {bw / 1e9:.0f} GB/s copy)")
         stats.append(line)
+    if spec is not None:
+        stats.append(f"speculative {args.speculative} k={args.k}: acceptance {spec_stats.acceptance_rate:.2f}, "
+                     f"{spec_stats.tokens_per_step:.2f} tokens per target forward")
     stats.append(f"{machine} at start")
     stats.append(f"stop: {res.stop_reason}")
     print("--- " + " | ".join(stats))

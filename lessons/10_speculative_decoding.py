@@ -1,0 +1,273 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 10 — Speculative decoding: guess k tokens, verify them in one forward
+#
+# A decode step of a small batch is **memory bound**: every weight is read from memory to produce one token per
+# sequence, and the arithmetic units mostly wait (lesson 00's MBU vs MFU). A forward over k + 1 tokens reads the same
+# weights once, so on a GPU it costs about as much as a forward over one. **Speculative decoding** (Leviathan et al.;
+# Chen et al., 2023) spends that slack:
+#
+# 1. a cheap **drafter** guesses the next k tokens d₁..d_k;
+# 2. the **target** runs [last token, d₁..d_k] over its KV cache in one forward and gets its own next-token
+#    distribution p₀..p_k at every position;
+# 3. drafts are accepted left to right while the target agrees; the first disagreement is replaced by a token from
+#    the target, and if all k pass, p_k gives a bonus token. Rejected drafts are rolled back from the KV cache.
+#
+# Each step emits between 1 and k + 1 tokens for one target forward. If each draft is accepted with probability a,
+# a step yields on average **(1 − a^(k+1)) / (1 − a)** tokens. And the output is *exactly* the target's: the same
+# tokens under greedy decoding, the same distribution under sampling (section 3 shows why).
+#
+# The drafter is the whole game — it must be cheap next to the target *and* often right. Three are built in
+# `minillm/drafters.py`:
+# - **prompt lookup** (n-gram): continue the sequence's last n tokens the way they were continued earlier in the
+#   prompt or output. No model at all; right whenever the answer copies its input (summaries, edits, extraction, code);
+# - **a draft model**: lesson 09's distilled student (16 of the target's 30 blocks);
+# - **early exit**: the target's own first blocks + its final norm and head, untrained.
+#
+# Sections: (1) the premise, measured: what verifying k tokens costs; (2) prompt lookup on the real model; (3) the
+# rejection rule and why it is exact; (4) the benchmark: every drafter, three workloads, k, the engine; (5) where
+# speculation stops paying.
+
+# %%
+import json
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+
+import minillm
+from minillm.bench import run_entry
+from minillm.bench.speculative import PASSAGES, verify_cost
+from minillm.lesson import QUICK, hardware_line, pick
+from minillm.speculative import SpecStats, SpeculativeConfig, expected_tokens_per_step, rejection_sample
+
+torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
+print(hardware_line())
+model, tok = minillm.load_model(dtype="float32")
+
+# %% [markdown]
+# ## 1. The premise: a forward over k + 1 tokens vs a decode step
+#
+# Time one target forward over q new tokens after 128 cached ones, for q = 1 (an ordinary decode step) up to 17.
+# If verification were free, every row would read 1.0x.
+
+# %%
+cost = verify_cost(model, pick([1, 2, 3, 5, 9, 17], [1, 5]))
+for r in cost:
+    print(f"q = {r['q_tokens']:>2} tokens: {r['forward_ms']:6.1f} ms = {r['vs_decode']:.2f}x a decode step")
+
+# %% [markdown]
+# On this CPU the forward is not free: a float32 matmul on one core runs near the core's arithmetic peak already at a
+# few rows, so each extra row costs real time (the LM head alone is 49,152 × 576 multiply-adds per row). The ratio
+# above is `v(k)`, the price of verifying k drafts in units of a decode step; on a GPU, where a decode step of a
+# 135M model uses a few percent of the arithmetic, it stays near 1 for k up to tens. Speculation wins when
+# tokens-per-step exceeds v(k) plus the drafting cost: prompt lookup drafts for free, so it only needs to beat v(k).
+#
+# ## 2. Prompt lookup on the real model
+#
+# An input-grounded request: the answer repeats its input. Target-only greedy decoding, then the same request with
+# `speculative=SpeculativeConfig("ngram", k=4)`.
+
+# %%
+prompt = "Repeat the following text exactly.\n\n" + PASSAGES[0]
+n_new = pick(64, 16)
+plain = minillm.generate(model, tok, prompt, max_new_tokens=n_new, chat=True, ignore_eos=True)
+stats = SpecStats()
+spec = minillm.generate(model, tok, prompt, max_new_tokens=n_new, chat=True, ignore_eos=True,
+                        speculative=SpeculativeConfig("ngram", k=4), spec_stats=stats)
+print(repr(spec.text[:160]))
+t_plain, t_spec = plain.token_times[-1], spec.token_times[-1]
+print(f"identical tokens: {spec.token_ids == plain.token_ids}")
+print(f"{stats.steps} target forwards for {len(spec.token_ids) - 1} tokens after the first; acceptance rate "
+      f"a = {stats.acceptance_rate:.2f}, {stats.tokens_per_step:.2f} tokens per step "
+      f"(formula: {expected_tokens_per_step(stats.acceptance_rate, 4):.2f})")
+print(f"generation time (prefill included) {t_plain:.2f} s -> {t_spec:.2f} s: {t_plain / t_spec:.2f}x target-only here")
+
+# %% [markdown]
+# ## 3. The rejection rule, and why the output is exactly the target's
+#
+# Greedy is easy: accept d_i while it equals the target's argmax after d₁..d_{i−1}; the first mismatch is replaced by
+# that argmax. Every emitted token is the one target-only greedy decoding would have picked.
+#
+# Sampling needs more care. The draft token x was drawn from the drafter's distribution q; the target wants p. Accept
+# x with probability min(1, p(x)/q(x)); on rejection, draw from the *residual* r = normalize(max(0, p − q)). Then
+#
+#   P(emit x) = q(x)·min(1, p(x)/q(x)) + P(reject)·r(x) = min(p(x), q(x)) + (p(x) − min(p(x), q(x))) = p(x),
+#
+# because P(reject) = 1 − Σ_y min(p(y), q(y)) is exactly the normaliser of max(0, p − q). Where q over-proposes a token
+# (q > p) some proposals are thrown back; where it under-proposes (q < p) the residual tops it up. A drafter with no
+# distribution (prompt lookup) is a one-hot q: accept with probability p(x), else draw from p without x. Temperature,
+# top-k and top-p are applied to p and q alike, so the emitted tokens follow the request's own sampling distribution.
+#
+# Check it by counting: a 6-token vocabulary, a p and a deliberately different q, many independent trials.
+
+# %%
+g = torch.Generator().manual_seed(0)
+p = torch.softmax(torch.randn(6, generator=g) * 1.5, 0)
+q = torch.softmax(torch.randn(6, generator=g) * 1.5, 0)
+trials = pick(40_000, 8_000)
+counts = torch.zeros(6)
+for _ in range(trials):
+    draft = int(torch.multinomial(q, 1, generator=g))
+    counts[rejection_sample(torch.stack([p, p]), q[None], [draft], g)[0]] += 1
+emp = counts / trials
+tv = 0.5 * (emp - p).abs().sum()
+print(f"total variation between the emitted tokens and p: {tv:.4f} (between q and p: {0.5 * (q - p).abs().sum():.3f})")
+fig, ax = plt.subplots(figsize=(7, 3))
+xs = torch.arange(6)
+ax.bar(xs - 0.27, p, 0.27, label="target p")
+ax.bar(xs, q, 0.27, label="draft q")
+ax.bar(xs + 0.27, emp, 0.27, label=f"emitted ({trials:,} trials)")
+ax.set_xlabel("token")
+ax.set_ylabel("probability")
+ax.legend()
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The emitted distribution sits on p, not on q: the drafter changes how *fast* tokens come, never *which* tokens come.
+# (tests/test_speculative.py repeats this with a chi-square test, a negative control that must fail it, and the real
+# model's next-token distribution.)
+#
+# ## 4. The benchmark: drafters × workloads × k, and the engine
+#
+# `minillm bench speculative` times every variant right after its own target-only run on the same prompt, greedy, and
+# checks the tokens are identical. Workloads: *grounded* chat requests that copy a given text (repeat it, rewrite it,
+# list its sentences), *open chat*, and *text* continuations of the pydoc passage lesson 09 evaluated its student on.
+# The full run takes about twenty minutes here, so this lesson reads the recorded `results/speculative.json`
+# (set `RERUN = True` to measure your machine); quick mode runs a small version.
+
+# %%
+RERUN = False
+recorded = Path("../results/speculative.json")
+if QUICK or RERUN or not recorded.exists():
+    result = run_entry("speculative", quick=QUICK, save=True, out="../results").to_dict()
+else:
+    result = json.loads(recorded.read_text())
+    print(f"the run recorded in {recorded} ({result['timestamp']}), on: {result['hardware'].get('cpu', '')} "
+          f"{result['threads']} thread(s), torch {result['versions'].get('torch', '')}")
+rows = result["rows"]
+print(f"\n{'draft':<15}{'workload':<10}{'k':>3}{'a':>7}{'tok/step':>10}{'formula':>9}{'target tok/s':>14}"
+      f"{'spec tok/s':>12}{'speedup':>9}")
+for r in rows:
+    print(f"{r['draft']:<15}{r['workload']:<10}{r['k']:>3}{r['acceptance']:>7.2f}{r['tokens_per_step']:>10.2f}"
+          f"{r['formula_tokens_per_step']:>9.2f}{r['target_tok_s']:>14.1f}{r['spec_tok_s']:>12.1f}{r['speedup']:>8.2f}x")
+for note in result["notes"]:
+    print("note:", note)
+
+# %%
+fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+groups = {}
+for r in rows:
+    groups.setdefault((r["draft"], r["workload"]), []).append(r)
+for (draft, load), rs in groups.items():
+    rs = sorted(rs, key=lambda r: r["k"])
+    line, = a1.plot([r["k"] for r in rs], [r["tokens_per_step"] for r in rs], "o-", label=f"{draft}, {load}")
+    a1.plot([r["k"] for r in rs], [r["formula_tokens_per_step"] for r in rs], ":", color=line.get_color())
+    a2.plot([r["k"] for r in rs], [r["speedup"] for r in rs], "o-", color=line.get_color(), label=f"{draft}, {load}")
+a1.set_xlabel("k (drafts per step)")
+a1.set_ylabel("tokens per target forward")
+a1.set_title("measured (solid) vs (1 - a^(k+1)) / (1 - a) (dotted)", fontsize=9)
+a1.legend(fontsize=7)
+a2.axhline(1.0, color="gray", ls=":")
+a2.set_xlabel("k (drafts per step)")
+a2.set_ylabel("speedup vs target-only greedy")
+a2.set_title(result["hardware"].get("cpu", "")[:60], fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %%
+ra = result["ratios"]
+best = max((r for r in rows if r["draft"] == "ngram" and r["workload"] == "grounded"), key=lambda r: r["speedup"])
+print(f"Prompt lookup on grounded requests: best at k={best['k']}, a = {best['acceptance']:.2f}, "
+      f"{best['tokens_per_step']:.2f} tokens per forward, {best['speedup']:.2f}x target-only greedy "
+      f"(tokens identical: {bool(ra['greedy_identical'])}).")
+chat = [r for r in rows if r["draft"] == "ngram" and r["workload"] == "chat"]
+if chat:
+    c = max(chat, key=lambda r: r["speedup"])
+    print(f"On open chat the same drafter finds little to copy: a = {c['acceptance']:.2f} at k={c['k']}, "
+          f"{c['speedup']:.2f}x.")
+for draft in ("student", *sorted({r["draft"] for r in rows if r["draft"].startswith("early")})):
+    rs = [r for r in rows if r["draft"] == draft]
+    if rs:
+        b = max(rs, key=lambda r: r["speedup"])
+        print(f"{draft}: a = {min(r['acceptance'] for r in rs):.2f}..{max(r['acceptance'] for r in rs):.2f} "
+              f"across workloads and k; best {b['speedup']:.2f}x ({b['workload']}, k={b['k']}).")
+if "student_acceptance_over_lesson09_top1" in ra:
+    print(f"The student's acceptance rate on the pydoc text, {ra['student_acceptance_text']:.2f}, is "
+          f"{ra['student_acceptance_over_lesson09_top1']:.2f}x its top-1 agreement measured in lesson 09 — the same "
+          f"quantity, measured two ways.")
+cost = result["series"]["verify_cost"]
+print("verify cost v(q): " + ", ".join(f"q={c['q_tokens']}: {c['vs_decode']:.2f}x" for c in cost))
+
+# %% [markdown]
+# ### In the engine
+#
+# `minillm.LLM(..., speculative=SpeculativeConfig("ngram", k=4))`: at each step the scheduler reserves up to k extra
+# KV slots per decoding sequence (never preempting for them), the drafter proposes for all of them at once, and the
+# runner verifies every sequence's drafts in the same packed forward — query length k + 1 per sequence, the layout
+# chunked prefill already uses. Each sequence keeps its own number of accepted tokens; the rejected slots go back
+# (`rollback_drafts`: whole blocks return to the pool). Above `max_batch` running sequences it decodes plainly.
+
+# %%
+eng = result["series"]["engine"]
+for e in eng:
+    print(f"batch {e['batch']:>2}: {e['plain_tok_s']:6.1f} tok/s plain, {e['spec_tok_s']:6.1f} with prompt lookup "
+          f"({e['speedup']:.2f}x)")
+fig, ax = plt.subplots(figsize=(6, 3.5))
+ax.plot([e["batch"] for e in eng], [e["plain_tok_s"] for e in eng], "o-", label="plain decode")
+ax.plot([e["batch"] for e in eng], [e["spec_tok_s"] for e in eng], "o-", label="prompt lookup, k=4")
+ax.set_xscale("log", base=2)
+ax.set_xlabel("concurrent requests (grounded)")
+ax.set_ylabel("output tokens/s")
+ax.legend()
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## 5. Where speculation stops paying
+#
+# Per emitted token, speculation costs (k·c + v(k)) / E[tokens per step] decode steps, where c is one draft step in
+# units of a target step and v(k) the verify cost of section 1. Plain decoding costs 1. So it pays when
+#
+#   (1 − a^(k+1)) / (1 − a) > k·c + v(k).
+#
+# - **Prompt lookup**: c ≈ 0, and a is high exactly when the output copies the input. It pays on grounded requests and
+#   costs little elsewhere (when nothing matches, nothing is proposed and the step is an ordinary decode).
+# - **The student**: c is its decode time over the target's (lesson 09 measured its speed ratio) — a draft that is
+#   half as expensive as the target can never win on this CPU, whatever its agreement. Production drafts are 10-50x
+#   smaller than their targets (a 68M draft for a 7B target) and agree 60-80% of the time; 16 of 30 blocks of a 135M
+#   model, trained on twenty thousand tokens, is the opposite corner.
+# - **Early exit** without training: the first blocks' hidden states are not yet shaped for the final head, so a is
+#   near zero; methods that do use it (LayerSkip, EAGLE-style heads) train the exit for it.
+# - **Batch size**: v(k) grows with the batch. At batch B, verification runs B·(k+1) rows; once B alone fills the
+#   arithmetic units (compute bound), each draft row costs what a real token costs, and rejected drafts are pure
+#   waste. The engine therefore speculates only while at most `max_batch` sequences decode; the engine rows above
+#   show where that crossover sits on this machine.
+#
+# Print the model with this run's numbers, for prompt lookup on grounded prompts:
+
+# %%
+v = {c["q_tokens"]: c["vs_decode"] for c in cost}
+for r in sorted((r for r in rows if r["draft"] == "ngram" and r["workload"] == "grounded"), key=lambda r: r["k"]):
+    vk = v.get(r["k"] + 1)
+    if vk is not None:
+        print(f"k={r['k']}: {r['tokens_per_step']:.2f} tokens per step / v={vk:.2f} -> predicted "
+              f"{r['tokens_per_step'] / vk:.2f}x, measured {r['speedup']:.2f}x")
+
+# %% [markdown]
+# **Exercise 10** (`exercises/ex10_speculative.py`, graded by `minillm grade 10`): the greedy acceptance rule, the
+# exact rejection-sampling step (graded by a distribution test and on crafted p/q pairs: q = p, disjoint supports,
+# q zero where p is not) and the prompt-lookup proposer (graded on crafted histories); the last task runs your three
+# functions inside speculative decoding of the real SmolLM2. Next, lesson 11: splitting the model across devices.
