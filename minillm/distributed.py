@@ -1,0 +1,197 @@
+"""Running one model on several processes: start the ranks, fail fast, and count every byte they exchange (lesson 11).
+
+A real distributed engine, not a simulation: torch.distributed process groups (gloo on CPU, NCCL on GPU), one
+process per rank, started by `launch` (torch.multiprocessing) or by `torchrun` (which sets RANK / WORLD_SIZE /
+MASTER_ADDR / MASTER_PORT; `init_group` reads them). What this file adds around torch.distributed:
+
+  launch(fn, world_size, ...)  starts the ranks on a free port, returns rank 0's result, and if any rank raises or dies
+                               stops the others and raises, naming the rank and its error (no orphan processes);
+  init_group(...)              every group has a timeout: a rank whose peer died fails within it instead of hanging;
+  Comm                         the collectives the parallel model calls (all_reduce, all_gather, reduce_scatter,
+                               send/recv), each counted: how many, how many bytes handed to it, the bytes a ring
+                               implementation moves per rank (all-reduce 2(p-1)/p x size; all-gather and reduce-scatter
+                               (p-1)/p x the full tensor; a send its size), and the time spent inside them;
+  check_same_weights(...)      a checksum of the weights compared across ranks before the first collective: ranks
+                               that loaded different files would otherwise compute silently wrong results.
+The parallel transformations themselves are tensor_parallel.py, sequence_parallel.py and pipeline_parallel.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (the OS picks it): parallel test runs never clash on a fixed port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank: int | None = None, world_size: int | None = None, port: int | None = None,
+               backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
+    """Join the default process group (arguments default to torchrun's environment). Returns (rank, world_size)."""
+    rank = int(os.environ["RANK"]) if rank is None else rank
+    world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ["MASTER_PORT"]) if port is None else port
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return rank, world_size
+
+
+def _rank_main(rank: int, fn: Callable, world_size: int, port: int, backend: str | None, timeout_s: float,
+               threads: int | None, results, args: tuple) -> None:
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world_size))
+    init_group(rank, world_size, port, backend, timeout_s)
+    try:
+        # plain pickle bytes: torch's queue pickler would share tensors through file descriptors of a process that
+        # has exited by the time the parent reads them
+        results.put((rank, pickle.dumps(fn(rank, world_size, *args))))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable, world_size: int, *args, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+           threads: int | None = None):
+    """Run fn(rank, world_size, *args) on `world_size` new processes in one process group; return every rank's
+    result, in rank order.
+
+    fn must be importable (a module-level function: the ranks are fresh interpreters). Each rank uses `threads`
+    torch threads (default: the cores split evenly). If a rank raises or is killed, the others are stopped and a
+    RuntimeError names it; a collective waiting on a dead peer gives up after timeout_s."""
+    import torch.multiprocessing as mp
+
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    results = mp.get_context("spawn").SimpleQueue()
+    out: dict[int, object] = {}
+
+    def drain() -> None:  # read while the ranks run: a result larger than the pipe's buffer blocks its sender
+        while not results.empty():
+            rank, value = results.get()
+            out[rank] = pickle.loads(value)
+
+    context = mp.start_processes(_rank_main, args=(fn, world_size, free_port(), backend, timeout_s, threads, results,
+                                                   args), nprocs=world_size, join=False, start_method="spawn")
+    try:
+        while not context.join(timeout=0.05):
+            drain()
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:  # join has stopped the other ranks
+        raise RuntimeError(f"rank {e.error_index} of {world_size} failed, the others were stopped:\n{e}") from None
+    drain()
+    return [out.get(r) for r in range(world_size)]
+
+
+class Comm:
+    """The collectives of one process group, counted. `stats` maps an op name to calls / bytes / ring bytes."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.calls: Counter = Counter()
+        self.bytes: Counter = Counter()  # bytes of the tensors handed to each op (the full tensor for a gather)
+        self.ring_bytes: Counter = Counter()  # bytes a ring algorithm sends per rank for them
+        self.seconds = 0.0
+
+    def _count(self, op: str, nbytes: int, ring_factor: float, start: float) -> None:
+        self.calls[op] += 1
+        self.bytes[op] += nbytes
+        self.ring_bytes[op] += ring_factor * nbytes
+        self.seconds += time.perf_counter() - start
+
+    def reset(self) -> None:
+        self.calls.clear(), self.bytes.clear(), self.ring_bytes.clear()
+        self.seconds = 0.0
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        """Sum x over the ranks, in place; every rank gets the sum."""
+        t0, p = time.perf_counter(), self.world_size
+        if p > 1:
+            dist.all_reduce(x, group=self.group)
+        self._count("all_reduce", x.numel() * x.element_size(), 2 * (p - 1) / p, t0)
+        return x
+
+    def all_gather(self, x: Tensor, dim: int) -> Tensor:
+        """Concatenate every rank's x along dim (rank order)."""
+        t0, p = time.perf_counter(), self.world_size
+        if p == 1:
+            out = x
+        else:
+            parts = [torch.empty_like(x) for _ in range(p)]
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+            out = torch.cat(parts, dim=dim)
+        self._count("all_gather", out.numel() * out.element_size(), (p - 1) / p, t0)
+        return out
+
+    def reduce_scatter(self, x: Tensor, dim: int) -> Tensor:
+        """Sum x over the ranks and keep this rank's 1/p slice along dim (x.shape[dim] divisible by p)."""
+        t0, p = time.perf_counter(), self.world_size
+        if p == 1:
+            out = x
+        else:
+            moved = x.movedim(dim, 0).contiguous()
+            out = torch.empty((moved.shape[0] // p, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+            dist.reduce_scatter_single(out, moved, group=self.group)
+            out = out.movedim(0, dim)
+        self._count("reduce_scatter", x.numel() * x.element_size(), (p - 1) / p, t0)
+        return out
+
+    def send(self, x: Tensor, dst: int) -> None:
+        t0 = time.perf_counter()
+        dist.send(x.contiguous(), dst, group=self.group)
+        self._count("send", x.numel() * x.element_size(), 1.0, t0)
+
+    def recv(self, shape: tuple, dtype: torch.dtype, src: int, device="cpu") -> Tensor:
+        t0 = time.perf_counter()
+        x = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(x, src, group=self.group)
+        self._count("recv", x.numel() * x.element_size(), 1.0, t0)
+        return x
+
+    def broadcast(self, x: Tensor, src: int) -> Tensor:
+        t0 = time.perf_counter()
+        if self.world_size > 1:
+            dist.broadcast(x, src, group=self.group)
+        self._count("broadcast", x.numel() * x.element_size(), 1.0, t0)
+        return x
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {op: {"calls": self.calls[op], "bytes": self.bytes[op], "ring_bytes": self.ring_bytes[op]}
+                for op in self.calls}
+
+
+def weights_checksum(model) -> float:
+    """One number that changes if any weight differs (float64 sum of every parameter, scaled by its position)."""
+    total = 0.0
+    for i, p in enumerate(model.parameters()):
+        total += (i + 1) * float(p.detach().double().sum())
+    return total
+
+
+def check_same_weights(model, comm: Comm) -> None:
+    """Refuse to run when the ranks hold different weights (another file, another dtype): compared before the first
+    model collective, so a mismatch is an error, not silently wrong logits."""
+    mine = torch.tensor([weights_checksum(model)], dtype=torch.float64)
+    sums = comm.all_gather(mine, 0).tolist() if comm.world_size > 1 else [mine.item()]
+    if any(s != sums[0] for s in sums):
+        raise RuntimeError(f"ranks loaded different weights (checksums {sums}): every rank must load the same model "
+                           f"file with the same dtype")
+    comm.reset()
+
+
+__all__ = ["Comm", "DEFAULT_TIMEOUT_S", "check_same_weights", "free_port", "init_group", "launch",
+           "weights_checksum"]
