@@ -138,7 +138,7 @@ def rank_generate(rank: int, world_size: int, spec, prompt_ids: list[int], max_n
 def generate_parallel(model: str | dict = "smollm2-135m", prompt: str | list[int] = "The capital of France is",
                       tp: int = 1, pp: int = 1, sp: bool = False, max_new_tokens: int = 32, micro_batches: int = 4,
                       dtype: str = "float32", chat: bool = False, timeout_s: float = 60.0,
-                      threads: int | None = None) -> dict:
+                      threads: int | None = None, ignore_eos: bool = False) -> dict:
     """Greedy generation on tp x pp ranks (torch.multiprocessing + gloo on CPU / NCCL on GPU). Returns rank 0's
     stats, the text (for a named model) and the per-rank results under "ranks"."""
     cfg = ParallelConfig(tp, pp, sp, micro_batches)
@@ -164,13 +164,14 @@ def generate_parallel(model: str | dict = "smollm2-135m", prompt: str | list[int
                          f"{model_config.max_seq_len} tokens, got {len(ids)} + {max_new_tokens}")
     from .distributed import launch
 
-    stops = frozenset(tok.stop_ids) if tok is not None else frozenset()
+    stops = frozenset(tok.stop_ids) if tok is not None and not ignore_eos else frozenset()
     ranks = launch(rank_generate, cfg.world_size, model, ids, max_new_tokens, cfg, dtype, stops,
                    timeout_s=timeout_s, threads=threads)
     res = dict(ranks[0])
     res["ranks"] = ranks
     res["prompt_tokens"] = len(ids)
     res["text"] = tok.decode([t for t in res["token_ids"] if t not in stops]) if tok is not None else ""
+    res["stop_reason"] = "stop_token" if res["token_ids"][-1] in stops else "length"
     res["decode_tok_s"] = res["decode_steps"] / res["decode_s"] if res["decode_s"] > 0 else float("nan")
     return res
 

@@ -56,11 +56,29 @@ class TPPlan:
                 f"ways without splitting a head group); MLP and vocabulary split")
 
 
+def column_slice(weight: Tensor, rank: int, degree: int) -> Tensor:
+    """Column parallel: rank's rows of W (out_features, in_features), i.e. its 1/degree of the output features, as a
+    contiguous copy. y_r = x W_r^T is rank r's slice of y; concatenating the ranks' slices along the last dim gives y."""
+    if weight.shape[0] % degree:
+        raise ValueError(f"{weight.shape[0]} output features do not split into {degree} equal slices")
+    n = weight.shape[0] // degree
+    return weight[rank * n:(rank + 1) * n].contiguous()
+
+
+def row_slice(weight: Tensor, rank: int, degree: int) -> Tensor:
+    """Row parallel: rank's columns of W, i.e. its 1/degree of the input features, as a contiguous copy. With x_r the
+    same slice of x's last dim, x_r W_r^T is a partial sum; the sum over ranks (an all-reduce) is y."""
+    if weight.shape[1] % degree:
+        raise ValueError(f"{weight.shape[1]} input features do not split into {degree} equal slices")
+    n = weight.shape[1] // degree
+    return weight[:, rank * n:(rank + 1) * n].contiguous()
+
+
 def column_shard(linear: nn.Linear, rank: int, degree: int) -> nn.Linear:
     """Rank's slice of the output features (whole rows of W): no communication needed after it."""
-    rows = linear.out_features // degree
-    out = nn.Linear(linear.in_features, rows, bias=False, device=linear.weight.device, dtype=linear.weight.dtype)
-    out.weight = nn.Parameter(linear.weight.detach()[rank * rows:(rank + 1) * rows].clone(), requires_grad=False)
+    w = column_slice(linear.weight.detach(), rank, degree)
+    out = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    out.weight = nn.Parameter(w, requires_grad=False)
     return out
 
 
@@ -70,9 +88,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, rank: int, degree: int, comm: Comm, reduce: bool = True):
         super().__init__()
-        cols = linear.in_features // degree
-        self.weight = nn.Parameter(linear.weight.detach()[:, rank * cols:(rank + 1) * cols].clone(),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(row_slice(linear.weight.detach(), rank, degree), requires_grad=False)
         self.comm, self.reduce = comm, reduce
 
     def forward(self, x: Tensor) -> Tensor:
@@ -153,4 +169,4 @@ def tp_bytes_per_token(cfg, plan: TPPlan, dtype_bytes: int = 4) -> dict[str, int
 
 
 __all__ = ["RowParallelLinear", "TPPlan", "VocabParallelEmbedding", "VocabParallelHead", "column_shard",
-           "shard_tensor_parallel", "tp_bytes_per_token"]
+           "column_slice", "row_slice", "shard_tensor_parallel", "tp_bytes_per_token"]
