@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 import sys
 
 EXIT_USAGE, EXIT_SETUP = 2, 1
@@ -69,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="speculative decoding (lesson 10): prompt lookup, the target's first blocks, or --draft-model")
     gen.add_argument("--k", type=_positive_int, default=4, help="draft tokens per step with --speculative")
     gen.add_argument("--draft-model", default=None, help="with --speculative draft, e.g. smollm2-135m-student")
+    gen.add_argument("--tp", type=_positive_int, default=1,
+                     help="tensor-parallel ranks (lesson 11): 3 splits SmolLM2's heads; 2 splits only MLP and vocab")
+    gen.add_argument("--pp", type=_positive_int, default=1, help="pipeline stages (lesson 11)")
+    gen.add_argument("--sp", action="store_true", help="sequence parallelism on top of --tp (lesson 11)")
 
     bench = sub.add_parser("bench", help="run a benchmark (minillm bench --list)")
     bench.add_argument("name", nargs="?")
@@ -127,6 +132,8 @@ def cmd_generate(args) -> int:
         if not native_bf16("cpu"):
             print("minillm: note: this CPU emulates bf16 (no avx512_bf16/amx_bf16): the prompt's prefill (a matrix "
                   "multiply) runs far slower than in float32; decode (matrix-vector) much less so", file=sys.stderr)
+    if args.tp > 1 or args.pp > 1 or args.sp:
+        return _generate_parallel(args)
     spec = None
     if args.speculative:
         from minillm.speculative import SpeculativeConfig, SpecStats
@@ -164,6 +171,32 @@ def cmd_generate(args) -> int:
     stats.append(f"{machine} at start")
     stats.append(f"stop: {res.stop_reason}")
     print("--- " + " | ".join(stats))
+    return 0
+
+
+def _generate_parallel(args) -> int:
+    """--tp / --pp / --sp: greedy generation on several processes (torch.distributed, gloo on CPU)."""
+    from minillm.parallel import ParallelConfig, generate_parallel
+
+    if args.temperature != 0 or args.speculative or args.compile or args.cache != "contiguous":
+        raise UsageError("--tp/--pp/--sp decode greedily on a contiguous cache: drop --temperature, --speculative, "
+                         "--compile and --cache")
+    ParallelConfig(args.tp, args.pp, args.sp)  # refuses bad combinations before anything loads
+    t0 = time.perf_counter()
+    res = generate_parallel(args.model, args.prompt, tp=args.tp, pp=args.pp, sp=args.sp,
+                            max_new_tokens=args.max_new_tokens, dtype=args.dtype, chat=not args.raw,
+                            threads=args.threads)
+    print(res["text"])
+    comm = res["comm_decode"]
+    moved = sum(v["ring_bytes"] for v in comm.values()) / max(res["decode_steps"], 1)
+    kind = f"tp={args.tp}{' + sp' if args.sp else ''}" if args.tp > 1 else f"pp={args.pp}"
+    print("--- " + " | ".join([
+        f"{kind}: {len(res['ranks'])} ranks, {res['threads']} thread(s) each, wall {time.perf_counter() - t0:.1f} s",
+        f"prompt {res['prompt_tokens']} tokens, generated {len(res['token_ids'])}",
+        f"prefill {res['prefill_s'] * 1e3:.1f} ms",
+        f"decode {res['decode_tok_s']:.1f} tokens/s, {res['comm_decode_s'] / res['decode_s']:.0%} of it inside "
+        f"collectives, {moved / 1024:.1f} KiB sent per rank per token",
+        f"stop: {res['stop_reason']}"]))
     return 0
 
 
