@@ -28,6 +28,7 @@ ENTRIES: dict[str, str] = {
     "sparsity": "minillm.bench.sparsity:run",
     "distill": "minillm.bench.distill:run",
     "speculative": "minillm.bench.speculative:run",
+    "parallel": "minillm.bench.parallel:run",
 }
 
 __all__ = ["ENTRIES", "BenchResult", "Timing", "hardware_info", "load_entry", "run_entry", "time_fn"]

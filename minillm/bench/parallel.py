@@ -1,0 +1,156 @@
+"""`minillm bench parallel` (lesson 11): tensor, sequence and pipeline parallelism against one process, in one run.
+
+Target: SmolLM2-135M, float32, greedy, ranks started with torch.multiprocessing on gloo, one torch thread per rank.
+The honest limit comes first: on a 2-core CPU, ranks share the same two cores, so no split can beat one process
+using both of them; the bench measures by how much they lose and where the time goes (the share spent inside
+collectives), rather than claim a speedup. What it does verify: every configuration produces the single process's
+tokens; the bytes every collective moved per token equal the formula exactly; the pipeline's measured bubble
+against (p - 1) / (m + p - 1); and an analytic model (labelled as such) of what TP would cost for Llama-2-7B/70B on
+8 GPUs, using the same byte formulas, over NVLink and over PCIe. Quick mode runs a tiny random model.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from .harness import BenchResult
+
+# link bandwidths for the analytic model (per GPU, one direction), order-of-magnitude public figures
+LINKS_GBPS = {"NVLink 4 (H100 SXM)": 450.0, "PCIe 4.0 x16": 25.0}
+
+
+def rank_bubble(rank: int, world_size: int, spec, prompt_ids: list[int], micro: list[int]) -> list[dict]:
+    """Prefill the same prompt through a pipeline with each micro-batch count; the measured bubble of each."""
+    from ..distributed import Comm
+    from ..parallel import load_for_rank
+    from ..pipeline_parallel import PipelineStage, StageCache, measured_bubble, pipeline_prefill
+
+    model = load_for_rank(spec)
+    stage = PipelineStage(model, Comm(), len(prompt_ids))
+    ids = torch.tensor([prompt_ids])
+    out = []
+    with torch.inference_mode():
+        for m in [micro[0], *micro]:  # the first run warms up (allocations, first sends)
+            stage.cache = StageCache(model, stage.start, stage.end, len(prompt_ids))
+            stage.events = []
+            dist.barrier()
+            pipeline_prefill(stage, ids, m)
+            events = [None] * world_size
+            dist.all_gather_object(events, stage.events)
+            out.append({"micro_batches": m, "measured": measured_bubble(events), "events": events})
+    return out[1:]
+
+
+def analytic_tp(cfg, name: str, tp: int = 8, batch: int = 1, context: int = 4096, dtype_bytes: int = 2) -> list[dict]:
+    """Labelled model, not a measurement: memory per device and all-reduce traffic per decode step under TP."""
+    weights = cfg.n_params() * dtype_bytes
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes * context * batch
+    per_step = 2 * cfg.n_layers * batch * cfg.dim * dtype_bytes  # two all-reduces of (batch, dim) per block
+    ring = 2 * (tp - 1) / tp * per_step
+    rows = []
+    for link, gbps in LINKS_GBPS.items():
+        rows.append({"model": name, "tp": tp, "batch": batch, "link": link, "weights_GB_per_device": weights / tp / 1e9,
+                     "kv_GB_per_device": kv / tp / 1e9, "allreduce_MB_per_step": ring / 1e6,
+                     "comm_ms_per_step": ring / (gbps * 1e9) * 1e3,
+                     "hbm_read_ms_per_step": (weights + kv) / tp / 3.35e12 * 1e3})  # H100 HBM3 ~3.35 TB/s
+    return rows
+
+
+def single_process(spec, ids: list[int], n: int, threads: int) -> tuple[list[int], float]:
+    from ..generate import generate_ids
+    from ..parallel import load_for_rank
+    from ..sampling import SamplingParams
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = load_for_rank(spec)
+        params = SamplingParams(max_tokens=n, ignore_eos=True)
+        list(generate_ids(model, ids[:8], SamplingParams(max_tokens=2)))  # warm-up
+        t0, times, out = time.perf_counter(), [], []
+        for tok in generate_ids(model, ids, params):
+            out.append(tok)
+            times.append(time.perf_counter() - t0)
+        return out, (n - 1) / (times[-1] - times[0])
+    finally:
+        torch.set_num_threads(before)
+
+
+def run(quick: bool = False) -> BenchResult:
+    from ..config import LLAMA2_7B, LLAMA2_70B
+    from ..parallel import generate_parallel, load_for_rank
+    from ..pipeline_parallel import bubble_fraction
+    from ..sequence_parallel import residual_bytes
+    from ..tensor_parallel import TPPlan, tp_bytes_per_token
+
+    if quick:
+        spec = {"tiny": {"n_layers": 6, "n_heads": 6, "n_kv_heads": 3, "dim": 96, "ffn_dim": 192, "vocab_size": 384,
+                         "max_seq_len": 512}, "seed": 0}
+        configs, n, prompt_len, micro = [{"tp": 3}, {"pp": 2}], 8, 48, [1, 4]
+    else:
+        spec, configs, n, prompt_len, micro = "smollm2-135m", [{"tp": 2}, {"tp": 3}, {"tp": 3, "sp": True},
+                                                               {"pp": 2}, {"pp": 3}], 64, 96, [1, 2, 4, 8]
+    cfg = load_for_rank(spec).config
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (256,), generator=gen).tolist()
+    prompt = ids[:prompt_len]
+    ref, tok_s_1 = single_process(spec, prompt, n, 1)
+    _, tok_s_2 = single_process(spec, prompt, n, 2)
+    rows = [{"config": "1 process, 1 thread", "ranks": 1, "decode_tok_s": tok_s_1, "identical": True},
+            {"config": "1 process, 2 threads", "ranks": 1, "decode_tok_s": tok_s_2, "identical": True}]
+    exact, identical = True, True
+    for c in configs:
+        res = generate_parallel(spec, prompt, max_new_tokens=n, threads=1, ignore_eos=True, timeout_s=120, **c)
+        p = c.get("tp", 1) * c.get("pp", 1)
+        comm, steps = res["comm_decode"], res["decode_steps"]
+        row = {"config": ", ".join(f"{k}={v}" for k, v in c.items()), "ranks": p,
+               "decode_tok_s": res["decode_tok_s"], "identical": res["token_ids"] == ref,
+               "prefill_ms": res["prefill_s"] * 1e3, "comm_share": res["comm_decode_s"] / res["decode_s"]}
+        if "tp" in c:
+            plan = TPPlan.for_config(cfg, c["tp"])
+            formula = tp_bytes_per_token(cfg, plan)
+            measured = {op: comm[op]["bytes"] / steps for op in ("all_reduce", "all_gather")}
+            row["allreduce_KiB_per_token"] = measured["all_reduce"] / 1024
+            row["bytes_vs_formula"] = sum(measured.values()) / sum(formula.values())
+            ring_ok = abs(comm["all_reduce"]["ring_bytes"] - 2 * (p - 1) / p * comm["all_reduce"]["bytes"]) < 1e-6
+            exact &= measured == formula and ring_ok
+        else:
+            sends = sum(r["comm_decode"].get("send", {}).get("bytes", 0) for r in res["ranks"]) / steps
+            row["send_KiB_per_token"] = sends / 1024
+            row["bytes_vs_formula"] = sends / ((p - 1) * cfg.dim * 4)  # one (1, 1, dim) float32 per stage boundary
+            exact &= row["bytes_vs_formula"] == 1.0
+        identical &= row["identical"]
+        rows.append(row)
+        print(f"  {row['config']:<12} {row['decode_tok_s']:6.1f} tok/s, comm {row['comm_share']:.0%}", flush=True)
+
+    from ..distributed import launch
+
+    bubbles = []
+    for p in ([2] if quick else [2, 3]):
+        for r in launch(rank_bubble, p, spec, ids[:256 if not quick else 96], micro, threads=1, timeout_s=120)[0]:
+            bubbles.append({"stages": p, "micro_batches": r["micro_batches"], "measured_bubble": r["measured"],
+                            "formula_bubble": bubble_fraction(p, r["micro_batches"]), "events": r["events"]})
+    sp_saving = residual_bytes(cfg, prompt_len, 3, False) / residual_bytes(cfg, prompt_len, 3, True)
+    analytic = []
+    for name, big in (("Llama-2-7B", LLAMA2_7B), ("Llama-2-70B", LLAMA2_70B)):
+        for batch in (1, 64):
+            analytic += analytic_tp(big, name, 8, batch)
+    best_parallel = max(r["decode_tok_s"] for r in rows if r["ranks"] > 1)
+    worst_bubble = max(abs(b["measured_bubble"] - b["formula_bubble"]) for b in bubbles if b["micro_batches"] > 1)
+    ratios = {"tokens_identical": float(identical), "collective_bytes_equal_formula": float(exact),
+              "best_parallel_vs_one_process_2_threads": best_parallel / tok_s_2,
+              "pp_bubble_max_abs_error": worst_bubble, "sp_residual_memory_saving": sp_saving}
+    targets = {"tokens_identical": (">=", 1.0), "collective_bytes_equal_formula": (">=", 1.0)}
+    if not quick:  # a tiny model's micro-batches are all latency: its bubble says nothing about the schedule
+        targets["pp_bubble_max_abs_error"] = ("<=", 0.1)
+    notes = ["ranks share this machine's cores: parallel ranks cannot beat one process using them all; the analytic "
+             "rows are a model (public bandwidth figures), not a measurement",
+             "pipeline micro-batches are consecutive chunks of one prompt; decode sends one token's hidden state "
+             "through every stage per step"]
+    return BenchResult(name="parallel", rows=rows, ratios=ratios, targets=targets,
+                       settings={"model": spec if isinstance(spec, str) else "tiny random", "new_tokens": n,
+                                 "prompt_tokens": prompt_len, "threads_per_rank": 1},
+                       notes=notes, series={"bubbles": bubbles, "analytic": analytic})
