@@ -72,6 +72,12 @@ TASKS: dict[str, list[tuple[str, str]]] = {
         ("task_09_step", "one training step: teacher without autograd, weighted terms, zero_grad, clip, step"),
         ("task_09_real_model", "your distillation heals SmolLM2 pruned to 20 blocks: its KL to the teacher falls"),
     ],
+    "10": [
+        ("task_10_greedy", "greedy verification: the drafts up to the first mismatch, then the target's own token"),
+        ("task_10_rejection", "speculative sampling: accept min(1, p/q), replace from max(0, p - q): exactly p"),
+        ("task_10_ngram", "prompt lookup: what followed the longest suffix's most recent earlier occurrence"),
+        ("task_10_real_model", "your speculation on SmolLM2: the target's greedy tokens, most n-gram drafts accepted"),
+    ],
 }
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -152,6 +152,33 @@ HINTS: dict[str, tuple[str, str]] = {
                            "steps of 2 x 64 tokens must lower the student's KL to the teacher on 128 held-apart "
                            "tokens by at least 10% (the reference: -22%), and the teacher's weights must not change. "
                            "A step that never updates leaves the KL where it was."),
+    "task_10_greedy": ("The target scored every draft position in one forward. Where does the walk along the drafts "
+                       "stop, and what does the target add whether or not it stopped early?",
+                       "target_argmax[i] is the target's choice after draft[:i] (len(draft) + 1 entries). Accept while "
+                       "draft[i] == target_argmax[i]; stop at the first mismatch (later matches do not count). Return "
+                       "the accepted drafts + [target_argmax[n]], n = the number accepted: the correction, or the "
+                       "bonus when all passed. An empty draft gives [target_argmax[0]]. A new list of ints."),
+    "task_10_rejection": ("Which chance of passing makes a token drawn from q come out distributed as p, and what "
+                          "part of p is still missing after the accepted drafts have supplied min(p, q)?",
+                          "Per draft x = draft[i], one uniform u from the generator: accept when u < min(1, p[i, x] / "
+                          "q[i, x]) (u * q < p). At the first rejection draw from normalize(max(0, p[i] - q[i])) "
+                          "(one-hot q, q=None: p[i] with x zeroed, on a copy), from p[i] if that has no mass, and "
+                          "stop. All k pass: a bonus from p[k]. Return accepted + [that token] as ints; p needs k + 1 "
+                          "rows and q k (ValueError). The grader counts every outcome of thousands of seeded calls "
+                          "against its exact probability."),
+    "task_10_ngram": ("The sequence often repeats itself (a copied prompt, code): if its last few tokens occurred "
+                      "before, what came after them then is a good guess now. Which occurrence, and how many tokens "
+                      "long a match?",
+                      "n from max_n down to min_n (the first n with a match wins, however old the match); the "
+                      "pattern is ids[-n:]; its most recent occurrence starting at i <= len(ids) - n - 1 (a token "
+                      "must follow it, and the suffix itself does not count; overlapping it is fine); return "
+                      "ids[i + n:i + n + k]. Nothing found: []."),
+    "task_10_real_model": ("Nothing new to write: minillm.generate(..., speculative=SpeculativeConfig('ngram', k=4)) "
+                           "runs SmolLM2 with your three functions.",
+                           "On a prompt that asks to repeat a paragraph, greedy speculation must give exactly the "
+                           "target's own greedy tokens (48 at most), accept at least half the drafts (the reference: "
+                           "all 36) and take fewer target forwards than tokens; a sampled run (temperature 0.8, seed "
+                           "0) must finish, each verification keeping a prefix of its drafts plus one token."),
 }
 
 
@@ -186,6 +213,12 @@ RECIPES["task_09_real_model"] = (
     "distillation_loss, lr_at and train_step to yours, drop blocks from a float32 copy of the model "
     "(minillm.pruning.drop_blocks) and run minillm.distill.distill on minillm.distill.train_ids(tok), comparing "
     "minillm.distill.evaluate before and after.")
+RECIPES["task_10_real_model"] = (
+    "MINILLM_GRADE=exercises python -m pytest tests/graders/test_ex10_speculative.py -m task_10_real_model -x -rP "
+    "shows the failing case and the acceptance counts; by hand: set minillm.speculative's verify_greedy and "
+    "rejection_sample and minillm.drafters' propose_ngram to yours, then compare minillm.generate(model, tok, prompt, "
+    "chat=True, speculative=SpeculativeConfig('ngram', k=4), spec_stats=SpecStats()) with the same call without "
+    "speculative=, and read the SpecStats.")
 
 
 def _recipes(lesson: str) -> dict[str, str]:

@@ -1,0 +1,89 @@
+"""Exercise 10: speculative decoding (lesson 10, "guess, then check in one forward").
+
+A cheap drafter guesses the next k tokens; the target model scores all of them in one forward and keeps the longest
+prefix it agrees with, plus one token of its own. Write the two verification rules and the n-gram drafter, then grade
+your work:
+
+    minillm grade 10
+
+- 10.greedy: `verify_greedy(target_argmax, draft)`. target_argmax has len(draft) + 1 entries: target_argmax[i] is
+  the target's greedy choice after the prompt and draft[:i]. Accept draft[0], draft[1], ... while each equals the
+  target's choice at its position; stop at the first mismatch (later drafts are never looked at, even where they
+  happen to match). Return the accepted drafts followed by exactly one token of the target's: the choice at the
+  first mismatch (the correction), or target_argmax[len(draft)] when every draft passed (the bonus token). An empty
+  draft returns [target_argmax[0]]. The result is a new list of ints; the arguments are left as they were.
+- 10.rejection: `rejection_sample(p, q, draft, generator)`, the exact rule of speculative sampling. p is
+  (k + 1, vocab), the target's probabilities at the k draft positions and after the last draft; q is (k, vocab), the
+  probabilities the drafter drew draft[i] from (row i), or None for a drafter without a distribution (n-gram): a
+  one-hot q, q(draft[i]) = 1. Other row counts (of p or of q) are a ValueError. For i = 0, 1, ...: draw u uniform in [0, 1) and
+  accept draft[i] when u < min(1, p[i, x] / q[i, x]) (x = draft[i]; compare u * q < p to avoid dividing by a zero q).
+  At the first rejection stop, and draw the replacement from the residual normalize(max(0, p[i] - q[i])): the mass
+  the target has and the drafter over-proposed away from (for a one-hot q that is p[i] with the draft token's entry
+  set to 0). If the residual has no mass left (p <= q everywhere, which float rounding can produce), draw from
+  p[i] itself. When all k drafts pass, draw a bonus token from p[k]. Return the accepted drafts plus that one
+  token, as a list of ints. Every random number comes from `generator` (the given `sample(probs, generator)` draws
+  one token per row of a (rows, vocab) tensor of probabilities), so a seeded generator reproduces the result; p and q
+  are left unchanged (clone before writing into a row of p).
+- 10.ngram: `propose_ngram(ids, k, max_n, min_n)`, prompt lookup. Take the last n tokens of ids as a pattern, trying
+  n = max_n first and going down to min_n (a longer match is better evidence: it wins over any shorter one, however
+  recent). For a given n, find the most recent earlier occurrence of the pattern that has at least one token after
+  it: the occurrence that is the suffix itself never counts, but one that overlaps it does (in [7, 7, 7] the pattern
+  [7, 7] occurs at 0, followed by 7). Return the tokens that followed that occurrence, at most k of them (fewer when
+  the sequence ends first). No n in min_n..max_n with a match (a sequence too short for n has none), or k = 0,
+  returns [].
+
+The graders compare with oracles written out in the grader: a loop for the greedy rule, a brute-force search over
+every earlier occurrence for the n-gram lookup, and for rejection sampling crafted p and q (equal, disjoint supports,
+zeros on either side, one-hot) plus exact distribution tests: on a 6-token vocabulary with drafts drawn from q,
+20,000 seeded calls must give every outcome (first token, second token, ...) its exact probability within a bound
+that a correct rule exceeds with probability below 1e-6. The real-model task swaps your three functions into
+minillm.speculative and minillm.drafters and runs SmolLM2 with n-gram speculation (k = 4) on a "repeat this text"
+prompt: greedy must give exactly the target's own greedy tokens with at least half the drafts accepted and fewer
+target forwards than tokens, and a seeded sampled run must complete. Calling minillm.speculative or minillm.drafters
+inside your answers is rejected.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# given: sample(probs, generator) -> one token id per row of a (rows, vocab) probability tensor (torch.multinomial,
+# drawing from `generator`)
+from minillm.sampling import sample  # noqa: F401
+
+# task 10.greedy ----------------------------------------------------------------------------------------------
+
+
+def verify_greedy(target_argmax: list[int], draft: list[int]) -> list[int]:
+    """target_argmax[i] is the target's choice after draft[:i] (len(draft) + 1 of them). Returns the accepted
+    drafts followed by the target's own token: the first correction, or the bonus token when all pass."""
+    raise NotImplementedError("task 10.greedy: walk the drafts while each one is what the target would have said at "
+                              "its position; where does the walk stop, and which one token does the target always "
+                              "add, whether the walk ended early or not?")
+
+
+# task 10.rejection -------------------------------------------------------------------------------------------
+
+
+def rejection_sample(p: Tensor, q: Tensor | None, draft: list[int],
+                     generator: torch.Generator | None = None) -> list[int]:
+    """The exact rule. p (k + 1, vocab): the target's distributions at the k draft positions and after them;
+    q (k, vocab): the drafter's distributions the drafts were drawn from, or None for one-hot guesses.
+    Returns the accepted drafts and one token from the target (residual draw, or bonus)."""
+    raise NotImplementedError("task 10.rejection: accept draft x with probability min(1, p(x) / q(x)), one uniform "
+                              "per draft from the generator; at the first rejection the replacement comes from the "
+                              "part of p that q did not already cover, renormalised (and from p if nothing is left); "
+                              "all accepted: one more token from the last row of p")
+
+
+# task 10.ngram -----------------------------------------------------------------------------------------------
+
+
+def propose_ngram(ids: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
+    """Up to k tokens that continue `ids`, found in `ids` itself: take its last n tokens (n from max_n down to
+    min_n: a longer match is better evidence), find their most recent earlier occurrence that has a token after it,
+    and return the (at most k) tokens that followed it. [] when no suffix of length >= min_n occurred before."""
+    raise NotImplementedError("task 10.ngram: for each n from the longest down, the last n tokens are the pattern; "
+                              "search backwards from the latest start that still leaves a token after the match "
+                              "(not the suffix itself), and return what followed, capped at k")
