@@ -234,8 +234,8 @@ for b in bubbles:
 #
 # The same byte formulas, applied to Llama-2-7B and -70B at tp = 8 with bf16 weights and a 4,096-token KV cache per
 # sequence: memory per device, the all-reduce traffic of one decode step, and its time over NVLink and over PCIe
-# (public per-GPU bandwidths, no latency term: a lower bound) next to the time to read the device's share of weights
-# and KV from HBM (3.35 TB/s), which is what a decode step costs when nothing else limits it.
+# (rough public figures: per-GPU bandwidth plus a fixed latency per all-reduce, 2 per block) next to the time to read
+# the device's share of weights and KV from HBM (3.35 TB/s), what a decode step costs when nothing else limits it.
 
 # %%
 print(f"{'model':<12}{'batch':>6}  {'link':<20}{'weights GB/dev':>15}{'KV GB/dev':>11}{'all-reduce MB':>15}"

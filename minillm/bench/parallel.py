@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from .harness import BenchResult
 
-# link bandwidths for the analytic model (per GPU, one direction), order-of-magnitude public figures
-LINKS_GBPS = {"NVLink 4 (H100 SXM)": 450.0, "PCIe 4.0 x16": 25.0}
+# the analytic model's links: (GB/s per GPU one way, microseconds per small all-reduce), rough public figures
+LINKS = {"NVLink 4 (H100 SXM)": (450.0, 8.0), "PCIe 4.0 x16": (25.0, 25.0)}
 
 
 def rank_bubble(rank: int, world_size: int, spec, prompt_ids: list[int], micro: list[int]) -> list[dict]:
@@ -51,10 +51,11 @@ def analytic_tp(cfg, name: str, tp: int = 8, batch: int = 1, context: int = 4096
     per_step = 2 * cfg.n_layers * batch * cfg.dim * dtype_bytes  # two all-reduces of (batch, dim) per block
     ring = 2 * (tp - 1) / tp * per_step
     rows = []
-    for link, gbps in LINKS_GBPS.items():
+    for link, (gbps, latency_us) in LINKS.items():
+        comm_s = 2 * cfg.n_layers * latency_us * 1e-6 + ring / (gbps * 1e9)  # latency of each + bytes / bandwidth
         rows.append({"model": name, "tp": tp, "batch": batch, "link": link, "weights_GB_per_device": weights / tp / 1e9,
                      "kv_GB_per_device": kv / tp / 1e9, "allreduce_MB_per_step": ring / 1e6,
-                     "comm_ms_per_step": ring / (gbps * 1e9) * 1e3,
+                     "comm_ms_per_step": comm_s * 1e3,
                      "hbm_read_ms_per_step": (weights + kv) / tp / 3.35e12 * 1e3})  # H100 HBM3 ~3.35 TB/s
     return rows
 
