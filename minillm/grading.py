@@ -78,6 +78,11 @@ TASKS: dict[str, list[tuple[str, str]]] = {
         ("task_10_ngram", "prompt lookup: what followed the longest suffix's most recent earlier occurrence"),
         ("task_10_real_model", "your speculation on SmolLM2: the target's greedy tokens, most n-gram drafts accepted"),
     ],
+    "11": [
+        ("task_11_shard", "column- and row-parallel slices of a linear layer: concatenated / summed, they are x @ W.T"),
+        ("task_11_gpipe", "the GPipe grid: stage r runs micro-batch t - r at step t, m + p - 1 steps, None idles"),
+        ("task_11_real_model", "your slices shard SmolLM2 on 3 ranks: the single-process greedy tokens, Paris"),
+    ],
 }
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -179,6 +179,28 @@ HINTS: dict[str, tuple[str, str]] = {
                            "target's own greedy tokens (48 at most), accept at least half the drafts (the reference: "
                            "all 36) and take fewer target forwards than tokens; a sampled run (temperature 0.8, seed "
                            "0) must finish, each verification keeping a prefix of its drafts plus one token."),
+    "task_11_shard": ("y = x @ W.T: which dimension of W indexes y's features, and which one meets x's? A rank holds one "
+                      "contiguous block of that dimension.",
+                      "column_slice: W[r * n:(r + 1) * n] with n = out_features // degree (rows: output features; the "
+                      "ranks' x @ W_r.T concatenate to y). row_slice: W[:, r * n:(r + 1) * n] with n = in_features // "
+                      "degree (columns: input features; x_r @ W_r.T summed over ranks is y). Block r, not every "
+                      "degree-th row or column; W's values and dtype unscaled (the all-reduce sums, it does not "
+                      "average); contiguous; W left as it was; ValueError when degree does not divide the dimension "
+                      "split (only that one: the other may be anything)."),
+    "task_11_gpipe": ("Draw it: micro-batches enter stage 0 one per step, and each moves one stage on per step. When "
+                      "does micro-batch i reach stage r, and when is the last one done?",
+                      "grid[t][r] = t - r when 0 <= t - r < n_micro, else None; one row per time step (a list of "
+                      "n_stages entries), n_micro + n_stages - 1 rows. Each stage then runs 0..m-1 in order, a step "
+                      "after the stage before it, and p(p - 1) slots idle: the bubble (p - 1) / (m + p - 1). "
+                      "ValueError for fewer than one stage or one micro-batch."),
+    "task_11_real_model": ("Nothing new to write: three ranks shard SmolLM2 with your column_slice and row_slice "
+                           "(minillm.tensor_parallel.shard_tensor_parallel) and decode greedily.",
+                           "First your slices of block 0 run as 3 simulated ranks in the grading process (attention "
+                           "by whole heads: q/k/v column, wo row; the MLP: gate/up column, down row; partials summed) "
+                           "and must match the whole block; then 3 processes (gloo) decode 16 greedy tokens of 'The "
+                           "capital of France is' that must equal the single-process model's (' Paris. ...'). A "
+                           "strided slice mixes the dims of different heads: attention breaks although every rank "
+                           "holds the right number of rows."),
 }
 
 
@@ -219,6 +241,13 @@ RECIPES["task_10_real_model"] = (
     "rejection_sample and minillm.drafters' propose_ngram to yours, then compare minillm.generate(model, tok, prompt, "
     "chat=True, speculative=SpeculativeConfig('ngram', k=4), spec_stats=SpecStats()) with the same call without "
     "speculative=, and read the SpecStats.")
+RECIPES["task_11_real_model"] = (
+    "MINILLM_GRADE=exercises python -m pytest tests/graders/test_ex11_parallel.py -m task_11_real_model -x -rP shows "
+    "the failing case, the ranks' time and what they said. The ranks are fresh processes: each imports your module "
+    "by name and puts your two functions into minillm.tensor_parallel before minillm.parallel.rank_generate (the "
+    "grader's _tp_rank). In one process, _simulated_block0(model, ids, 3) from that grader, with "
+    "minillm.tensor_parallel's column_slice and row_slice set to yours, runs SmolLM2's block 0 as three simulated "
+    "ranks and names the part (attn or mlp) that differs.")
 
 
 def _recipes(lesson: str) -> dict[str, str]:
