@@ -62,7 +62,7 @@ def column_slice(weight: Tensor, rank: int, degree: int) -> Tensor:
     if weight.shape[0] % degree:
         raise ValueError(f"{weight.shape[0]} output features do not split into {degree} equal slices")
     n = weight.shape[0] // degree
-    return weight[rank * n:(rank + 1) * n].contiguous()
+    return weight[rank * n:(rank + 1) * n].clone(memory_format=torch.contiguous_format)
 
 
 def row_slice(weight: Tensor, rank: int, degree: int) -> Tensor:
@@ -71,7 +71,7 @@ def row_slice(weight: Tensor, rank: int, degree: int) -> Tensor:
     if weight.shape[1] % degree:
         raise ValueError(f"{weight.shape[1]} input features do not split into {degree} equal slices")
     n = weight.shape[1] // degree
-    return weight[:, rank * n:(rank + 1) * n].contiguous()
+    return weight[:, rank * n:(rank + 1) * n].clone(memory_format=torch.contiguous_format)
 
 
 def column_shard(linear: nn.Linear, rank: int, degree: int) -> nn.Linear:

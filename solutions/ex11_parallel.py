@@ -5,6 +5,7 @@ Each function is a verbatim copy of minillm's own (see SAME_AS); tests/test_exer
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 SAME_AS = {
@@ -22,7 +23,7 @@ def column_slice(weight: Tensor, rank: int, degree: int) -> Tensor:
     if weight.shape[0] % degree:
         raise ValueError(f"{weight.shape[0]} output features do not split into {degree} equal slices")
     n = weight.shape[0] // degree
-    return weight[rank * n:(rank + 1) * n].contiguous()
+    return weight[rank * n:(rank + 1) * n].clone(memory_format=torch.contiguous_format)
 
 
 def row_slice(weight: Tensor, rank: int, degree: int) -> Tensor:
@@ -31,7 +32,7 @@ def row_slice(weight: Tensor, rank: int, degree: int) -> Tensor:
     if weight.shape[1] % degree:
         raise ValueError(f"{weight.shape[1]} input features do not split into {degree} equal slices")
     n = weight.shape[1] // degree
-    return weight[:, rank * n:(rank + 1) * n].contiguous()
+    return weight[:, rank * n:(rank + 1) * n].clone(memory_format=torch.contiguous_format)
 
 
 # task 11.gpipe ------------------------------------------------------------------------------------------------

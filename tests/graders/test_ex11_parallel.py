@@ -114,6 +114,8 @@ def take_shard(fn, weight: Tensor, rank: int, degree: int, dim: int, what: str) 
         f"[{rank * want.shape[dim]}, {(rank + 1) * want.shape[dim]}){shard_hint(weight, rank, degree, dim, got)}")
     assert got.is_contiguous(), (f"{case} is not contiguous (strides {got.stride()}): a column block of a row-major "
                                  f"matrix is strided in memory; the matmul and the send want contiguous memory")
+    assert got.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr(), (
+        f"{case} shares W's memory (a view): the rank would keep the whole W alive and save nothing; return a copy")
     return got
 
 
