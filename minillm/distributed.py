@@ -23,6 +23,7 @@ import os
 import pickle
 import socket
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable
 
@@ -57,12 +58,25 @@ def _rank_main(rank: int, fn: Callable, world_size: int, port: int, backend: str
                threads: int | None, results, args: tuple) -> None:
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world_size))
     init_group(rank, world_size, port, backend, timeout_s)
+    if dist.get_backend() == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     try:
         # plain pickle bytes: torch's queue pickler would share tensors through file descriptors of a process that
         # has exited by the time the parent reads them
-        results.put((rank, pickle.dumps(fn(rank, world_size, *args))))
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:
+        # reported before this rank's connections close: the peers then fail with "connection reset", later
+        results.put((rank, "error", pickle.dumps((time.time(), traceback.format_exc()))))
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def rank_device() -> torch.device:
+    """The device this rank computes on: its own GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def launch(fn: Callable, world_size: int, *args, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -79,11 +93,12 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, tim
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     results = mp.get_context("spawn").SimpleQueue()
     out: dict[int, object] = {}
+    errors: dict[int, tuple[float, str]] = {}
 
     def drain() -> None:  # read while the ranks run: a result larger than the pipe's buffer blocks its sender
         while not results.empty():
-            rank, value = results.get()
-            out[rank] = pickle.loads(value)
+            rank, kind, value = results.get()
+            (out if kind == "ok" else errors)[rank] = pickle.loads(value)
 
     context = mp.start_processes(_rank_main, args=(fn, world_size, free_port(), backend, timeout_s, threads, results,
                                                    args), nprocs=world_size, join=False, start_method="spawn")
@@ -91,9 +106,17 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, tim
         while not context.join(timeout=0.05):
             drain()
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:  # join has stopped the other ranks
+        drain()
+        if errors:  # the first rank to fail is the cause; the others then lost their connection to it
+            rank, (_, tb) = min(errors.items(), key=lambda kv: kv[1][0])
+            raise RuntimeError(f"rank {rank} of {world_size} failed, the others were stopped:\n{tb}") from None
         raise RuntimeError(f"rank {e.error_index} of {world_size} failed, the others were stopped:\n{e}") from None
     drain()
-    return [out.get(r) for r in range(world_size)]
+    missing = [r for r in range(world_size) if r not in out]
+    if missing:
+        raise RuntimeError(f"rank {', '.join(map(str, missing))} of {world_size} exited without returning a result "
+                           f"(it left without an error: exit(0) inside it, or its result could not be pickled)")
+    return [out[r] for r in range(world_size)]
 
 
 class Comm:
@@ -185,7 +208,7 @@ def weights_checksum(model) -> float:
 def check_same_weights(model, comm: Comm) -> None:
     """Refuse to run when the ranks hold different weights (another file, another dtype): compared before the first
     model collective, so a mismatch is an error, not silently wrong logits."""
-    mine = torch.tensor([weights_checksum(model)], dtype=torch.float64)
+    mine = torch.tensor([weights_checksum(model)], dtype=torch.float64, device=model.device)
     sums = comm.all_gather(mine, 0).tolist() if comm.world_size > 1 else [mine.item()]
     if any(s != sums[0] for s in sums):
         raise RuntimeError(f"ranks loaded different weights (checksums {sums}): every rank must load the same model "
@@ -193,5 +216,5 @@ def check_same_weights(model, comm: Comm) -> None:
     comm.reset()
 
 
-__all__ = ["Comm", "DEFAULT_TIMEOUT_S", "check_same_weights", "free_port", "init_group", "launch",
+__all__ = ["Comm", "DEFAULT_TIMEOUT_S", "check_same_weights", "free_port", "init_group", "launch", "rank_device",
            "weights_checksum"]

@@ -46,17 +46,17 @@ class ParallelConfig:
         return self.tp * self.pp
 
 
-def load_for_rank(spec, dtype: str = "float32"):
+def load_for_rank(spec, dtype: str = "float32", device: torch.device | str = "cpu"):
     """The model every rank loads: a registered/saved name, or {"tiny": overrides, "seed": s} (a random model)."""
     if isinstance(spec, dict):
         from .config import ModelConfig
         from .model import Transformer
 
         torch.manual_seed(spec.get("seed", 0))
-        return Transformer(ModelConfig.tiny(**spec.get("tiny", {}))).to(getattr(torch, dtype)).eval()
+        return Transformer(ModelConfig.tiny(**spec.get("tiny", {}))).to(getattr(torch, dtype)).to(device).eval()
     from .loader import load_model
 
-    return load_model(spec, dtype=dtype, device="cpu")[0]
+    return load_model(spec, dtype=dtype, device=str(device))[0]
 
 
 def validate(model_config, cfg: ParallelConfig) -> None:
@@ -77,15 +77,16 @@ def validate(model_config, cfg: ParallelConfig) -> None:
 def rank_generate(rank: int, world_size: int, spec, prompt_ids: list[int], max_new_tokens: int, cfg: ParallelConfig,
                   dtype: str = "float32", stop_ids: frozenset[int] = frozenset()) -> dict:
     """One rank's share of greedy generation (run by `launch`). Returns tokens, timings, collective counts."""
-    from .distributed import Comm, check_same_weights
+    from .distributed import Comm, check_same_weights, rank_device
     from .kv_cache import KVCache
 
-    model = load_for_rank(spec, dtype)
+    device = rank_device()  # its own GPU under NCCL, the CPU under gloo
+    model = load_for_rank(spec, dtype, device)
     validate(model.config, cfg)
     comm = Comm()
     check_same_weights(model, comm)
     max_len = len(prompt_ids) + max_new_tokens
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=device)
     t0 = time.perf_counter()
     stage = None
     if cfg.pp > 1:
@@ -113,7 +114,7 @@ def rank_generate(rank: int, world_size: int, spec, prompt_ids: list[int], max_n
 
         def pick(lg):  # identical logits on every rank; rank 0's choice is broadcast all the same (cheap, safe)
             return int(comm.broadcast(lg[0, -1].argmax().reshape(1), 0)[0])
-    first_logits = logits[0, -1].clone() if logits is not None else None
+    first_logits = logits[0, -1].float().cpu() if logits is not None else None
     prefill_s = time.perf_counter() - t0
     prefill_comm = comm.stats()
     comm.reset()
@@ -123,7 +124,7 @@ def rank_generate(rank: int, world_size: int, spec, prompt_ids: list[int], max_n
         out.append(tok)
         if tok in stop_ids or len(out) == max_new_tokens:
             break
-        tok = pick(step(torch.tensor([[tok]])))
+        tok = pick(step(torch.tensor([[tok]], device=device)))
     decode_s = time.perf_counter() - t1
     events = None
     if stage is not None:

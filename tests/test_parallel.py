@@ -888,10 +888,6 @@ def _raise_slowly_in_rank1(rank, world_size):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="BUG: the failing rank's `finally: destroy_process_group()` (_rank_main) "
-                   "closes its connections before it reports; the rank waiting in a collective then fails with "
-                   "'Connection reset/closed by peer' and, exiting first, is the one launch names: 'rank 0 of 2 "
-                   "failed' and the real error ('boom') is lost. Without the delay it happens ~3 runs in 5.")
 def test_launch_names_the_rank_that_raised():
     with pytest.raises(RuntimeError) as err:
         launch(_raise_slowly_in_rank1, 2, timeout_s=10, threads=1, backend="gloo")
@@ -920,8 +916,6 @@ def _quit_rank1(rank, world_size):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="BUG: a rank that exits with status 0 without returning is not noticed: "
-                   "launch returns None as its result (torch's join only flags non-zero exits)")
 def test_launch_refuses_a_rank_that_left_without_a_result():
     with pytest.raises(RuntimeError, match="rank 1"):
         launch(_quit_rank1, 2, timeout_s=10, threads=1, backend="gloo")
