@@ -56,14 +56,14 @@ PROMPT = [(7 * i + 3) % TINY["vocab_size"] for i in range(11)]
 F32 = 4
 
 
-def _load_lively(spec, dtype: str = "float32"):
+def _load_lively(spec, dtype: str = "float32", device="cpu"):
     """load_for_rank plus two test-only keys: block_scale (see LIVELY) and seed_per_rank (rank r uses seed + r:
     ranks holding different weights)."""
     spec = dict(spec)
     if spec.pop("seed_per_rank", False):
         spec["seed"] = spec.get("seed", 0) + dist.get_rank()
     scale = spec.pop("block_scale", 1.0)
-    model = _load_for_rank(spec, dtype)
+    model = _load_for_rank(spec, dtype, device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.startswith("layers.") and p.dim() == 2:
