@@ -212,6 +212,12 @@ cost = result["series"]["verify_cost"]
 print("verify cost v(q): " + ", ".join(f"q={c['q_tokens']}: {c['vs_decode']:.2f}x" for c in cost))
 
 # %% [markdown]
+# Two readings of that table. The formula assumes every step proposes k drafts, each accepted with the same
+# probability a, independently: it fits a draft model (it always proposes k), and it overestimates prompt lookup,
+# which proposes fewer than k tokens whenever the match it found ends sooner or no suffix matches at all — its
+# acceptances also come in runs (a copied span is accepted whole, then nothing matches), not as independent coins.
+# And a high a is not enough: each step's cost is the drafting plus the verify forward, which section 5 takes apart.
+#
 # ### In the engine
 #
 # `minillm.LLM(..., speculative=SpeculativeConfig("ngram", k=4))`: at each step the scheduler reserves up to k extra

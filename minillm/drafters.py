@@ -130,11 +130,12 @@ class ModelDrafter:
             for i, ((_, ids, _), state) in enumerate(zip(batch, states)):
                 if len(drafts[i]) < wanted[i]:
                     tokens = ids[len(state.cached):] if step == 0 else [drafts[i][-1]]
-                    if self._reserve(state, len(state.cached) + len(tokens), busy):
+                    fits = len(state.cached) + len(tokens) <= self.model.config.max_seq_len  # the draft's window
+                    if fits and self._reserve(state, len(state.cached) + len(tokens), busy):
                         active.append(i)
                         new_tokens.append(tokens)
                     else:
-                        wanted[i] = len(drafts[i])  # out of draft cache: propose what it has
+                        wanted[i] = len(drafts[i])  # out of draft cache or past its context: propose what it has
             if not active:
                 break
             logits = self._forward([states[i] for i in active], new_tokens)

@@ -140,9 +140,10 @@ def run(quick: bool = False) -> BenchResult:
         for batch in (1, 64):
             analytic += analytic_tp(big, name, 8, batch)
     best_parallel = max(r["decode_tok_s"] for r in rows if r["ranks"] > 1)
+    best_single = max(tok_s_1, tok_s_2)  # on a shared machine a second OpenMP thread can lose to one
     worst_bubble = max(abs(b["measured_bubble"] - b["formula_bubble"]) for b in bubbles if b["micro_batches"] > 1)
     ratios = {"tokens_identical": float(identical), "collective_bytes_equal_formula": float(exact),
-              "best_parallel_vs_one_process_2_threads": best_parallel / tok_s_2,
+              "best_parallel_vs_best_one_process": best_parallel / best_single,
               "pp_bubble_max_abs_error": worst_bubble, "sp_residual_memory_saving": sp_saving}
     targets = {"tokens_identical": (">=", 1.0), "collective_bytes_equal_formula": (">=", 1.0)}
     if not quick:  # a tiny model's micro-batches are all latency: its bubble says nothing about the schedule
