@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import signal
 import socket
 import time
 import traceback
@@ -107,16 +108,35 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, tim
             drain()
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:  # join has stopped the other ranks
         drain()
-        if errors:  # the first rank to fail is the cause; the others then lost their connection to it
-            rank, (_, tb) = min(errors.items(), key=lambda kv: kv[1][0])
-            raise RuntimeError(f"rank {rank} of {world_size} failed, the others were stopped:\n{tb}") from None
-        raise RuntimeError(f"rank {e.error_index} of {world_size} failed, the others were stopped:\n{e}") from None
+        rank, why = _first_failure(e, errors, context.processes)
+        raise RuntimeError(f"rank {rank} of {world_size} failed, the others were stopped:\n{why}") from None
     drain()
     missing = [r for r in range(world_size) if r not in out]
     if missing:
         raise RuntimeError(f"rank {', '.join(map(str, missing))} of {world_size} exited without returning a result "
                            f"(it left without an error: exit(0) inside it, or its result could not be pickled)")
     return [out[r] for r in range(world_size)]
+
+
+# what a rank reports when a peer died under it: a consequence, not the cause
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed")
+
+
+def _first_failure(exc, errors: dict[int, tuple[float, str]], processes) -> tuple[int, str]:
+    """Which rank caused the failure: the earliest error that is not a lost connection; else a rank that died
+    without a word (killed: not the SIGTERM join sends the survivors); else the earliest error of any kind."""
+    causes = {r: v for r, v in errors.items() if not any(s in v[1] for s in _PEER_GONE)}
+    if causes:
+        rank, (_, tb) = min(causes.items(), key=lambda kv: kv[1][0])
+        return rank, tb
+    silent = [r for r, p in enumerate(processes) if r not in errors and p.exitcode not in (None, 0, -signal.SIGTERM)]
+    if silent:
+        code = processes[silent[0]].exitcode
+        return silent[0], (f"it was killed by {signal.Signals(-code).name}" if code < 0 else f"it exited with code {code}")
+    if errors:
+        rank, (_, tb) = min(errors.items(), key=lambda kv: kv[1][0])
+        return rank, tb
+    return exc.error_index, str(exc)
 
 
 class Comm:

@@ -32,6 +32,17 @@ if not torch.cuda.is_available():
 os.environ.setdefault("MINILLM_DEBUG", "1")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """For a module's tests (`pytestmark = pytest.mark.usefixtures("one_thread")`): tiny models gain nothing from a
+    second thread, and on a shared 2-core machine whose other core is busy a second thread makes them many times
+    slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def real_model():
     from minillm import load_model

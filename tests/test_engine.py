@@ -17,13 +17,7 @@ from minillm.model import Transformer
 from minillm.sampling import SamplingParams
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny models gain nothing from a second thread, and on a shared 2-core machine it costs them a lot
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

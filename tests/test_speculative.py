@@ -50,14 +50,7 @@ from minillm.speculative import (
 VOCAB, CTX = 64, 128
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny models gain nothing from a second thread and SmolLM2's memory-bound decode steps next to nothing,
-    # while on a shared 2-core machine whose other core is busy a second thread makes them many times slower
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_cfg(n_layers: int) -> ModelConfig:
