@@ -475,6 +475,10 @@ MUTANTS = [
     Mutant("ngram_needs_two_earlier", "ex10_speculative", "propose_ngram", "task_10_ngram",
            (("range(min(max_n, len(ids) - 1),", "range(min(max_n, len(ids) - 2),"),),
            "n capped one short: the longest possible match (n = len(ids) - 1) is never tried"),
+    Mutant("ngram_returns_pattern_real", "ex10_speculative", "propose_ngram", "task_10_real_model",
+           (("return ids[i + n:i + n + k]", "return ids[i:i + n][:k]"),),
+           "proposals that repeat the suffix: the tokens stay right (the target corrects every draft), the speed-up "
+           "is gone"),
     # ---------------------------------------------------------------- ex11
     Mutant("col_slices_columns", "ex11_parallel", "column_slice", "task_11_shard",
            (("if weight.shape[0] % degree:", "if weight.shape[1] % degree:"),
