@@ -30,6 +30,7 @@ from .attention import AttentionFn, get_attention
 from .block_allocator import BlockAllocator, OutOfBlocksError, blocks_needed
 from .config import ModelConfig
 from .kv_pool import KVBlockPool, KVCacheSpec
+from .prefix_cache import PrefixCachingAllocator
 from .paged_attention import (  # noqa: F401
     AttentionMetadata,
     StepPlan,
@@ -56,11 +57,12 @@ class PagedKVCache:
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", kv_dtype: torch.dtype | None = None, n_layers: int | None = None,
-                 decode_backend: str = "auto"):
+                 decode_backend: str = "auto", prefix_caching: bool = False):
         self.spec = KVCacheSpec(n_layers or cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, num_blocks, block_size, dtype,
                                 kv_dtype)
         self.pool = KVBlockPool(self.spec, device)
-        self.allocator = BlockAllocator(num_blocks, block_size)
+        # with prefix caching, freed full blocks keep their KV and can be found by hash (lesson 12)
+        self.allocator = (PrefixCachingAllocator if prefix_caching else BlockAllocator)(num_blocks, block_size)
         self.config, self.num_blocks, self.block_size = cfg, num_blocks, block_size
         # "auto": Triton on CUDA (float pools), the planned gather on CPU; or a registered "paged_decode" backend
         self.decode_backend = decode_backend

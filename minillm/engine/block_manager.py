@@ -6,16 +6,24 @@ It sits on the paged cache's BlockAllocator (minillm/block_allocator.py, lesson 
   can_append(seq, n) / may_append(seq, n) - before a step that writes the sequence's last token and n - 1 more
                                        (n > 1: verifying draft tokens, lesson 10): they may start new blocks;
   truncate(seq, n_tokens)            - forget cached tokens from n_tokens on and free the blocks past them;
-  deallocate(seq)                    - give all of its blocks back (finished, aborted or preempted).
+  deallocate(seq)                    - give all of its blocks back (finished, aborted or preempted);
+  cache_blocks(seq)                  - with prefix caching (lesson 12): name the sequence's newly completed full
+                                       blocks, so later requests with the same prefix reuse them.
 
 A decode step writes the key/value of the sequence's last token (index num_tokens - 1), so it needs
 ceil(num_tokens / block_size) blocks: at most one more than before, and only every block_size tokens.
 That is paging's whole memory win: a sequence holds at most one partly filled block (lesson 04).
+
+With a PrefixCachingAllocator (minillm/prefix_cache.py) `allocate` first takes the cached blocks of the longest
+cached prefix of the sequence's tokens (never its last token: that one is always run, to sample from) and sets
+num_cached_tokens past them, so the scheduler only schedules the rest: prefix caching needs no change to the
+scheduling algorithm, only to what "allocate" finds.
 """
 
 from __future__ import annotations
 
 from ..block_allocator import BlockAllocator, blocks_needed
+from ..prefix_cache import PrefixCachingAllocator, block_hashes
 from .sequence import Sequence
 
 
@@ -23,6 +31,7 @@ class BlockManager:
     def __init__(self, allocator: BlockAllocator):
         self.allocator = allocator
         self.block_size = allocator.block_size
+        self.prefix_caching = isinstance(allocator, PrefixCachingAllocator)
 
     @property
     def num_blocks(self) -> int:
@@ -34,14 +43,35 @@ class BlockManager:
     def blocks_for(self, n_tokens: int) -> int:
         return blocks_needed(n_tokens, self.block_size)
 
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks of seq's longest cached prefix, stopping before its last token ([] without caching)."""
+        if not self.prefix_caching:
+            return []
+        seq.block_hashes = block_hashes(seq.all_ids, self.block_size, seq.block_hashes)
+        return self.allocator.match(seq.block_hashes[:(seq.num_tokens - 1) // self.block_size])
+
     def can_allocate(self, seq: Sequence) -> bool:
-        return self.allocator.can_allocate(self.blocks_for(seq.num_tokens) - len(seq.block_table))
+        hit = self._cached_prefix(seq)
+        unowned_hits = sum(self.allocator.ref_count(b) == 0 for b in hit)  # taking them uses up free blocks
+        return self.allocator.can_allocate(self.blocks_for(seq.num_tokens) - len(seq.block_table) - len(hit)
+                                           + unowned_hits)
 
     def allocate(self, seq: Sequence) -> None:
-        """Give `seq` blocks for all its tokens (it must hold none yet: admission or re-admission)."""
+        """Give `seq` blocks for all its tokens (it must hold none yet: admission or re-admission). With prefix
+        caching, its cached prefix's blocks are shared and count as computed (num_cached_tokens)."""
         if seq.block_table:
             raise ValueError(f"request {seq.request_id} already holds blocks {seq.block_table}")
-        seq.block_table = self.allocator.allocate(self.blocks_for(seq.num_tokens))
+        hit = self._cached_prefix(seq)
+        if hit:
+            self.allocator.acquire(hit)  # before allocating: allocation may evict unowned cached blocks
+        seq.block_table = hit + self.allocator.allocate(self.blocks_for(seq.num_tokens) - len(hit))
+        seq.num_cached_tokens = len(hit) * self.block_size
+        seq.num_named_blocks = len(hit)
+        if self.prefix_caching:
+            stats = self.allocator.stats
+            stats.num_requests += 1
+            stats.query_tokens += seq.num_tokens
+            stats.hit_tokens += seq.num_cached_tokens
 
     def can_append(self, seq: Sequence, n: int = 1) -> bool:
         """Can the next step write its n tokens? Needs free blocks only where the last one fills up."""
@@ -59,14 +89,30 @@ class BlockManager:
         if not 0 <= n_tokens <= seq.num_cached_tokens:
             raise ValueError(f"request {seq.request_id}: can keep 0..{seq.num_cached_tokens} cached tokens, "
                              f"got {n_tokens}")
+        if n_tokens < seq.num_named_blocks * self.block_size:  # a cached block may be shared: it never changes
+            raise ValueError(f"request {seq.request_id}: its first {seq.num_named_blocks} blocks are in the prefix "
+                             f"cache; cannot truncate to {n_tokens} tokens")
         keep = self.blocks_for(n_tokens)
         self.allocator.free(seq.block_table[keep:])
         del seq.block_table[keep:]
         seq.num_cached_tokens = n_tokens
 
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Name seq's full blocks whose every token is computed: from now on they can serve other requests."""
+        n_full = min(seq.num_cached_tokens // self.block_size, len(seq.block_table))
+        if not self.prefix_caching or n_full <= seq.num_named_blocks:
+            return
+        seq.block_hashes = block_hashes(seq.all_ids, self.block_size, seq.block_hashes)
+        for i in range(seq.num_named_blocks, n_full):
+            self.allocator.register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_named_blocks = n_full
+
     def deallocate(self, seq: Sequence) -> None:
-        """Return every block of `seq`; its cached keys/values are gone (a re-admission recomputes them)."""
+        """Return every block of `seq`; its cached keys/values are gone (a re-admission recomputes them), unless
+        prefix caching keeps its full blocks findable, the tail's first in line for eviction."""
         if seq.block_table:
-            self.allocator.free(seq.block_table)
+            self.cache_blocks(seq)
+            self.allocator.free(seq.block_table[::-1] if self.prefix_caching else seq.block_table)
         seq.block_table = []
         seq.num_cached_tokens = 0
+        seq.num_named_blocks = 0

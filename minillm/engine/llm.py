@@ -55,28 +55,30 @@ class LLM:
                  num_blocks: int | None = None, kv_cache_bytes: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, attn_backend: str = "sdpa",
                  fuse: bool = False, kv_cache_dtype: str | None = None, weights: str = "dequantized",
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, enable_prefix_caching: bool = False):
         from ..loader import load_model
 
         model, tokenizer = load_model(model_name, dtype=dtype, device=device, attn_backend=attn_backend, fuse=fuse,
                                       weights=weights)
         self._setup(model, tokenizer, num_blocks, kv_cache_bytes, block_size, max_num_seqs, max_num_batched_tokens,
-                    kv_cache_dtype, speculative)
+                    kv_cache_dtype, speculative, enable_prefix_caching)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, num_blocks: int | None = None, kv_cache_bytes: int | None = None,
                    block_size: int = 16, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
-                   kv_cache_dtype: str | None = None, speculative: SpeculativeConfig | None = None) -> LLM:
+                   kv_cache_dtype: str | None = None, speculative: SpeculativeConfig | None = None,
+                   enable_prefix_caching: bool = False) -> LLM:
         """Serve an already loaded model (tokenizer None: prompts must be token ids; text comes back empty).
         kv_cache_dtype="int8" stores the KV blocks in int8 with a scale per token and head (lesson 07);
-        speculative=SpeculativeConfig(...) drafts and verifies several tokens per decode step (lesson 10)."""
+        speculative=SpeculativeConfig(...) drafts and verifies several tokens per decode step (lesson 10);
+        enable_prefix_caching=True reuses the KV blocks of prompt prefixes seen before (lesson 12)."""
         llm = cls.__new__(cls)
         llm._setup(model, tokenizer, num_blocks, kv_cache_bytes, block_size, max_num_seqs, max_num_batched_tokens,
-                   kv_cache_dtype, speculative)
+                   kv_cache_dtype, speculative, enable_prefix_caching)
         return llm
 
     def _setup(self, model, tokenizer, num_blocks, kv_cache_bytes, block_size, max_num_seqs, max_num_batched_tokens,
-               kv_cache_dtype=None, speculative=None):
+               kv_cache_dtype=None, speculative=None, enable_prefix_caching=False):
         cfg = model.config
         kv_dtypes = {None: None, "int8": torch.int8, "bfloat16": torch.bfloat16, "float16": torch.float16}
         if kv_cache_dtype not in kv_dtypes:
@@ -94,7 +96,7 @@ class LLM:
             raise ValueError(f"the KV budget holds no block of {block_size} tokens: raise kv_cache_bytes/num_blocks")
         self.model, self.tokenizer = model, tokenizer
         self.cache = PagedKVCache(cfg, int(num_blocks), block_size, model.dtype, model.device, kv_dtype=kv_dtype,
-                                  n_layers=len(model.layers))
+                                  n_layers=len(model.layers), prefix_caching=bool(enable_prefix_caching))
         self.block_manager = BlockManager(self.cache.allocator)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache, max_num_batched_tokens)
@@ -317,7 +319,13 @@ class LLM:
                     self._finished.pop(r, None)
 
     def num_free_blocks(self) -> int:
+        """Blocks a new request can get (with prefix caching: unowned cached blocks included, they are evictable)."""
         return self.block_manager.num_free()
+
+    @property
+    def prefix_cache_stats(self):
+        """PrefixCacheStats (requests, query/hit tokens, hit rate, evictions), or None without prefix caching."""
+        return self.block_manager.allocator.stats if self.block_manager.prefix_caching else None
 
     def __repr__(self) -> str:
         return (f"LLM(blocks={self.block_manager.num_blocks}x{self.block_manager.block_size}, "

@@ -16,7 +16,10 @@ One step here:
      their tokens, a free slot (max_num_seqs) and token budget (max_num_batched_tokens) left.
 `postprocess_step` appends the sampled tokens, checks the stop conditions and retires finished sequences, freeing
 their blocks at once. With speculative decoding (lesson 10) `reserve_lookahead` gives decodes KV slots for draft
-tokens after the plan is made, and `rollback_drafts` gives back the slots of the rejected ones. Everything here is plain Python: no tensors, testable without a model (tests/test_scheduler.py).
+tokens after the plan is made, and `rollback_drafts` gives back the slots of the rejected ones. With prefix caching
+(lesson 12) the block manager's `allocate` marks a request's cached prefix as computed, so the same algorithm
+schedules only the rest, and `postprocess` names the blocks each step completed. Everything here is plain Python: no
+tensors, testable without a model (tests/test_scheduler.py).
 
 Lesson 05 (lessons/05_continuous_batching.py) teaches it; exercise 05 task_05_schedule asks for schedule_step and
 postprocess_step.
@@ -205,6 +208,10 @@ class Scheduler:
     def postprocess(self, schedule: Schedule, sampled: list[list[int]], now: float) -> list[Sequence]:
         finished = postprocess_step(schedule, sampled, self.running, self.block_manager, now)
         rollback_drafts(schedule, sampled, self.block_manager)
+        if self.block_manager.prefix_caching:  # full blocks computed this step become reusable (lesson 12)
+            for item in schedule.scheduled:
+                if not item.seq.is_finished:
+                    self.block_manager.cache_blocks(item.seq)
         return finished
 
     def abort(self, request_id: str) -> Sequence | None:

@@ -50,6 +50,8 @@ class Sequence:
     finish_time: float | None = None
     generator: torch.Generator | None = field(default=None, repr=False)  # per-request RNG for seeded sampling
     logprobs: list[float] = field(default_factory=list, repr=False)  # per output token, when params.logprobs
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)  # names of its full blocks (prefix caching)
+    num_named_blocks: int = 0  # leading blocks of block_table that are in the prefix cache
 
     @classmethod
     def from_request(cls, req: Request, max_model_len: int) -> Sequence:
