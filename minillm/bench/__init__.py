@@ -29,6 +29,9 @@ ENTRIES: dict[str, str] = {
     "distill": "minillm.bench.distill:run",
     "speculative": "minillm.bench.speculative:run",
     "parallel": "minillm.bench.parallel:run",
+    "serve": "minillm.bench.serve:run",
+    "prefix-cache": "minillm.bench.prefix_cache:run",
+    "chunked-prefill": "minillm.bench.chunked_prefill:run",
 }
 
 __all__ = ["ENTRIES", "BenchResult", "Timing", "hardware_info", "load_entry", "run_entry", "time_fn"]
@@ -48,9 +51,11 @@ def load_entry(name: str):
     return getattr(mod, fn)
 
 
-def run_entry(name: str, quick: bool = False, save: bool = True, out: str | os.PathLike = "results") -> BenchResult:
-    """Run benchmark `name`, print its table, and (with save) write <out>/<name>.json. Returns the result."""
-    result = load_entry(name)(quick=quick)
+def run_entry(name: str, quick: bool = False, save: bool = True, out: str | os.PathLike = "results",
+              **options) -> BenchResult:
+    """Run benchmark `name`, print its table, and (with save) write <out>/<name>.json. Returns the result.
+    `options` go to the entry's run() as they are (e.g. bench serve's url and rate)."""
+    result = load_entry(name)(quick=quick, **options)
     if not isinstance(result, BenchResult):
         raise TypeError(f"benchmark {name!r} returned {type(result).__name__}, expected BenchResult")
     result.quick = quick
