@@ -3,6 +3,7 @@
     minillm generate "What is the capital of France?" --max-new-tokens 32 --dtype bfloat16 --threads 2
     minillm bench decode --quick          minillm bench --list
     minillm grade 00 [--solutions]        minillm info
+    minillm serve --port 8000             (an OpenAI-compatible server; needs pip install 'minillm[serve]')
 
 Bad arguments print one line and exit with status 2; no tracebacks for user mistakes. A setup problem (weights cache
 not writable, download failed, pytest missing) prints one line that says what to do, and exits with status 1.
@@ -11,6 +12,7 @@ not writable, download failed, pytest missing) prints one line that says what to
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import time
 import sys
@@ -83,6 +85,29 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="results", help="folder for <name>.json (default: results)")
     bench.add_argument("--no-save", action="store_true")
     bench.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
+    bench.add_argument("--url", default=None,
+                       help="bench serve: load a running server at this URL (e.g. http://127.0.0.1:8000) instead "
+                            "of starting one; only for benchmarks that take a server")
+    bench.add_argument("--rate", type=float, action="append", default=None,
+                       help="bench serve: Poisson request rate(s) in requests/s (repeat for several); only for "
+                            "benchmarks that take a rate")
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (streaming) around the engine "
+                                       "(pip install 'minillm[serve]')")
+    srv.add_argument("--model", default="smollm2-135m")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="0: any free port (the ready line says which)")
+    srv.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    srv.add_argument("--max-num-seqs", type=_positive_int, default=16, help="most sequences in one batch")
+    srv.add_argument("--max-num-batched-tokens", type=_positive_int, default=512, help="token budget of one step")
+    srv.add_argument("--max-waiting", type=_positive_int, default=64,
+                     help="requests allowed to wait in the engine; more get HTTP 429 at once")
+    srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                     help="reuse the KV blocks of a shared prompt prefix (default: on, as vLLM's server)")
+    srv.add_argument("--drain-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests get to finish on shutdown before they are aborted")
+    srv.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
+    srv.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
 
     grade = sub.add_parser("grade", help="grade a lesson's exercises (exit 0 only if every task passes)")
     grade.add_argument("lesson", help="lesson number, e.g. 00")
@@ -212,10 +237,37 @@ def cmd_bench(args) -> int:
         raise UsageError(f"give a benchmark name or --list; benchmarks: {', '.join(ENTRIES)}")
     if args.name not in ENTRIES:
         raise UsageError(f"unknown benchmark {args.name!r}; available: {', '.join(ENTRIES)}")
+    from minillm.bench import load_entry
     from minillm.bench.hardware import bf16_status
 
+    extra = {k: v for k, v in (("url", args.url), ("rate", args.rate)) if v is not None}  # for entries that take them
+    if refused := [k for k in extra if k not in inspect.signature(load_entry(args.name)).parameters]:
+        raise UsageError(f"--{refused[0]} is not an option of benchmark {args.name!r}")
     print(f"minillm bench {args.name}: {_use_threads(args.threads)} at start; {bf16_status()}")
-    run_entry(args.name, quick=args.quick, save=not args.no_save, out=args.out)
+    run_entry(args.name, quick=args.quick, save=not args.no_save, out=args.out, **extra)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        print("minillm: error: minillm serve needs fastapi and uvicorn: pip install 'minillm[serve]' "
+              "(from a checkout: pip install -e '.[serve]')", file=sys.stderr)
+        return EXIT_SETUP
+    from minillm.engine import LLM
+    from minillm.server import serve
+
+    if args.drain_timeout < 0:
+        raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    machine = _use_threads(args.threads)
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching)
+    print(f"minillm serve: {args.model} ({args.dtype}), {llm!r}, prefix caching "
+          f"{'on' if args.enable_prefix_caching else 'off'}; {machine}", flush=True)
+    serve(llm, args.model, host=args.host, port=args.port, max_waiting=args.max_waiting,
+          drain_timeout=args.drain_timeout, log_level=args.log_level)
     return 0
 
 
@@ -281,7 +333,8 @@ def _one_line(message: str) -> str:
     return " ".join(part.strip() for part in message.splitlines() if part.strip())
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "grade": cmd_grade, "hint": cmd_hint, "info": cmd_info}
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "grade": cmd_grade, "hint": cmd_hint, "info": cmd_info,
+            "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:
