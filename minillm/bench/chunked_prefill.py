@@ -37,7 +37,7 @@ def run(quick: bool = False, dtype: str = "float32") -> BenchResult:
     from ..loader import load_model
 
     if quick:
-        n_decode, decode_len, n_long, long_len, gap, first, budgets = 2, 24, 2, 256, 1.0, 0.3, (512, 64)
+        n_decode, decode_len, n_long, long_len, gap, first, budgets = 2, 12, 2, 160, 0.5, 0.2, (256, 32)
     else:
         n_decode, decode_len, n_long, long_len, gap, first = 4, 128, 3, 1024, 3.0, 1.0
         budgets = (2048, 512, 256, 128, 64)
