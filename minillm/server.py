@@ -40,8 +40,16 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from .sampling import SamplingParams
-from .server_protocol import (ApiError, ChatRequest, CompletionRequest, chat_body, chunk, completion_body,
-                              from_validation_error, usage)
+from .server_protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    chat_body,
+    chunk,
+    completion_body,
+    from_validation_error,
+    usage,
+)
 
 logger = logging.getLogger("minillm.server")
 
@@ -102,7 +110,7 @@ class EngineThread:
                 if fut.set_running_or_notify_cancel():  # False: its caller gave up waiting (then we don't run it)
                     try:
                         fut.set_result(fn(*args))
-                    except Exception as e:
+                    except Exception as e:  # noqa: BLE001  (the caller gets it: a 400, a 429...)
                         fut.set_exception(e)
             while self.retired:
                 rid = self.retired.popleft()
@@ -397,9 +405,12 @@ def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = not svc.closing and svc.engine.error is None and svc.engine._thread.is_alive()
+        cache = llm.prefix_cache_stats  # None without prefix caching
         return JSONResponse({"status": "ok" if ok else "unavailable", "in_flight": len(svc.engine.in_flight),
                              "waiting": len(llm.scheduler.waiting), "free_blocks": llm.num_free_blocks(),
-                             "num_blocks": llm.block_manager.num_blocks}, status_code=200 if ok else 503)
+                             "num_blocks": llm.block_manager.num_blocks,
+                             "prefix_cache": cache.as_dict() if cache is not None else None},
+                            status_code=200 if ok else 503)
 
     return app
 

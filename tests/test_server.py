@@ -19,9 +19,9 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx2")
 
-from minillm.engine import LLM  # noqa: E402
-from minillm.sampling import SamplingParams  # noqa: E402
-from minillm.server import Server, StopMatcher, build_app  # noqa: E402
+from minillm.engine import LLM
+from minillm.sampling import SamplingParams
+from minillm.server import Server, StopMatcher, build_app
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -130,13 +130,13 @@ def test_completions_text_or_ids_stream_and_not_equal_engine(client, oracle, rea
 
 def test_stop_strings_cut_the_text_streamed_or_not(client, oracle):
     prompt = "The capital of France is"
-    full = oracle.generate([prompt], SamplingParams(max_tokens=12))[0].text  # ' Paris.\n\nThe answer is: ...'
-    for stop in ("answer", ["xyz", "\n\nThe"], "Paris"):
+    full = oracle.generate([prompt], SamplingParams(max_tokens=10))[0].text  # ' Paris.\n\nThe answer is: ...'
+    for stop in ("answer", ["xyz", "\n\nThe"]):  # one token; several tokens, held back while they may match
         first = min(full.find(s) for s in ([stop] if isinstance(stop, str) else stop) if s in full)
-        r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stop=stop)
+        r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=10, stop=stop)
         assert r.choices[0].text == full[:first] and r.choices[0].finish_reason == "stop"
-        assert r.usage.completion_tokens < 12
-        chunks = list(client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stop=stop,
+        assert r.usage.completion_tokens < 10
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=10, stop=stop,
                                                 stream=True))
         assert "".join(c.choices[0].text for c in chunks) == full[:first]
         assert chunks[-1].choices[0].finish_reason == "stop"
@@ -295,6 +295,20 @@ def test_full_waiting_queue_answers_429(real_model):
         wait_clean(llm, timeout=5)
 
 
+def test_prefix_caching_server_reuses_a_shared_system_prompt(real_model):
+    model, tok = real_model
+    llm = LLM.from_model(model, tok, num_blocks=NUM_BLOCKS, max_num_seqs=2, enable_prefix_caching=True)
+    system = {"role": "system", "content": "You answer in one short sentence. " * 8}  # > 3 blocks of 16 tokens
+    with running(llm) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        texts = [c.chat.completions.create(model=MODEL, messages=[system, PARIS[0]], temperature=0, max_tokens=6)
+                 .choices[0].message.content for _ in range(2)]
+        cache = httpx.get(s.url + "/health").json()["prefix_cache"]
+        wait_clean(llm, timeout=5)
+    assert texts[0] == texts[1] and "Paris" in texts[0]
+    assert cache["requests"] == 2 and cache["hit_tokens"] >= 48  # the second request found the first's blocks
+
+
 def test_shutdown_drains_then_aborts_with_a_terminating_event(real_model):
     model, tok = real_model
     llm = LLM.from_model(model, tok, num_blocks=NUM_BLOCKS, max_num_seqs=4)
@@ -349,3 +363,56 @@ def test_serve_without_fastapi_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "fastapi", None)  # import fastapi now raises ImportError
     assert main(["serve"]) == 1
     assert "pip install 'minillm[serve]'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- the load generator
+
+
+def test_a_bounded_load_run_loses_nothing(server, real_model):
+    import asyncio
+
+    from minillm.bench.serve import make_requests, run_load, summarize
+
+    tok = real_model[1]
+    poisson = make_requests(tok, "short-chat", 6, 4, MODEL, seed=1)
+    samples, wall = asyncio.run(run_load(server.url, poisson, rate=8.0, seed=0))
+    fixed, wall2 = asyncio.run(run_load(server.url, make_requests(tok, "short-chat", 3, 4, MODEL, seed=2),
+                                        concurrency=2))
+    for s in samples + fixed:  # every stream: 200, content chunks, a finish_reason, [DONE], exactly 4 tokens
+        assert s.completed and s.done and s.status == 200 and s.finish_reason == "length", s
+        assert s.completion_tokens == 4 and 1 <= len(s.chunk_times) <= 4 and s.t_sent < s.chunk_times[0] <= s.t_end
+    summary = summarize(samples, wall)
+    assert (summary["sent"], summary["completed"], summary["lost"], summary["errors_5xx"]) == (6, 6, 0, 0)
+    assert 0 < summary["ttft_p50"] <= summary["ttft_p99"] <= summary["e2e_p99"] <= wall
+    assert summary["output_tok_per_s"] == pytest.approx(24 / wall)
+
+
+def test_the_load_generator_counts_what_did_not_complete(server):
+    import asyncio
+
+    from minillm.bench.serve import run_load, summarize
+
+    bad = [("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 2})]
+    samples, wall = asyncio.run(run_load(server.url, bad, concurrency=1))
+    s = summarize(samples, wall)
+    assert (s["sent"], s["completed"], s["lost"], s["errors_4xx"], s["errors_5xx"]) == (1, 0, 1, 1, 0)
+    samples, wall = asyncio.run(run_load("http://127.0.0.1:9", bad, concurrency=1))  # nothing listens there
+    assert summarize(samples, wall)["lost"] == 1 and "Connect" in samples[0].error
+
+
+def test_bench_options_go_only_to_entries_that_take_them(capsys):
+    from minillm.cli import main
+
+    assert main(["bench", "decode", "--url", "http://127.0.0.1:1"]) == 2
+    assert "--url is not an option of benchmark 'decode'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_serve_quick_starts_and_stops_its_own_server(tmp_path, capsys):
+    from minillm.cli import main
+
+    assert main(["bench", "serve", "--quick", "--threads", "1", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "quick" / "serve.json").read_text())
+    assert data["ratios"]["lost_requests"] == 0 and data["ratios"]["server_errors_5xx"] == 0
+    assert data["rows"][0]["completed"] == data["rows"][0]["sent"] > 0
+    assert "server_vs_inprocess_tpot" in data["ratios"]

@@ -1,0 +1,336 @@
+"""Benchmark "serve": the OpenAI-compatible server (minillm/server.py) under load, measured where users are: the client.
+
+An asyncio load generator streams requests (SSE, stream_options.include_usage) with Poisson arrivals at a given rate
+(or a fixed concurrency) and times every chunk as it arrives:
+  TTFT = first content chunk - send;  ITL = gaps between content chunks;  TPOT = (last - first chunk) / (tokens - 1);
+  E2E = send - [DONE].  Throughput: completed requests/s and output tokens/s; goodput: requests/s meeting the SLO.
+Every request must end with a finish_reason and [DONE]: `lost` = sent - completed (a 4xx/5xx is counted as well, by
+kind). Outputs have fixed lengths (vLLM's `ignore_eos` extra parameter), so runs at different rates do the same work.
+
+Workloads, all real English (CPython's pydoc text, minillm.workload.corpus_ids): short chats; chats that share one
+long system prompt (what prefix caching serves); long documents to continue (prefill-heavy). Given no URL the bench
+starts its own `minillm serve` on a free 127.0.0.1 port (and always stops it), then measures the server's overhead:
+the same requests one at a time through HTTP vs `LLM.generate` in this process, after the server has stopped (so the
+two never share the CPU).
+
+    minillm bench serve --quick                       minillm bench serve --threads 1
+    minillm bench serve --url http://127.0.0.1:8000 --rate 0.5 --rate 1
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..workload import corpus_ids, percentiles
+from .harness import BenchResult
+
+SLO = {"ttft_s": 2.0, "tpot_s": 0.5}
+WORKLOADS = ("short-chat", "shared-system", "long-doc")
+
+
+@dataclass
+class Sample:
+    """One request as the client saw it (perf_counter seconds)."""
+
+    workload: str
+    t_sent: float
+    t_end: float = float("nan")
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk with content
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    done: bool = False  # saw data: [DONE]
+    status: int = 0
+    error: str | None = None
+
+    @property
+    def completed(self) -> bool:
+        return self.status == 200 and self.done and self.finish_reason is not None and self.error is None
+
+    def metrics(self) -> dict:
+        nan, c = float("nan"), self.chunk_times
+        return {"ttft": c[0] - self.t_sent if c else nan, "e2e": self.t_end - self.t_sent,
+                "tpot": (c[-1] - c[0]) / (self.completion_tokens - 1) if c and self.completion_tokens > 1 else nan,
+                "itl": [b - a for a, b in zip(c, c[1:])]}
+
+
+def make_requests(tokenizer, workload: str, n: int, out_len: int, model: str = "smollm2-135m", seed: int = 0
+                  ) -> list[tuple[str, dict]]:
+    """(path, JSON body) for n requests of a workload; each generates exactly out_len tokens (ignore_eos)."""
+    rng, corpus = random.Random(seed), corpus_ids(tokenizer)
+
+    def text(lo: int, hi: int) -> str:
+        k = rng.randint(lo, hi)
+        start = rng.randrange(len(corpus) - k)
+        return tokenizer.decode(corpus[start:start + k])
+
+    common = {"model": model, "max_tokens": out_len, "temperature": 0, "ignore_eos": True}
+    system = text(480, 480)  # one long system prompt for the whole shared-system run
+    out = []
+    for _ in range(n):
+        if workload == "short-chat":
+            msgs = [{"role": "user", "content": text(16, 64) + "\n\nExplain this briefly."}]
+            out.append(("/v1/chat/completions", {**common, "messages": msgs}))
+        elif workload == "shared-system":
+            msgs = [{"role": "system", "content": system}, {"role": "user", "content": text(8, 32)}]
+            out.append(("/v1/chat/completions", {**common, "messages": msgs}))
+        elif workload == "long-doc":
+            out.append(("/v1/completions", {**common, "prompt": text(768, 1024)}))
+        else:
+            raise ValueError(f"unknown workload {workload!r}; choose one of {WORKLOADS}")
+    return out
+
+
+async def send(client, url: str, path: str, body: dict, workload: str = "") -> Sample:
+    """Stream one request; record when each content chunk arrived, the usage, the finish and [DONE]."""
+    s = Sample(workload, time.perf_counter())
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with client.stream("POST", url + path, json=body) as r:
+            s.status = r.status_code
+            if r.status_code != 200:
+                s.error = (await r.aread()).decode(errors="replace")[:300]
+                return s
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    s.done = True
+                    break
+                obj = json.loads(line[len("data: "):])
+                if "error" in obj:  # a stream that ends in trouble says so in an event (then [DONE])
+                    s.error = f"{obj['error'].get('type')}: {obj['error'].get('message')}"
+                    continue
+                for choice in obj.get("choices", []):
+                    if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                        s.chunk_times.append(time.perf_counter())
+                    s.finish_reason = choice.get("finish_reason") or s.finish_reason
+                if obj.get("usage"):
+                    s.completion_tokens = obj["usage"]["completion_tokens"]
+    except Exception as e:  # noqa: BLE001  (a dropped connection is a result: a lost request)
+        s.error = repr(e)
+    finally:
+        s.t_end = time.perf_counter()
+    return s
+
+
+async def run_load(url: str, requests: list[tuple[str, dict]], rate: float | None = None,
+                   concurrency: int | None = None, seed: int = 0, workload: str = "") -> tuple[list[Sample], float]:
+    """Send `requests` with Poisson arrivals at `rate` requests/s, or `concurrency` at a time; (samples, wall s)."""
+    import httpx2 as httpx
+
+    if (rate is None) == (concurrency is None):
+        raise ValueError("give a rate (Poisson arrivals) or a concurrency, not both")
+    rng = random.Random(seed)
+    timeout = httpx.Timeout(connect=10, read=600, write=30, pool=600)
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=256)) as client:
+        t0 = time.perf_counter()
+        if rate is not None:
+            async def later(at: float, path: str, body: dict) -> Sample:
+                await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+                return await send(client, url, path, body, workload)
+
+            at, tasks = 0.0, []
+            for path, body in requests:
+                tasks.append(later(at, path, body))
+                at += rng.expovariate(rate)
+            samples = list(await asyncio.gather(*tasks))
+        else:
+            todo, samples = list(requests), []
+
+            async def worker() -> None:
+                while todo:
+                    path, body = todo.pop(0)
+                    samples.append(await send(client, url, path, body, workload))
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return samples, time.perf_counter() - t0
+
+
+def summarize(samples: list[Sample], wall_s: float, slo: dict = SLO) -> dict:
+    """Throughput, latency percentiles (seconds), goodput under the SLO, and what did not complete."""
+    done = [s for s in samples if s.completed]
+    m = [s.metrics() for s in done]
+    out = {"sent": len(samples), "completed": len(done), "lost": len(samples) - len(done),
+           "errors_4xx": sum(400 <= s.status < 500 for s in samples),
+           "errors_5xx": sum(s.status >= 500 or "server_error" in (s.error or "") for s in samples),
+           "wall_s": wall_s, "requests_per_s": len(done) / wall_s,
+           "output_tok_per_s": sum(s.completion_tokens for s in done) / wall_s}
+    for key in ("ttft", "tpot", "e2e"):
+        for p, v in percentiles([x[key] for x in m]).items():
+            out[f"{key}_{p}"] = v
+    for p, v in percentiles([g for x in m for g in x["itl"]]).items():
+        out[f"itl_{p}"] = v
+    good = sum(x["ttft"] <= slo["ttft_s"] and not x["tpot"] > slo["tpot_s"] for x in m)
+    out["goodput_req_per_s"], out["slo_attained"] = good / wall_s, good / max(len(samples), 1)
+    return out
+
+
+@contextmanager
+def server_process(model: str, threads: int, *options: str, timeout: float = 300.0):
+    """`minillm serve` on a free 127.0.0.1 port in a subprocess; yields its URL; always stopped (SIGINT: it drains)."""
+    root = str(Path(__file__).resolve().parents[2])  # the checkout, importable whether or not it is installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", "minillm.cli", "serve", "--model", model, "--port", "0", "--threads", str(threads),
+           "--log-level", "warning", "--drain-timeout", "5", *options]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines, ready = [], threading.Event()
+
+    def read() -> None:  # keep draining its output: a full pipe would block the server
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if "ready at" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready.wait(0.2):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("minillm serve did not start:\n" + "\n".join(lines[-20:]))
+        url = re.search(r"ready at (\S+)/v1", next(x for x in lines if "ready at" in x)).group(1)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def cache_counts(url: str) -> tuple[int, int] | None:
+    """(prompt tokens asked for, tokens found in the prefix cache) so far, from /health; None if not reported."""
+    import httpx2 as httpx
+
+    cache = httpx.get(url + "/health", timeout=10).json().get("prefix_cache")
+    return (cache["query_tokens"], cache["hit_tokens"]) if cache else None
+
+
+def _measure(url: str, workload: str, reqs, rate: float) -> dict:
+    """One Poisson run, summarized, with the prefix-cache hit rate of its prompts when the server reports it."""
+    before = cache_counts(url)
+    summary = summarize(*asyncio.run(run_load(url, reqs, rate=rate, seed=1, workload=workload)))
+    after = cache_counts(url)
+    summary["prefix_hit_rate"] = ((after[1] - before[1]) / max(after[0] - before[0], 1) if before and after
+                                  else float("nan"))
+    return summary
+
+
+def _row(workload: str, rate, summary: dict) -> dict:
+    cols = ("sent", "completed", "lost", "errors_4xx", "errors_5xx", "requests_per_s", "output_tok_per_s",
+            "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99", "itl_p50", "itl_p99",
+            "e2e_p50", "e2e_p99", "goodput_req_per_s", "prefix_hit_rate")
+    return {"workload": workload, "rate": rate, **{c: summary[c] for c in cols}}
+
+
+def through_server(url: str, requests) -> dict:
+    """The requests one at a time through HTTP: client-side TPOT, as `inprocess` measures it in the engine."""
+    samples, wall = asyncio.run(run_load(url, requests, concurrency=1, workload="overhead"))
+    tpot = [x.metrics()["tpot"] for x in samples if x.completed]
+    return {"tpot_mean": sum(tpot) / len(tpot), "e2e_mean": sum(x.t_end - x.t_sent for x in samples) / len(samples),
+            "output_tok_per_s": sum(x.completion_tokens for x in samples) / wall}
+
+
+def inprocess(model, tok, requests, llm_options: dict) -> dict:
+    """`LLM.generate` on the same prompts, one at a time, with the server's engine settings."""
+    from ..engine import LLM
+    from ..sampling import SamplingParams
+
+    llm = LLM.from_model(model, tok, **llm_options)
+    prompts = [tok.encode_chat(b["messages"]) if "messages" in b else tok.encode(b["prompt"]) for _, b in requests]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up, as the server's first request was
+    tpot, e2e, n = [], [], 0
+    t0 = time.perf_counter()
+    for ids, (_, body) in zip(prompts, requests):
+        out = llm.generate([ids], SamplingParams(max_tokens=body["max_tokens"], ignore_eos=True))[0]
+        tpot.append(out.metrics["tpot"])
+        e2e.append(out.metrics["e2e"])
+        n += len(out.token_ids)
+    wall = time.perf_counter() - t0
+    return {"tpot_mean": sum(tpot) / len(tpot), "e2e_mean": sum(e2e) / len(e2e), "output_tok_per_s": n / wall}
+
+
+def run(quick: bool = False, url: str | None = None, rate: float | list[float] | None = None,
+        model: str = "smollm2-135m", max_num_seqs: int = 16) -> BenchResult:
+    from concurrent.futures import ThreadPoolExecutor
+    from contextlib import nullcontext
+
+    from ..loader import load_model
+    from ..tokenizer import Tokenizer
+    from ..weights import gguf_path, read_gguf_metadata
+
+    threads = torch.get_num_threads()
+    if quick:
+        sweep, plan, out_len, n_sweep, n_overhead = [2.0], {}, 8, 4, 2
+    else:
+        sweep, out_len, n_sweep, n_overhead = [0.25, 0.5, 1.0, 2.0], 32, 16, 4
+        plan = {"shared-system": (0.5, 12), "long-doc": (0.2, 8)}  # workload -> (rate, requests)
+    if rate is not None:
+        sweep = sorted(rate) if isinstance(rate, (list, tuple)) else [float(rate)]
+    own = url is None
+    engine = {"max_num_seqs": max_num_seqs, "enable_prefix_caching": True}  # minillm serve's defaults
+    rows, series = [], {"workload": "short-chat"}
+    with ThreadPoolExecutor(1) as pool:
+        # the model loads here while the server loads in its own process: the prompts need its tokenizer, the
+        # in-process comparison its weights
+        loading = pool.submit(load_model, model, dtype="float32", device="cpu") if own else None
+        with server_process(model, threads, "--max-num-seqs", str(max_num_seqs)) if own else nullcontext(url) as base:
+            m, tok = loading.result() if own else (None, Tokenizer.from_gguf_metadata(
+                read_gguf_metadata(gguf_path(model))))
+            asyncio.run(run_load(base, make_requests(tok, "short-chat", 1, 2, model, seed=99), concurrency=1))
+            for r in sweep:  # (the warm-up above: a fresh server's first forward pays one-off costs)
+                reqs = make_requests(tok, "short-chat", n_sweep, out_len, model, seed=int(r * 100))
+                s = _measure(base, "short-chat", reqs, r)
+                rows.append(_row("short-chat", r, s))
+                for k in ("requests_per_s", "output_tok_per_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99",
+                          "itl_p99", "e2e_p50", "goodput_req_per_s", "lost"):
+                    series.setdefault(k, []).append(s[k])
+                series.setdefault("rate", []).append(r)
+            for w, (r, n) in plan.items():
+                reqs = make_requests(tok, w, n, 16 if w == "long-doc" else out_len, model, seed=7)
+                rows.append(_row(w, r, _measure(base, w, reqs, r)))
+            if own:
+                oreqs = make_requests(tok, "short-chat", n_overhead, out_len, model, seed=5)
+                served = through_server(base, oreqs)
+    ratios = {"lost_requests": float(sum(r["lost"] for r in rows)),
+              "server_errors_5xx": float(sum(r["errors_5xx"] for r in rows))}
+    targets = {"lost_requests": ("<=", 0), "server_errors_5xx": ("<=", 0)}
+    notes = [(f"client-side measurement (httpx2 streaming SSE); outputs of exactly {out_len} tokens (vLLM's "
+              f"ignore_eos); greedy; Poisson arrivals; goodput SLO: TTFT <= {SLO['ttft_s']} s and TPOT <= "
+              f"{SLO['tpot_s']} s; lost = sent - completed with a finish_reason and [DONE]."),
+             ("workloads: short-chat = one user message of 16-64 tokens of pydoc text; shared-system = one 480-token "
+              "system prompt shared by every request + 8-32 user tokens; long-doc = 768-1024 tokens to continue "
+              "(16 output tokens).")]
+    if own:  # the server has stopped: now the same requests in this process, alone on the CPU
+        alone = inprocess(m, tok, oreqs, engine)
+        for name, x in (("overhead: through the server", served), ("overhead: LLM.generate in-process", alone)):
+            rows.append({"workload": name, "rate": "1 at a time", "output_tok_per_s": x["output_tok_per_s"],
+                         "tpot_mean": x["tpot_mean"], "e2e_mean": x["e2e_mean"]})
+        ratios["server_vs_inprocess_tpot"] = served["tpot_mean"] / alone["tpot_mean"]
+        ratios["server_vs_inprocess_e2e"] = served["e2e_mean"] / alone["e2e_mean"]
+        targets["server_vs_inprocess_tpot"] = ("<=", 1.15)
+        notes.append(f"overhead: {n_overhead} short chats one at a time through HTTP (client-side) vs LLM.generate "
+                     f"in this process after the server stopped (engine timestamps), same engine settings; "
+                     f"per token the server adds {(served['tpot_mean'] - alone['tpot_mean']) * 1e3:.1f} ms.")
+    else:
+        notes.append(f"server at {url} (not started here): no in-process comparison.")
+    return BenchResult(name="serve", rows=rows, ratios=ratios, targets=targets, series=series, notes=notes,
+                       settings={"quick": quick, "model": model, "url": url or "own minillm serve subprocess",
+                                 "rates": sweep, "requests_per_rate": n_sweep, "output_tokens": out_len,
+                                 **({"engine": engine} if own else {}), "threads": threads,
+                                 "slo_ttft_s": SLO["ttft_s"], "slo_tpot_s": SLO["tpot_s"], "device": "cpu"})
