@@ -29,9 +29,9 @@ def shared_prefix_prompts(tok, n: int, system_tokens: int) -> tuple[list[list[in
     system = ("You answer questions about Python using this reference text.\n\n"
               + tok.decode(corpus_ids(tok)[:system_tokens]))
     names = sorted(topics)
-    prompts = [tok.encode_chat([{"role": "system", "content": system},
-                                {"role": "user", "content": f"What does the reference say about {names[i % len(names)]}?"}])
-               for i in range(n)]
+    questions = [f"What does the reference say about {names[i % len(names)]}?" for i in range(n)]
+    prompts = [tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
+               for q in questions]
     n_shared = len(tok.encode_chat([{"role": "system", "content": system}], add_generation_prompt=False))
     return prompts, n_shared
 
@@ -46,6 +46,8 @@ def simulate_hit_rate(prompts: list[list[int]], num_blocks: int, block_size: int
 
     manager = BlockManager(PrefixCachingAllocator(num_blocks, block_size))
     for i, ids in enumerate(prompts):
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
         seq = Sequence(str(i), list(ids), SamplingParams(max_tokens=1))
         if not manager.can_allocate(seq):
             raise ValueError(f"prompt {i} ({len(ids)} tokens) does not fit a pool of {num_blocks} blocks")
@@ -66,7 +68,10 @@ def run(quick: bool = False, dtype: str = "float32") -> BenchResult:
     from ..loader import load_model
     from ..sampling import SamplingParams
 
-    n_burst, n_seq, system_tokens, max_tokens, max_seqs = (4, 2, 120, 2, 4) if quick else (32, 8, 1000, 16, 16)
+    # quick: a budget smaller than one prompt, so the burst shows what full mode does (the first request's prefill
+    # spans steps; the requests admitted after its first chunk find the cache)
+    n_burst, n_seq, system_tokens, max_tokens, max_seqs, budget = ((4, 2, 120, 2, 4, 96) if quick
+                                                                    else (32, 8, 1000, 16, 16, 512))
     block_size = 16
     model, tok = load_model("smollm2-135m", dtype=dtype, device="cpu")
     prompts, n_shared = shared_prefix_prompts(tok, n_burst, system_tokens)
@@ -76,7 +81,7 @@ def run(quick: bool = False, dtype: str = "float32") -> BenchResult:
 
     def engine(caching: bool) -> LLM:
         return LLM.from_model(model, tok, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_seqs,
-                              max_num_batched_tokens=512, enable_prefix_caching=caching)
+                              max_num_batched_tokens=budget, enable_prefix_caching=caching)
 
     engine(False).generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up (first-touch of the weights)
     rows, results = [], {}
@@ -117,7 +122,7 @@ def run(quick: bool = False, dtype: str = "float32") -> BenchResult:
     prompt_lens = sorted(map(len, prompts))
     notes = [
         (f"{n_burst} chat prompts of {prompt_lens[0]}-{prompt_lens[-1]} tokens sharing a {n_shared}-token system "
-         f"turn; {max_tokens} output tokens each; block size {block_size}; max_num_seqs {max_seqs}; budget 512 "
+         f"turn; {max_tokens} output tokens each; block size {block_size}; max_num_seqs {max_seqs}; budget {budget} "
          f"tokens per step; {num_blocks} KV blocks for both engines (no preemption); {dtype}; CPU."),
         (f"greedy tokens identical with and without the cache for {same}/{n_burst + n_seq} requests (equality is "
          f"tested in float32 in tests/test_prefix_cache.py; a difference here would be batched rounding)."),
@@ -130,5 +135,6 @@ def run(quick: bool = False, dtype: str = "float32") -> BenchResult:
     return BenchResult(name="prefix-cache", rows=rows, ratios=ratios, targets=targets,
                        settings={"quick": quick, "dtype": dtype, "requests": n_burst, "one_at_a_time": n_seq,
                                  "system_tokens": n_shared, "max_tokens": max_tokens, "block_size": block_size,
-                                 "max_num_seqs": max_seqs, "device": "cpu", "threads": torch.get_num_threads()},
+                                 "max_num_seqs": max_seqs, "budget": budget, "device": "cpu",
+                                 "threads": torch.get_num_threads()},
                        notes=notes)
