@@ -36,18 +36,20 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from .engine.llm import StreamEvent
 from .sampling import SamplingParams
 from .server_protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    StopMatcher,
     chat_body,
     chunk,
     completion_body,
-    from_validation_error,
+    read_request,
+    sampling_params,
     usage,
 )
 
@@ -82,7 +84,7 @@ class EngineThread:
         self.wake = threading.Event()
         self.inbox: collections.deque = collections.deque()  # (function, args, Future), run between steps
         self.retired: collections.deque = collections.deque()  # ids whose last event went out
-        self.in_flight: set[str] = set()  # added here, removed once retired: touched by this thread only
+        self.in_flight: dict[str, _Sink] = {}  # added here, removed once retired: changed by this thread only
         self.error: BaseException | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
@@ -97,7 +99,7 @@ class EngineThread:
         if len(self.llm.scheduler.waiting) >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are already waiting for the engine: retry later")
         self.llm.add_request(prompt_ids, params, request_id=rid, sink=sink)
-        self.in_flight.add(rid)
+        self.in_flight[rid] = sink
 
     def abort_all(self) -> int:
         return sum(self.llm.abort(rid) for rid in sorted(self.in_flight))
@@ -114,7 +116,7 @@ class EngineThread:
                         fut.set_exception(e)
             while self.retired:
                 rid = self.retired.popleft()
-                self.in_flight.discard(rid)
+                self.in_flight.pop(rid, None)
                 try:  # the server streamed its output already: the engine must not keep it
                     self.llm.pop_output(rid)
                 except KeyError:
@@ -125,7 +127,11 @@ class EngineThread:
                 except Exception as e:  # a bug: end every request with an error rather than leave them hanging
                     logger.exception("engine step failed; aborting every request in flight")
                     self.error = e
-                    self.abort_all()
+                    for rid, sink in list(self.in_flight.items()):
+                        try:
+                            self.llm.abort(rid)
+                        except Exception:  # noqa: BLE001  (the engine is broken: end the stream ourselves)
+                            sink.put(StreamEvent(rid, None, "", True, "abort"))
             elif self._stopping:
                 return
             else:
@@ -155,76 +161,13 @@ class _EventStream(StreamingResponse):
             self.on_close()
 
 
-class StopMatcher:
-    """Cuts streamed text at the first stop string, holding back a tail that could still grow into one."""
-
-    def __init__(self, stops: list[str]):
-        self.stops, self.buf = stops, ""
-
-    def push(self, text: str) -> tuple[str, bool]:
-        self.buf += text
-        hits = [i for s in self.stops if (i := self.buf.find(s)) >= 0]
-        if hits:
-            return self.buf[:min(hits)], True
-        keep = max((k for s in self.stops for k in range(1, len(s)) if self.buf.endswith(s[:k])), default=0)
-        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.buf = self.buf, ""
-        return out
-
-
 class Service:
     """What the endpoints do: validate, submit to the engine thread, turn its events into OpenAI responses."""
 
-    def __init__(self, llm, model_name: str, max_waiting: int, max_body_bytes: int):
-        self.llm, self.model_name, self.max_body_bytes = llm, model_name, max_body_bytes
+    def __init__(self, llm, model_name: str, max_waiting: int):
+        self.llm, self.model_name = llm, model_name
         self.engine = EngineThread(llm, max_waiting)
         self.closing, self.open = False, 0  # open: accepted requests whose response has not ended yet
-
-    async def parse(self, request: Request, model):
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise ApiError(413, f"the body has {declared} bytes; the limit is {self.max_body_bytes}")
-        body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > self.max_body_bytes:
-                raise ApiError(413, f"the body is over the limit of {self.max_body_bytes} bytes")
-        try:
-            text = body.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ApiError(400, f"the body is not UTF-8 text: {e}") from None
-        try:
-            return model.model_validate_json(text)
-        except ValidationError as e:
-            raise from_validation_error(e) from None
-
-    def sampling(self, req, max_tokens: int | None, n_prompt: int) -> SamplingParams:
-        """OpenAI's fields -> SamplingParams, refusing what this server cannot do (never ignoring it)."""
-        if req.model is not None and req.model != self.model_name:
-            raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
-        if req.n != 1:
-            raise ApiError(400, f"n must be 1 (one choice per request), got {req.n}", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name):
-                raise ApiError(400, f"{name} is not supported: leave it at 0", param=name)
-        if req.logprobs not in (None, False) or getattr(req, "top_logprobs", None):
-            raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
-        cache = self.llm.block_manager
-        room = min(self.llm.max_model_len - n_prompt, cache.num_blocks * cache.block_size - n_prompt + 1)
-        if max_tokens is not None and not 1 <= max_tokens <= room:
-            raise ApiError(400, f"max_tokens must be in [1, {room}] for this prompt of {n_prompt} tokens (context "
-                           f"window {self.llm.max_model_len}, KV pool {cache.num_blocks * cache.block_size} tokens), "
-                           f"got {max_tokens}", param="max_tokens", code="context_length_exceeded")
-        try:
-            return SamplingParams(max_tokens=max(room, 1) if max_tokens is None else max_tokens,
-                                  temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                  top_k=None if req.top_k in (None, 0, -1) else req.top_k, ignore_eos=req.ignore_eos)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
 
     async def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
         if self.closing:
@@ -266,7 +209,8 @@ class Service:
             yield text, None, n
 
     async def respond(self, request: Request, req, prompt_ids: list[int], chat: bool, max_tokens: int | None):
-        params = self.sampling(req, max_tokens, len(prompt_ids))
+        pool = self.llm.block_manager.num_blocks * self.llm.block_manager.block_size
+        params = sampling_params(req, self.model_name, max_tokens, len(prompt_ids), self.llm.max_model_len, pool)
         stops = req.stop_strings()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         queue = await self.submit(rid, prompt_ids, params)
@@ -294,15 +238,12 @@ class Service:
 
         if chat:  # OpenAI's first chat chunk announces the role
             yield data(chunk(rid, self.model_name, True, "", None, role=True, with_usage=with_usage))
-        n = 0
         async for text, finish, n in self.deltas(rid, queue, stops):
-            if finish == "abort":
+            if finish == "abort":  # the stream still ends cleanly: an error event, then [DONE]
                 yield data(self.aborted().body())
-                break
-            if text or finish:
+            elif text or finish:
                 yield data(chunk(rid, self.model_name, chat, text, finish, with_usage=with_usage))
-        else:
-            if with_usage:
+            if finish is not None and finish != "abort" and with_usage:
                 yield data(chunk(rid, self.model_name, chat, None, None, usage(n_prompt, n), with_usage=True))
         yield "data: [DONE]\n\n"
 
@@ -348,7 +289,7 @@ def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_
               ) -> FastAPI:
     """The FastAPI app around an `LLM` (minillm.engine.LLM or LLM.from_model); its engine thread starts and stops with
     the app (lifespan). max_waiting: requests allowed to wait in the engine before 429."""
-    svc = Service(llm, model_name, max_waiting, max_body_bytes)
+    svc = Service(llm, model_name, max_waiting)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -371,7 +312,7 @@ def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = await svc.parse(request, CompletionRequest)
+        req = await read_request(request, CompletionRequest, max_body_bytes)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -388,7 +329,7 @@ def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = await svc.parse(request, ChatRequest)
+        req = await read_request(request, ChatRequest, max_body_bytes)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:  # message contents are encoded as text: "<|im_start|>" typed by a user is not a special token
             ids = await asyncio.to_thread(tok.encode_chat, messages)

@@ -18,6 +18,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .sampling import SamplingParams
+
 
 class ApiError(Exception):
     """An error the client gets as OpenAI's {"error": {message, type, param, code}} with an HTTP status."""
@@ -105,6 +107,77 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None
+
+
+# ------------------------------------------------------------------------------------------------- requests in
+
+
+async def read_request(request, model: type[_Strict], max_bytes: int):
+    """The body of a starlette Request as `model`: at most max_bytes (413, counted as it arrives: a client may send
+    no Content-Length), UTF-8, JSON, valid (400 naming the field)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"the body has {declared} bytes; the limit is {max_bytes}")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:
+            raise ApiError(413, f"the body is over the limit of {max_bytes} bytes")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the body is not UTF-8 text: {e}") from None
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def sampling_params(req: _Common, served: str, max_tokens: int | None, n_prompt: int, max_model_len: int,
+                    pool_tokens: int) -> SamplingParams:
+    """OpenAI's fields -> SamplingParams, refusing what this server cannot do (never ignoring it). max_tokens None:
+    as many as the context window and the KV pool leave room for."""
+    if req.model is not None and req.model != served:
+        raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {served!r}", param="model",
+                       code="model_not_found")
+    if req.n != 1:
+        raise ApiError(400, f"n must be 1 (one choice per request), got {req.n}", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise ApiError(400, f"{name} is not supported: leave it at 0", param=name)
+    if req.logprobs not in (None, False) or getattr(req, "top_logprobs", None):
+        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
+    room = min(max_model_len - n_prompt, pool_tokens - n_prompt + 1)  # the engine's own limits (LLM._prepare)
+    if max_tokens is not None and not 1 <= max_tokens <= room:
+        raise ApiError(400, f"max_tokens must be in [1, {room}] for this prompt of {n_prompt} tokens (context "
+                       f"window {max_model_len}, KV pool {pool_tokens} tokens), got {max_tokens}",
+                       param="max_tokens", code="context_length_exceeded")
+    try:
+        return SamplingParams(max_tokens=max(room, 1) if max_tokens is None else max_tokens,
+                              temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                              top_k=None if req.top_k in (None, 0, -1) else req.top_k, ignore_eos=req.ignore_eos)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+
+class StopMatcher:
+    """Cuts streamed text at the first stop string, holding back a tail that could still grow into one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.buf = stops, ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        self.buf += text
+        hits = [i for s in self.stops if (i := self.buf.find(s)) >= 0]
+        if hits:
+            return self.buf[:min(hits)], True
+        keep = max((k for s in self.stops for k in range(1, len(s)) if self.buf.endswith(s[:k])), default=0)
+        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
 
 
 # ---------------------------------------------------------------------------------------------------- responses

@@ -21,7 +21,8 @@ httpx = pytest.importorskip("httpx2")
 
 from minillm.engine import LLM
 from minillm.sampling import SamplingParams
-from minillm.server import Server, StopMatcher, build_app
+from minillm.server import Server, build_app
+from minillm.server_protocol import StopMatcher
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -343,6 +344,38 @@ def test_shutdown_drains_then_aborts_with_a_terminating_event(real_model):
     wait_clean(llm, timeout=1)
 
 
+def test_an_engine_failure_ends_every_request_with_a_server_error(real_model):
+    model, tok = real_model
+    llm = LLM.from_model(model, tok, num_blocks=NUM_BLOCKS, max_num_seqs=4)
+    real_step, steps = llm.step, []
+
+    def failing_step():
+        steps.append(1)
+        if len(steps) == 4:
+            raise RuntimeError("injected failure")
+        return real_step()
+
+    llm.step = failing_step
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 50, "ignore_eos": True}
+    with running(llm) as s:
+        got = {}
+
+        def plain() -> None:
+            got["plain"] = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+
+        t = threading.Thread(target=plain)
+        t.start()
+        with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+            events = sse(r)
+        t.join(30)
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
+        assert got["plain"].status_code == 500 and "injected failure" in got["plain"].json()["error"]["message"]
+        assert httpx.get(s.url + "/health").status_code == 503
+        r = httpx.post(s.url + "/v1/completions", json=body)
+        assert r.status_code == 500  # refused at once, not queued on a broken engine
+        wait_clean(llm, timeout=5)
+
+
 # ------------------------------------------------------------------------------------------------------ the CLI
 
 
@@ -376,7 +409,7 @@ def test_a_bounded_load_run_loses_nothing(server, real_model):
     tok = real_model[1]
     poisson = make_requests(tok, "short-chat", 6, 4, MODEL, seed=1)
     samples, wall = asyncio.run(run_load(server.url, poisson, rate=8.0, seed=0))
-    fixed, wall2 = asyncio.run(run_load(server.url, make_requests(tok, "short-chat", 3, 4, MODEL, seed=2),
+    fixed, _ = asyncio.run(run_load(server.url, make_requests(tok, "short-chat", 3, 4, MODEL, seed=2),
                                         concurrency=2))
     for s in samples + fixed:  # every stream: 200, content chunks, a finish_reason, [DONE], exactly 4 tokens
         assert s.completed and s.done and s.status == 200 and s.finish_reason == "length", s
