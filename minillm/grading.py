@@ -83,6 +83,12 @@ TASKS: dict[str, list[tuple[str, str]]] = {
         ("task_11_gpipe", "the GPipe grid: stage r runs micro-batch t - r at step t, m + p - 1 steps, None idles"),
         ("task_11_real_model", "your slices shard SmolLM2 on 3 ranks: the single-process greedy tokens, Paris"),
     ],
+    "12": [
+        ("task_12_hash", "chained block names: SHA-256(parent + int32 ids), full blocks only, `known` continued"),
+        ("task_12_match", "the longest cached prefix (stop at the first miss) and acquire: identical prefixes share"),
+        ("task_12_lru", "free keeps named blocks in an LRU list; allocate: unnamed first, then least recently freed"),
+        ("task_12_real_model", "your prefix cache serves SmolLM2 chats sharing a system prompt: same answers and hits"),
+    ],
 }
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -201,6 +201,35 @@ HINTS: dict[str, tuple[str, str]] = {
                            "capital of France is' that must equal the single-process model's (' Paris. ...'). A "
                            "strided slice mixes the dims of different heads: attention breaks although every rank "
                            "holds the right number of rows."),
+    "task_12_hash": ("A block's keys and values depend on every token before it, not only its own. What must its name "
+                     "depend on, what must it never depend on (the process, the container), and when is a block "
+                     "finished enough to have one?",
+                     "hash_block: hashlib.sha256(parent + array('i', tokens).tobytes()).digest(): 32 bytes, 4 bytes "
+                     "per id (a byte per id truncates ids >= 256; Python's hash() is salted per process and easy to "
+                     "collide). block_hashes: one name per full block only (len(token_ids) // block_size), block "
+                     "i's parent is name i - 1 (ROOT_HASH for block 0); keep `known` as the first names and "
+                     "continue from known[-1], not from ROOT_HASH."),
+    "task_12_match": ("Names are chained: a cached name further on is useless once one before it is missing. Which "
+                      "blocks can a request take, and what changes when it takes them?",
+                      "match: look the names up in order in _block_of and stop at the first miss (break, not "
+                      "continue); it changes nothing. acquire: ValueError (nothing changed) if any block has no name; "
+                      "then each block leaves _evictable (an owned block must never be evicted) and gains an "
+                      "owner."),
+    "task_12_lru": ("A finished request's full blocks are worth keeping until the memory is needed. Which block is "
+                    "the cheapest to give up, and which blocks cost nothing to hand out?",
+                    "free: let super().free do the checks and ref counts, then move the blocks left without owners "
+                    "to the end of _evictable if named (in the call's order), else back to _free. allocate: "
+                    "OutOfBlocksError before any change if n > num_free(); _free first, then _evict(): the oldest "
+                    "of _evictable, its name deleted from _block_of and _name_of, stats.evictions + 1. num_free = "
+                    "len(_free) + len(_evictable)."),
+    "task_12_real_model": ("Nothing new to write: LLM.from_model(..., enable_prefix_caching=True) serves SmolLM2 with "
+                           "your block_hashes and your PrefixCachingAllocator.",
+                           "Four phases on a 10-block pool of 16 tokens: c0; c1 and c2 (c0's system prompt) at once; "
+                           "b0 (another system prompt), which evicts; c0 again. Each answer must be the engine's "
+                           "without prefix caching, each phase must hit as many prompt tokens and evict as many "
+                           "blocks as minillm's cache, and every block must be free at the end. More hits than "
+                           "minillm's: a stale name (an evicted block still found); fewer: the wrong block evicted, "
+                           "or a name lost on free."),
 }
 
 
@@ -248,6 +277,12 @@ RECIPES["task_11_real_model"] = (
     "grader's _tp_rank). In one process, _simulated_block0(model, ids, 3) from that grader, with "
     "minillm.tensor_parallel's column_slice and row_slice set to yours, runs SmolLM2's block 0 as three simulated "
     "ranks and names the part (attn or mlp) that differs.")
+RECIPES["task_12_real_model"] = (
+    "MINILLM_GRADE=exercises python -m pytest tests/graders/test_ex12_prefix_cache.py -m task_12_real_model -x -rP "
+    "shows the failing phase, its hits and evictions against minillm's; by hand: set "
+    "minillm.engine.block_manager.block_hashes and minillm.paged.PrefixCachingAllocator to yours, serve the grader's "
+    "PHASES with its serve_phases(model, tok) and compare each phase with reference_phases(model, tok), taken "
+    "before yours are swapped in.")
 
 
 def _recipes(lesson: str) -> dict[str, str]:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SOFTMAX_NO_MAX = "(scores.exp() / scores.exp().sum(dim=-1, keepdim=True))"  # exp overflows for scores > 88
+# a mutant method is compiled outside its class, where zero-argument super() has no class to go by: name the base
+SUPER_FREE = ("super().free(block_ids)", "BlockAllocator.free(self, block_ids)")
 
 
 @dataclass(frozen=True)
@@ -559,6 +561,74 @@ MUTANTS = [
     Mutant("gpipe_no_micro_check", "ex11_parallel", "gpipe_schedule", "task_11_gpipe",
            (("if n_stages < 1 or n_micro < 1:", "if n_stages < 1:"),),
            "0 micro-batches gives a grid of idle steps instead of an error"),
+    # ---------------------------------------------------------------- ex12
+    Mutant("hash_no_parent", "ex12_prefix_cache", "hash_block", "task_12_hash",
+           (("h = hashlib.sha256(parent)", "h = hashlib.sha256()"),),
+           "the parent's name is not hashed: the same block after another prefix gets the same name"),
+    Mutant("hash_byte_per_token", "ex12_prefix_cache", "hash_block", "task_12_hash",
+           (("h.update(array(\"i\", tokens).tobytes())", "h.update(bytes(t & 0xFF for t in tokens))"),),
+           "one byte per id: ids 1 and 257 give the same name"),
+    Mutant("hash_python_builtin", "ex12_prefix_cache", "hash_block", "task_12_hash",
+           (("return h.digest()", "return hash((parent, tuple(tokens))).to_bytes(32, \"little\", signed=True)"),),
+           "Python's hash(): salted per process for bytes, easy to collide for ints (vLLM's CVE-2025-25183)"),
+    Mutant("hashes_name_partial_block", "ex12_prefix_cache", "block_hashes", "task_12_hash",
+           (("len(token_ids) // block_size)", "-(-len(token_ids) // block_size))"),),
+           "the partly filled last block is named: a request would share slots its owner has not written yet"),
+    Mutant("hashes_known_ignored", "ex12_prefix_cache", "block_hashes", "task_12_hash",
+           (("out = list(known)", "out = []"),), "rehashes the whole sequence instead of continuing the known names"),
+    Mutant("hashes_known_restart_at_root", "ex12_prefix_cache", "block_hashes", "task_12_hash",
+           (("parent = out[-1] if out else ROOT_HASH", "parent = ROOT_HASH"),),
+           "after the known names the chain restarts at ROOT_HASH instead of continuing from known[-1]"),
+    Mutant("match_skips_misses", "ex12_prefix_cache", "PrefixCachingAllocator.match", "task_12_match",
+           (("            break", "            continue"),),
+           "goes on past a missing name: hands out blocks whose KV was computed after tokens the request lacks"),
+    Mutant("match_from_the_end", "ex12_prefix_cache", "PrefixCachingAllocator.match", "task_12_match",
+           (("for h in hashes:", "for h in reversed(hashes):"),), "walks the names from the last one"),
+    Mutant("match_acquires", "ex12_prefix_cache", "PrefixCachingAllocator.match", "task_12_match",
+           (("        blocks.append(block)", "        blocks.append(block)\n        self._ref_counts[block] += 1"),),
+           "the lookup takes ownership: the BlockManager's can_allocate would hold blocks it never frees"),
+    Mutant("acquire_keeps_lru", "ex12_prefix_cache", "PrefixCachingAllocator.acquire", "task_12_match",
+           (("        self._evictable.pop(block, None)\n", ""),),
+           "a shared block stays in the LRU list: allocate can evict it while a request reads it"),
+    Mutant("acquire_accepts_unnamed", "ex12_prefix_cache", "PrefixCachingAllocator.acquire", "task_12_match",
+           (("if block not in self._name_of:", "if False:"),), "shares blocks that hold no cached prefix"),
+    Mutant("evict_most_recent", "ex12_prefix_cache", "PrefixCachingAllocator._evict", "task_12_lru",
+           (("popitem(last=False)", "popitem(last=True)"),),
+           "evicts the most recently freed block: a chain's head, which every request with that prefix needs, first"),
+    Mutant("evict_keeps_name", "ex12_prefix_cache", "PrefixCachingAllocator._evict", "task_12_lru",
+           (("    del self._block_of[self._name_of.pop(block)]\n", ""),),
+           "an evicted block keeps its name: a later match hands out a block that holds another sequence's KV"),
+    Mutant("allocate_evicts_first", "ex12_prefix_cache", "PrefixCachingAllocator.allocate", "task_12_lru",
+           (("[self._free.popleft() if self._free else self._evict() for",
+             "[self._evict() if self._evictable else self._free.popleft() for"),),
+           "evicts cached blocks while never-named free blocks are left"),
+    Mutant("allocate_not_all_or_nothing", "ex12_prefix_cache", "PrefixCachingAllocator.allocate", "task_12_lru",
+           (("if n > self.num_free():", "if n > self.num_blocks:"),),
+           "takes blocks until the pool runs dry, then fails halfway (KeyError from the empty LRU list)"),
+    Mutant("num_free_ignores_cached", "ex12_prefix_cache", "PrefixCachingAllocator.num_free", "task_12_lru",
+           (("return len(self._free) + len(self._evictable)", "return len(self._free)"),),
+           "cached unowned blocks are not counted: can_allocate refuses requests the pool can serve"),
+    Mutant("free_named_to_free_list", "ex12_prefix_cache", "PrefixCachingAllocator.free", "task_12_lru",
+           (SUPER_FREE, ("if block in self._name_of:", "if False:")),
+           "a freed named block goes back on the free list with its name: reused while match still finds it"),
+    Mutant("free_sorted", "ex12_prefix_cache", "PrefixCachingAllocator.free", "task_12_lru",
+           (SUPER_FREE, ("for block in released:", "for block in sorted(released):")),
+           "the blocks of one free() enter the LRU list by id, not in the order given (tail first)"),
+    Mutant("free_checks_as_it_goes", "ex12_prefix_cache", "PrefixCachingAllocator.free", "task_12_lru",
+           ((("    n_before = len(self._free)\n"
+              "    super().free(block_ids)  # all checks (double free, unknown ids) happen there, before any change\n"
+              "    released = [self._free.pop() for _ in range(len(self._free) - n_before)][::-1]\n"),
+             ("    released = []\n"
+              "    for block in block_ids:\n"
+              "        if self._ref_counts[block] == 0:\n"
+              "            raise ValueError(f\"double free: block {block}\")\n"
+              "        self._ref_counts[block] -= 1\n"
+              "        if self._ref_counts[block] == 0:\n"
+              "            released.append(block)\n")),),
+           "a double free is found halfway, after the blocks before it were already freed"),
+    Mutant("evict_keeps_name_real", "ex12_prefix_cache", "PrefixCachingAllocator._evict", "task_12_real_model",
+           (("    del self._block_of[self._name_of.pop(block)]\n", ""),),
+           "stale names on SmolLM2: c0's second visit is served blocks that now hold b0's keys and values"),
 ]
 
 

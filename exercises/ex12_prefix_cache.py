@@ -1,0 +1,168 @@
+"""Exercise 12: prefix caching (lesson 12, "serving": vLLM's automatic prefix caching).
+
+Requests that start the same way (a shared system prompt, a document, the earlier turns of a chat) would prefill the
+same tokens again and again. Keys and values depend only on the tokens up to them, so a full KV block computed for
+one request is exactly the block another request with the same prefix would compute: name every full block by its
+whole prefix, keep it after its owners finish, and look it up. Write the names, the lookup and the eviction, then
+grade your work:
+
+    minillm grade 12
+
+- 12.hash: `hash_block(parent, tokens)` names one full block: the SHA-256 digest (32 bytes) of the parent block's
+  name followed by the block's token ids as 4-byte little-endian signed ints (int32), i.e.
+  sha256(parent + array("i", tokens).tobytes()). A sequence's first block has the parent ROOT_HASH = bytes(32).
+  `block_hashes(token_ids, block_size, known)` chains them: name[i] = hash_block(name[i - 1], block i's tokens), one
+  name per *full* block (a partly filled last block is still being written: it has none). `known` holds names
+  already computed for the first blocks (a growing sequence extends its list instead of rehashing its prompt at
+  every step): keep them as they are and continue the chain from the last one. The chain makes equal names mean
+  equal prefixes: one differing token changes its block's name and every name after it.
+- 12.match: `match(hashes)` returns the blocks of the longest cached prefix of `hashes`: look the names up in order
+  and stop at the first one not cached. A later name that is cached is of no use: the blocks before it would have
+  to be recomputed anyway, and the engine reads a sequence's blocks from its first. match only looks: it changes no
+  ref count and no LRU order. `acquire(blocks)` makes the caller one more owner of each block match found; an
+  unowned one leaves the LRU list (it can no longer be evicted). A block without a name cannot be acquired
+  (ValueError, nothing changed).
+- 12.lru: a named block whose last owner frees it keeps its KV: `free` puts it at the end of `_evictable` (the LRU
+  list: least recently freed first, in the order of the call's block ids: the BlockManager frees a sequence tail
+  first, so a chain loses its tail before its head), an unnamed one goes back on `_free`. `allocate` hands out
+  never-named free blocks first and only then `_evict`s the least recently freed cached block, which forgets its
+  name in both directions (its KV is about to be overwritten: a later match must not find it). `num_free` counts
+  both kinds of unowned blocks. allocate is all or nothing (OutOfBlocksError, nothing changed); free refuses a
+  double free and then changes nothing (BlockAllocator.free, via super(), checks everything before it changes
+  anything).
+
+Every block is in exactly one of three states, kept in the structures __init__ gives you (the graders read them):
+free and unnamed (in `_free`, ref count 0), owned (ref count >= 1, named or not), or unowned but named (in
+`_evictable`, ref count 0). `_block_of` (name -> block) and `_name_of` (block -> name) hold the names; `register`
+(given) names a full, computed, owned block.
+
+The graders compare with oracles written out in the grader: the names against SHA-256 computed there and against
+their rules one by one on random token lists and block sizes (hypothesis); match and acquire on crafted caches and
+through the engine's BlockManager (identical prefixes share blocks, one differing token stops the sharing from its
+block on, a partial block is never shared); allocate / free / eviction on crafted sequences (which block is evicted,
+and when) and on random ones against a model of the three states. While one task is graded, the other task's methods
+are the grader's own, so the tasks can be done in any order. The real-model task puts your block_hashes (with your
+hash_block) into the engine's BlockManager and your PrefixCachingAllocator into its paged cache
+(LLM.from_model(..., enable_prefix_caching=True)): SmolLM2-135M serves chat requests that share a system prompt on a
+pool small enough to evict, with exactly the greedy tokens of the engine without prefix caching, the prefix hits and
+evictions of minillm's own cache, and every block back at the end. Calling minillm.prefix_cache is rejected.
+"""
+
+from __future__ import annotations
+
+import hashlib  # noqa: F401  (you will need these)
+from array import array  # noqa: F401
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from minillm.block_allocator import BlockAllocator, OutOfBlocksError  # noqa: F401  (the base class, given; the error)
+from minillm.prefix_cache import ROOT_HASH, PrefixCacheStats  # noqa: F401  (bytes(32), and the engine's counters)
+
+# task 12.hash -------------------------------------------------------------------------------------------------
+
+
+def hash_block(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The name of a full block: SHA-256 over its parent's name and its token ids (int32 each)."""
+    raise NotImplementedError(
+        "task 12.hash: h = hashlib.sha256(parent); h.update(array('i', tokens).tobytes()) (4 bytes per id: a byte "
+        "per id would truncate ids >= 256; Python's hash() is salted per process and easy to collide); return "
+        "h.digest(), 32 bytes")
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, known: Sequence[bytes] = ()) -> list[bytes]:
+    """Chained names of the full blocks of token_ids (a partial last block has none). `known`: names already
+    computed for its first blocks (a growing sequence extends its list instead of rehashing everything)."""
+    raise NotImplementedError(
+        "task 12.hash: out = list(known); parent = out[-1] if out else ROOT_HASH; for each full block i from "
+        "len(out) to len(token_ids) // block_size - 1: parent = hash_block(parent, token_ids[i * block_size:(i + 1) "
+        "* block_size]) and append it; return out")
+
+
+# tasks 12.match (match, acquire) and 12.lru (num_free, allocate, _evict, free) ----------------------------------
+
+
+class PrefixCachingAllocator(BlockAllocator):
+    """A BlockAllocator whose named blocks outlive their owners: findable by hash until LRU eviction reuses them.
+
+    Every block is in exactly one of three states: free and unnamed (`_free`), owned (ref count >= 1, named or not),
+    or unowned but named (`_evictable`, least recently freed first). num_free() counts both unowned kinds: a cached
+    block is memory the pool can hand out at any time."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        super().__init__(num_blocks, block_size)
+        self._block_of: dict[bytes, int] = {}  # name -> block
+        self._name_of: dict[int, bytes] = {}  # block -> name
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unowned named blocks, oldest first
+        self.stats = PrefixCacheStats()
+
+    def num_free(self) -> int:
+        raise NotImplementedError(
+            "task 12.lru: the blocks nobody owns: the unnamed ones in self._free plus the cached ones in "
+            "self._evictable (a cached block can be handed out at any time)")
+
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free()
+
+    def num_cached(self) -> int:
+        return len(self._block_of)
+
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= self.num_free()
+
+    def allocate(self, n: int = 1) -> list[int]:
+        """n blocks (ref count 1, unnamed): never-named free blocks first, then the least recently freed cached ones."""
+        raise NotImplementedError(
+            "task 12.lru: n < 0 is a ValueError; n > self.num_free() raises OutOfBlocksError before anything changes; "
+            "else take each block from the left of self._free while it has any, then from self._evict(), and set "
+            "each one's ref count to 1")
+
+    def _evict(self) -> int:
+        """Reuse the least recently freed cached block: its name is forgotten, its contents will be overwritten."""
+        raise NotImplementedError(
+            "task 12.lru: block, _ = self._evictable.popitem(last=False) (the oldest); delete its name from both "
+            "self._name_of and self._block_of; self.stats.evictions += 1; return the block")
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one owner per block. A block left without owners keeps its KV if it is named (most recently freed
+        last in the LRU order); an unnamed one goes back on the free list."""
+        raise NotImplementedError(
+            "task 12.lru: remember len(self._free), call super().free(block_ids) (it checks everything first and "
+            "appends the blocks left without owners to self._free, in order); pop those back off the right of "
+            "self._free, restore their order, and put each named one (in self._name_of) at the end of "
+            "self._evictable (self._evictable[block] = None) and each unnamed one back on self._free")
+
+    def match(self, hashes: Sequence[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of `hashes`: stops at the first name not in the cache."""
+        raise NotImplementedError(
+            "task 12.match: walk hashes in order, look each up in self._block_of, append its block, and break at the "
+            "first name that is not there; return the list (change nothing else)")
+
+    def acquire(self, block_ids: list[int]) -> None:
+        """Become one more owner of cached blocks found by `match` (an unowned one leaves the LRU list)."""
+        raise NotImplementedError(
+            "task 12.match: first check every block is named (in self._name_of, else ValueError, nothing changed); "
+            "then for each: self._evictable.pop(block, None) and self._ref_counts[block] += 1")
+
+    def register(self, block: int, name: bytes) -> bool:
+        """Name a full, fully computed, owned block. False (and nothing changes) if the block already has a name or
+        another block already holds this prefix (two requests computed it at once: the first one stays cached)."""
+        if self._ref_counts[block] == 0:
+            raise ValueError(f"block {block} is free; only an owned block with computed contents can be cached")
+        if block in self._name_of or name in self._block_of:
+            return False
+        self._block_of[name], self._name_of[block] = block, name
+        return True
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._name_of
+
+    def reset(self) -> None:
+        super().reset()
+        self._block_of.clear()
+        self._name_of.clear()
+        self._evictable.clear()
+        self.stats = PrefixCacheStats()
+
+    def __repr__(self) -> str:
+        return (f"PrefixCachingAllocator(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"free={len(self._free)}, cached={self.num_cached()}, evictable={len(self._evictable)})")
