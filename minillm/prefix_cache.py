@@ -158,6 +158,7 @@ class PrefixCachingAllocator(BlockAllocator):
     def register(self, block: int, name: bytes) -> bool:
         """Name a full, fully computed, owned block. False (and nothing changes) if the block already has a name or
         another block already holds this prefix (two requests computed it at once: the first one stays cached)."""
+        self._check_ids([block])
         if self._ref_counts[block] == 0:
             raise ValueError(f"block {block} is free; only an owned block with computed contents can be cached")
         if block in self._name_of or name in self._block_of:

@@ -318,3 +318,17 @@ def test_real_model_shared_system_prompt(real_model):
     rest = cached.chat(convs[1:], params)
     assert [o.token_ids for o in first + rest] == [o.token_ids for o in plain]
     assert cached.prefix_cache_stats.hit_tokens >= 64  # the system prompt's full blocks
+
+
+def test_failed_allocation_gives_the_shared_blocks_back():
+    bm = BlockManager(PrefixCachingAllocator(3, 2))
+    a = _seq("a", [1, 2, 3, 4, 5])
+    bm.allocate(a)
+    a.num_cached_tokens = 5
+    bm.deallocate(a)
+    b = _seq("b", [1, 2, 3, 4, 7, 8, 9])  # needs 2 new blocks beside its 2 hits: only 1 is left
+    with pytest.raises(OutOfBlocksError):
+        bm.allocate(b)
+    assert b.block_table == [] and bm.num_free() == 3 and bm.allocator.num_cached() == 2
+    with pytest.raises(ValueError, match="not a block"):
+        bm.allocator.register(-1, b"x" * 32)

@@ -65,7 +65,12 @@ class BlockManager:
         hit = self._cached_prefix(seq)
         if hit:
             self.allocator.acquire(hit)  # before allocating: allocation may evict unowned cached blocks
-        seq.block_table = hit + self.allocator.allocate(self.blocks_for(seq.num_tokens) - len(hit))
+        try:
+            seq.block_table = hit + self.allocator.allocate(self.blocks_for(seq.num_tokens) - len(hit))
+        except Exception:
+            if hit:
+                self.allocator.free(hit[::-1])  # all or nothing: give the shared blocks back
+            raise
         seq.num_cached_tokens = len(hit) * self.block_size
         seq.num_named_blocks = len(hit)
         if self.prefix_caching:
