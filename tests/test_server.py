@@ -314,19 +314,22 @@ def test_shutdown_drains_then_aborts_with_a_terminating_event(real_model):
     model, tok = real_model
     llm = LLM.from_model(model, tok, num_blocks=NUM_BLOCKS, max_num_seqs=4)
     long = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "stream": True}
-    short = {**long, "max_tokens": 3}
+    short = {**long, "max_tokens": 4}
     results = {}
 
     def read(name: str, body: dict, url: str) -> None:
         with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
             results[name] = sse(r)
 
-    with running(llm, drain_timeout=1.5) as s:
+    with running(llm, drain_timeout=3.0) as s:
+        in_flight = s.srv.app.state.service.engine.in_flight
         readers = [threading.Thread(target=read, args=(n, b, s.url)) for n, b in (("long", long), ("short", short))]
         for t in readers:
             t.start()
-        while llm.num_free_blocks() == NUM_BLOCKS or len(llm.scheduler.running) < 2:  # both admitted
-            time.sleep(0.02)
+        deadline = time.monotonic() + 30
+        while len(in_flight) < 2:  # both accepted: the short one has 4 tokens to go, the long one 500
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
         t0 = time.monotonic()
         s.srv.should_exit = True
         time.sleep(0.4)  # draining now: new requests are refused
@@ -334,7 +337,7 @@ def test_shutdown_drains_then_aborts_with_a_terminating_event(real_model):
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
         for t in readers:
             t.join(30)
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < 20
     short_events, long_events = results["short"], results["long"]
     assert short_events[-1] == "[DONE]" and json.loads(short_events[-2])["choices"][0]["finish_reason"] == "length"
     assert long_events[-1] == "[DONE]"

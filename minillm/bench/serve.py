@@ -3,15 +3,15 @@
 An asyncio load generator streams requests (SSE, stream_options.include_usage) with Poisson arrivals at a given rate
 (or a fixed concurrency) and times every chunk as it arrives:
   TTFT = first content chunk - send;  ITL = gaps between content chunks;  TPOT = (last - first chunk) / (tokens - 1);
-  E2E = send - [DONE].  Throughput: completed requests/s and output tokens/s; goodput: requests/s meeting the SLO.
+  E2E = send to [DONE].  Throughput: completed requests/s and output tokens/s; goodput: requests/s meeting the SLO.
 Every request must end with a finish_reason and [DONE]: `lost` = sent - completed (a 4xx/5xx is counted as well, by
 kind). Outputs have fixed lengths (vLLM's `ignore_eos` extra parameter), so runs at different rates do the same work.
 
 Workloads, all real English (CPython's pydoc text, minillm.workload.corpus_ids): short chats; chats that share one
 long system prompt (what prefix caching serves); long documents to continue (prefill-heavy). Given no URL the bench
 starts its own `minillm serve` on a free 127.0.0.1 port (and always stops it), then measures the server's overhead:
-the same requests one at a time through HTTP vs `LLM.generate` in this process, after the server has stopped (so the
-two never share the CPU).
+the same requests one at a time through HTTP and through `LLM.generate` in this process, alternated (the server sits
+idle meanwhile, so the two never compute at the same time).
 
     minillm bench serve --quick                       minillm bench serve --threads 1
     minillm bench serve --url http://127.0.0.1:8000 --rate 0.5 --rate 1
@@ -238,31 +238,35 @@ def _row(workload: str, rate, summary: dict) -> dict:
     return {"workload": workload, "rate": rate, **{c: summary[c] for c in cols}}
 
 
-def through_server(url: str, requests) -> dict:
-    """The requests one at a time through HTTP: client-side TPOT, as `inprocess` measures it in the engine."""
-    samples, wall = asyncio.run(run_load(url, requests, concurrency=1, workload="overhead"))
-    tpot = [x.metrics()["tpot"] for x in samples if x.completed]
-    return {"tpot_mean": sum(tpot) / len(tpot), "e2e_mean": sum(x.t_end - x.t_sent for x in samples) / len(samples),
-            "output_tok_per_s": sum(x.completion_tokens for x in samples) / wall}
-
-
-def inprocess(model, tok, requests, llm_options: dict) -> dict:
-    """`LLM.generate` on the same prompts, one at a time, with the server's engine settings."""
+def overhead(url: str, model, tok, requests, engine: dict) -> tuple[dict, dict]:
+    """The same requests one at a time through HTTP (client-side timing) and through `LLM.generate` in this process
+    (engine timestamps), alternating A B B A so that a machine that slows down or speeds up meanwhile hits both
+    alike. The server is idle while the in-process engine runs: the two never compute at the same time."""
     from ..engine import LLM
     from ..sampling import SamplingParams
 
-    llm = LLM.from_model(model, tok, **llm_options)
+    llm = LLM.from_model(model, tok, **engine)
     prompts = [tok.encode_chat(b["messages"]) if "messages" in b else tok.encode(b["prompt"]) for _, b in requests]
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up, as the server's first request was
-    tpot, e2e, n = [], [], 0
-    t0 = time.perf_counter()
-    for ids, (_, body) in zip(prompts, requests):
-        out = llm.generate([ids], SamplingParams(max_tokens=body["max_tokens"], ignore_eos=True))[0]
-        tpot.append(out.metrics["tpot"])
-        e2e.append(out.metrics["e2e"])
-        n += len(out.token_ids)
-    wall = time.perf_counter() - t0
-    return {"tpot_mean": sum(tpot) / len(tpot), "e2e_mean": sum(e2e) / len(e2e), "output_tok_per_s": n / wall}
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up, as the server had one
+    served, alone = {"tpot": [], "e2e": [], "tokens": 0, "s": 0.0}, {"tpot": [], "e2e": [], "tokens": 0, "s": 0.0}
+
+    def http(i: int) -> None:
+        (x,), wall = asyncio.run(run_load(url, requests[i:i + 1], concurrency=1, workload="overhead"))
+        m = x.metrics()
+        served["tpot"].append(m["tpot"]), served["e2e"].append(m["e2e"])
+        served["tokens"], served["s"] = served["tokens"] + x.completion_tokens, served["s"] + wall
+
+    def engine_(i: int) -> None:
+        t0 = time.perf_counter()
+        out = llm.generate([prompts[i]], SamplingParams(max_tokens=requests[i][1]["max_tokens"], ignore_eos=True))[0]
+        alone["tpot"].append(out.metrics["tpot"]), alone["e2e"].append(out.metrics["e2e"])
+        alone["tokens"], alone["s"] = alone["tokens"] + len(out.token_ids), alone["s"] + time.perf_counter() - t0
+
+    for i in range(len(requests)):
+        for f in ((http, engine_) if i % 2 == 0 else (engine_, http)):
+            f(i)
+    return tuple({"tpot_mean": sum(d["tpot"]) / len(d["tpot"]), "e2e_mean": sum(d["e2e"]) / len(d["e2e"]),
+                  "output_tok_per_s": d["tokens"] / d["s"]} for d in (served, alone))
 
 
 def run(quick: bool = False, url: str | None = None, rate: float | list[float] | None = None,
@@ -278,11 +282,12 @@ def run(quick: bool = False, url: str | None = None, rate: float | list[float] |
     if quick:
         sweep, plan, out_len, n_sweep, n_overhead = [2.0], {}, 8, 4, 2
     else:
-        sweep, out_len, n_sweep, n_overhead = [0.25, 0.5, 1.0, 2.0], 32, 16, 4
-        plan = {"shared-system": (0.5, 12), "long-doc": (0.2, 8)}  # workload -> (rate, requests)
+        sweep, out_len, n_sweep, n_overhead = [0.25, 0.5, 1.0, 2.0], 32, 16, 6
+        plan = {"shared-system": (0.5, 12), "long-doc": (0.1, 6)}  # workload -> (rate, requests)
     if rate is not None:
         sweep = sorted(rate) if isinstance(rate, (list, tuple)) else [float(rate)]
     own = url is None
+    url = None if own else url.rstrip("/").removesuffix("/v1")  # the server's root, however it was written
     engine = {"max_num_seqs": max_num_seqs, "enable_prefix_caching": True}  # minillm serve's defaults
     rows, series = [], {"workload": "short-chat"}
     with ThreadPoolExecutor(1) as pool:
@@ -306,7 +311,7 @@ def run(quick: bool = False, url: str | None = None, rate: float | list[float] |
                 rows.append(_row(w, r, _measure(base, w, reqs, r)))
             if own:
                 oreqs = make_requests(tok, "short-chat", n_overhead, out_len, model, seed=5)
-                served = through_server(base, oreqs)
+                served, alone = overhead(base, m, tok, oreqs, engine)
     ratios = {"lost_requests": float(sum(r["lost"] for r in rows)),
               "server_errors_5xx": float(sum(r["errors_5xx"] for r in rows))}
     targets = {"lost_requests": ("<=", 0), "server_errors_5xx": ("<=", 0)}
@@ -316,17 +321,16 @@ def run(quick: bool = False, url: str | None = None, rate: float | list[float] |
              ("workloads: short-chat = one user message of 16-64 tokens of pydoc text; shared-system = one 480-token "
               "system prompt shared by every request + 8-32 user tokens; long-doc = 768-1024 tokens to continue "
               "(16 output tokens).")]
-    if own:  # the server has stopped: now the same requests in this process, alone on the CPU
-        alone = inprocess(m, tok, oreqs, engine)
+    if own:
         for name, x in (("overhead: through the server", served), ("overhead: LLM.generate in-process", alone)):
             rows.append({"workload": name, "rate": "1 at a time", "output_tok_per_s": x["output_tok_per_s"],
                          "tpot_mean": x["tpot_mean"], "e2e_mean": x["e2e_mean"]})
         ratios["server_vs_inprocess_tpot"] = served["tpot_mean"] / alone["tpot_mean"]
         ratios["server_vs_inprocess_e2e"] = served["e2e_mean"] / alone["e2e_mean"]
         targets["server_vs_inprocess_tpot"] = ("<=", 1.15)
-        notes.append(f"overhead: {n_overhead} short chats one at a time through HTTP (client-side) vs LLM.generate "
-                     f"in this process after the server stopped (engine timestamps), same engine settings; "
-                     f"per token the server adds {(served['tpot_mean'] - alone['tpot_mean']) * 1e3:.1f} ms.")
+        notes.append(f"overhead: {n_overhead} short chats one at a time through HTTP (client-side) and through "
+                     f"LLM.generate in this process (engine timestamps), alternated ABBA, same engine settings; per "
+                     f"token the server adds {(served['tpot_mean'] - alone['tpot_mean']) * 1e3:.1f} ms.")
     else:
         notes.append(f"server at {url} (not started here): no in-process comparison.")
     return BenchResult(name="serve", rows=rows, ratios=ratios, targets=targets, series=series, notes=notes,
