@@ -140,6 +140,9 @@ class EngineThread:
     def start(self) -> None:
         self._thread.start()
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self, timeout: float = 30.0) -> None:
         self._stopping = True
         self.wake.set()
@@ -277,7 +280,7 @@ class Service:
         deadline = time.monotonic() + timeout
         while self.engine.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.engine.in_flight and self.engine._thread.is_alive():
+        if self.engine.in_flight and self.engine.is_alive():
             n = await asyncio.wrap_future(self.engine.post(self.engine.abort_all))
             logger.warning("shutdown: aborted %d request(s) still in flight after %.1f s", n, timeout)
         deadline = time.monotonic() + 5.0
@@ -289,6 +292,8 @@ def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_
               ) -> FastAPI:
     """The FastAPI app around an `LLM` (minillm.engine.LLM or LLM.from_model); its engine thread starts and stops with
     the app (lifespan). max_waiting: requests allowed to wait in the engine before 429."""
+    if llm.tokenizer is None:
+        raise ValueError("the server needs an LLM with a tokenizer (LLM.from_model(model, tokenizer))")
     svc = Service(llm, model_name, max_waiting)
 
     @asynccontextmanager
@@ -345,7 +350,7 @@ def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = not svc.closing and svc.engine.error is None and svc.engine._thread.is_alive()
+        ok = not svc.closing and svc.engine.error is None and svc.engine.is_alive()
         cache = llm.prefix_cache_stats  # None without prefix caching
         return JSONResponse({"status": "ok" if ok else "unavailable", "in_flight": len(svc.engine.in_flight),
                              "waiting": len(llm.scheduler.waiting), "free_blocks": llm.num_free_blocks(),

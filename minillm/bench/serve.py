@@ -282,7 +282,7 @@ def run(quick: bool = False, url: str | None = None, rate: float | list[float] |
     if quick:
         sweep, plan, out_len, n_sweep, n_overhead = [2.0], {}, 8, 4, 2
     else:
-        sweep, out_len, n_sweep, n_overhead = [0.25, 0.5, 1.0, 2.0], 32, 16, 6
+        sweep, out_len, n_sweep, n_overhead = [0.25, 0.5, 1.0, 2.0, 4.0], 32, 16, 6
         plan = {"shared-system": (0.5, 12), "long-doc": (0.1, 6)}  # workload -> (rate, requests)
     if rate is not None:
         sweep = sorted(rate) if isinstance(rate, (list, tuple)) else [float(rate)]
