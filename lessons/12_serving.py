@@ -33,6 +33,7 @@
 # %%
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -54,8 +55,9 @@ RESULTS = Path(minillm.__file__).resolve().parent.parent / "results"
 def recorded(name: str) -> dict:
     """The full run in results/<name>.json; quick mode (and a missing file) runs the quick benchmark instead."""
     path = RESULTS / f"{name}.json"
-    if QUICK or not path.exists():
-        return run_entry(name, quick=True, save=False).to_dict()
+    if QUICK or not path.exists():  # in a worker thread: bench serve runs its own asyncio loop (Jupyter has one)
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(run_entry, name, quick=True, save=False).result().to_dict()
     result = json.loads(path.read_text())
     print(f"the run recorded in results/{name}.json ({result['timestamp']}), on: {result['hardware'].get('cpu', '')}, "
           f"{result['settings'].get('threads', '?')} thread(s); rerun: minillm bench {name}")
