@@ -1,0 +1,152 @@
+"""Benchmark part "cascade" of `minillm bench disagg` (lesson 13): the small model answers first, SmolLM2 when unsure.
+
+Large: SmolLM2-135M (float32). Small: the distilled student of lesson 09 ("smollm2-135m-student", 16 blocks) when it
+is saved on this machine, else a stand-in (the target's first 16 blocks and its head, untrained: the notes say so).
+A fixed set of short factual/chat questions, greedy, chat template, one request at a time. Each model answers every
+question once per repeat (the two alternate per question, so a slow moment of a shared machine hits both; a request's
+seconds are its minimum over repeats). From those answers `minillm.cascade.sweep` computes the cascade at every
+threshold without running a model again: agreement with the large model (exact greedy answer, token prefix, KL on the
+large answer), mean cost (seconds and analytic FLOPs), escalation rate, for each confidence signal. Then one live
+cascade run at the best threshold found checks the sweep's prediction: same answers, same escalations.
+
+Target (issue 17): a threshold keeping >= 95% agreement with the large model at <= 70% of its mean cost (seconds).
+A perfect signal would escalate exactly the disagreeing answers; its cost, small + (1 - agreement) x large, bounds
+what any signal can reach on this pair.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+QUESTIONS = [
+    "What is the capital of France?", "How many legs does a spider have?", "Who wrote Romeo and Juliet?",
+    "What is 2 + 2?", "What is the boiling point of water in Celsius?", "What is the largest planet in the solar system?",
+    "What language is spoken in Brazil?", "What is the chemical symbol for gold?", "How many days are in a week?",
+    "What is the opposite of hot?", "Say hello in Spanish.", "What do bees make?", "Which ocean is the largest?",
+    "What is the capital of Japan?", "How many continents are there?", "What gas do plants absorb from the air?",
+    "Who painted the Mona Lisa?", "What is the square root of 81?", "Translate 'thank you' into French.",
+    "What is the tallest mountain in the world?", "What is H2O commonly called?", "How many hours are in a day?",
+    "What is the plural of mouse?", "Which planet is closest to the Sun?", "What is the main ingredient of guacamole?",
+    "Is ice cold? Answer yes or no.", "What currency is used in the United Kingdom?", "What color is a ripe banana?",
+    "Give me a synonym for happy.", "What is the freezing point of water in Fahrenheit?",
+    "Who was the first person to walk on the Moon?", "Complete the proverb: The early bird catches the ...",
+]
+
+
+def budget(quick: bool) -> dict:
+    if quick:
+        return {"n_prompts": 6, "max_tokens": 8, "repeats": 1, "live_check": False}
+    return {"n_prompts": len(QUESTIONS), "max_tokens": 32, "repeats": 2, "live_check": True}
+
+
+def best_point(curve: list[dict], min_agreement: float = 0.95) -> dict | None:
+    """The cheapest point (in seconds) that is a real cascade (threshold < 1) with agreement >= min_agreement and
+    cheaper than always-large (escalating nearly everything costs more than skipping the small model)."""
+    ok = [p for p in curve if p["threshold"] < 1.0 and p["agreement"] >= min_agreement and p["seconds_ratio"] < 1.0]
+    return min(ok, key=lambda p: (p["seconds_ratio"], -p["agreement"])) if ok else None
+
+
+def _row(label: str, signal: str, p: dict) -> dict:
+    return {"model": label, "signal": signal, "threshold": round(p["threshold"], 4),
+            "agreement": p["agreement"], "prefix_agreement": p["prefix_agreement"], "kl": p["kl"],
+            "escalation_rate": p["escalation_rate"], "mean_s": p["seconds"], "seconds_ratio": p["seconds_ratio"],
+            "mean_gflop": p["flops"] / 1e9, "flops_ratio": p["flops_ratio"]}
+
+
+def measure(quick: bool = False, threads: int = 1) -> dict:
+    from ..cascade import SIGNALS, Cascade, answer_kl, escalates, load_small, outcomes, sweep
+    from ..loader import load_model
+    from ..sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    b = budget(quick)
+    large, tok = load_model("smollm2-135m", dtype="float32", device="cpu")
+    small, small_desc = load_small(large)
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS[:b["n_prompts"]]]
+    params = SamplingParams(max_tokens=b["max_tokens"])
+    cascade = Cascade(small, large, tok)
+    for which in ("small", "large"):  # warm-up: first touch of the weights
+        cascade.answer(which, prompts[:1], SamplingParams(max_tokens=2))
+
+    answers: dict[str, list] = {"small": [None] * len(prompts), "large": [None] * len(prompts)}
+    for rep in range(b["repeats"]):
+        for i, prompt in enumerate(prompts):
+            for which in (("small", "large") if (rep + i) % 2 == 0 else ("large", "small")):
+                (a,) = cascade.answer(which, [prompt], params)
+                old = answers[which][i]
+                if old is not None and old.token_ids != a.token_ids:
+                    raise RuntimeError(f"the {which} model's greedy answer to prompt {i} changed between repeats")
+                if old is None or a.seconds < old.seconds:
+                    answers[which][i] = a
+    small_ans, large_ans = answers["small"], answers["large"]
+    kls = [answer_kl(small, large, p, a.token_ids) for p, a in zip(prompts, large_ans)]
+
+    rows, series, ratios, notes = [], {"curve": {}}, {}, [f"small model: {small_desc}"]
+    best: tuple[float, str, dict] | None = None
+    for signal in SIGNALS:
+        curve = sweep(outcomes(small_ans, large_ans, signal, kls))
+        series["curve"][signal] = curve
+        if signal == SIGNALS[0]:
+            rows.append(_row("always-small", "-", curve[0]))
+            rows.append(_row("always-large", "-", curve[-1]))
+        # a few points along the curve: the thresholds that escalate about a quarter, half, three quarters
+        inner = [p for p in curve if 0 < p["threshold"] < 1]
+        for target_rate in (0.25, 0.5, 0.75):
+            p = min(inner, key=lambda p: abs(p["escalation_rate"] - target_rate), default=None)
+            if p is not None:
+                rows.append(_row(f"cascade ~{target_rate:.0%} escalated", signal, p))
+        p = best_point(curve)
+        if p is not None:
+            rows.append(_row("cascade, cheapest >= 95% agreement", signal, p))
+            if best is None or p["seconds_ratio"] < best[0]:
+                best = (p["seconds_ratio"], signal, p)
+        ratios[f"cost_ratio_at_95_{signal}"] = p["seconds_ratio"] if p is not None else 1.0
+
+    n = len(prompts)
+    small_ratio = sum(a.seconds for a in small_ans) / sum(a.seconds for a in large_ans)
+    agree_small = sum(s.token_ids == big.token_ids for s, big in zip(small_ans, large_ans)) / n
+    ratios.update({
+        "cost_ratio_at_95_agreement": best[0] if best else 1.0,  # 1.0: only always-large reaches 95%
+        "always_small_agreement": agree_small,
+        "small_vs_large_seconds": small_ratio,
+        "small_vs_large_flops": sum(a.flops for a in small_ans) / sum(a.flops for a in large_ans),
+        # a perfect signal escalates exactly the disagreements, leaving up to 5% of them unescalated
+        "perfect_signal_cost_ratio_at_95": small_ratio + max(0.0, 1 - agree_small - 0.05),
+    })
+    if best is None:
+        notes.append(f"no threshold below 1 keeps >= 95% agreement below always-large's cost: the small model "
+                     f"agrees on {agree_small:.0%} of the answers and costs {small_ratio:.0%} of the large one, so every escalated request pays "
+                     f"{1 + small_ratio:.2f}x; even a perfect signal would cost "
+                     f"{ratios['perfect_signal_cost_ratio_at_95']:.0%} of always-large at 95%")
+    elif best[0] > 0.70:
+        notes.append(f"the cheapest cascade at >= 95% agreement ({best[1]}, threshold {best[2]['threshold']:.3g}) "
+                     f"costs {best[0]:.0%} of always-large: the small model alone costs {small_ratio:.0%} and agrees "
+                     f"on {agree_small:.0%}")
+
+    if b["live_check"] and best is not None:  # run the cascade for real at the best threshold: does the sweep hold?
+        live = Cascade(small, large, tok, signal=best[1], threshold=best[2]["threshold"])
+        t0 = time.perf_counter()
+        results = live.generate(prompts, params)
+        wall = time.perf_counter() - t0
+        predicted = [escalates(a.confidence(best[1]), best[2]["threshold"]) for a in small_ans]
+        same = sum(r.token_ids == (big.token_ids if e else s.token_ids)
+                   for r, e, s, big in zip(results, predicted, small_ans, large_ans))
+        ratios["live_vs_sweep_seconds"] = wall / n / best[2]["seconds"]
+        rows.append({"model": "cascade, live run", "signal": best[1], "threshold": round(best[2]["threshold"], 4),
+                     "agreement": sum(r.token_ids == big.token_ids for r, big in zip(results, large_ans)) / n,
+                     "escalation_rate": sum(r.escalated for r in results) / n, "mean_s": wall / n,
+                     "seconds_ratio": wall / n / (sum(a.seconds for a in large_ans) / n)})
+        notes.append(f"live run at the best threshold: {same}/{n} answers and "
+                     f"{sum(r.escalated == e for r, e in zip(results, predicted))}/{n} escalations as the sweep "
+                     "predicted")
+    series["per_request"] = [
+        {"question": QUESTIONS[i], "small": s.text, "large": big.text, "exact": s.token_ids == big.token_ids,
+         "kl": kls[i], "small_s": s.seconds, "large_s": big.seconds,
+         **{f"conf_{sig}": s.confidence(sig) for sig in SIGNALS}}
+        for i, (s, big) in enumerate(zip(small_ans, large_ans))]
+    return {"rows": rows, "ratios": ratios, "targets": {"cost_ratio_at_95_agreement": ("<=", 0.70)},
+            "notes": notes, "series": series,
+            "settings": {"small": small_desc, "prompts": n, "max_tokens": b["max_tokens"], "repeats": b["repeats"],
+                         "threads": threads, "dtype": "float32", "greedy": True}}
