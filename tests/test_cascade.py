@@ -4,11 +4,11 @@ teacher-forced forward, and clear errors for bad input. Oracles: the engine run 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
-from conftest import tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -32,6 +32,7 @@ from minillm.cascade import (
 )
 from minillm.engine import LLM
 from minillm.sampling import SamplingParams
+from tests.conftest import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -111,7 +112,7 @@ def test_sweep_is_monotone_and_its_ends_are_the_baselines(results, extra):
     thresholds = sorted({*default_thresholds([r.confidence for r in results]), *extra})
     curve = sweep(results, thresholds)
     n = len(results)
-    for a, b in zip(curve, curve[1:]):
+    for a, b in itertools.pairwise(curve):
         assert a["escalation_rate"] <= b["escalation_rate"]
         assert a["agreement"] <= b["agreement"] + 1e-12
         assert a["prefix_agreement"] <= b["prefix_agreement"] + 1e-12
