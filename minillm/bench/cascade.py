@@ -56,7 +56,7 @@ def _row(label: str, signal: str, p: dict) -> dict:
 
 
 def measure(quick: bool = False, threads: int = 1) -> dict:
-    from ..cascade import SIGNALS, Cascade, answer_kl, escalates, load_small, outcomes, sweep
+    from ..cascade import SIGNALS, Cascade, Outcome, answer_kl, escalates, load_small, outcomes, sweep
     from ..loader import load_model
     from ..sampling import SamplingParams
 
@@ -85,6 +85,7 @@ def measure(quick: bool = False, threads: int = 1) -> dict:
 
     rows, series, ratios, notes = [], {"curve": {}}, {}, [f"small model: {small_desc}"]
     best: tuple[float, str, dict] | None = None
+    halfway = None  # the live run's threshold when no cascade reaches the target: mean_logprob, ~half escalated
     for signal in SIGNALS:
         curve = sweep(outcomes(small_ans, large_ans, signal, kls))
         series["curve"][signal] = curve
@@ -92,11 +93,14 @@ def measure(quick: bool = False, threads: int = 1) -> dict:
             rows.append(_row("always-small", "-", curve[0]))
             rows.append(_row("always-large", "-", curve[-1]))
         # a few points along the curve: the thresholds that escalate about a quarter, half, three quarters
-        inner = [p for p in curve if 0 < p["threshold"] < 1]
+        inner, shown = [p for p in curve if 0 < p["threshold"] < 1], set()
         for target_rate in (0.25, 0.5, 0.75):
             p = min(inner, key=lambda p: abs(p["escalation_rate"] - target_rate), default=None)
-            if p is not None:
+            if p is not None and p["threshold"] not in shown:  # few prompts: two rates can pick one point
+                shown.add(p["threshold"])
                 rows.append(_row(f"cascade ~{target_rate:.0%} escalated", signal, p))
+                if halfway is None and target_rate == 0.5:
+                    halfway = (p["seconds_ratio"], signal, p)
         p = best_point(curve)
         if p is not None:
             rows.append(_row("cascade, cheapest >= 95% agreement", signal, p))
@@ -104,6 +108,10 @@ def measure(quick: bool = False, threads: int = 1) -> dict:
                 best = (p["seconds_ratio"], signal, p)
         ratios[f"cost_ratio_at_95_{signal}"] = p["seconds_ratio"] if p is not None else 1.0
 
+    # the best any signal could do: escalate exactly the answers that disagree (confidence 0), keep the rest (1)
+    perfect = [Outcome(**{**o.__dict__, "confidence": float(o.exact)}) for o in outcomes(small_ans, large_ans,
+                                                                                     SIGNALS[0], kls)]
+    rows.append(_row("perfect signal (escalates exactly the disagreements)", "oracle", sweep(perfect, [0.5])[0]))
     n = len(prompts)
     small_ratio = sum(a.seconds for a in small_ans) / sum(a.seconds for a in large_ans)
     agree_small = sum(s.token_ids == big.token_ids for s, big in zip(small_ans, large_ans)) / n
@@ -117,30 +125,36 @@ def measure(quick: bool = False, threads: int = 1) -> dict:
     })
     if best is None:
         notes.append(f"no threshold below 1 keeps >= 95% agreement below always-large's cost: the small model "
-                     f"agrees on {agree_small:.0%} of the answers and costs {small_ratio:.0%} of the large one, so every escalated request pays "
-                     f"{1 + small_ratio:.2f}x; even a perfect signal would cost "
+                     f"agrees on {agree_small:.0%} of the answers and costs {small_ratio:.0%} of the large one, so "
+                     f"every escalated request pays {1 + small_ratio:.2f}x; even a perfect signal would cost "
                      f"{ratios['perfect_signal_cost_ratio_at_95']:.0%} of always-large at 95%")
-    elif best[0] > 0.70:
+    if agree_small < 0.5:
+        i = next((i for i, (s, big) in enumerate(zip(small_ans, large_ans)) if s.token_ids != big.token_ids), 0)
+        notes.append(f"e.g. {QUESTIONS[i]!r}: small {small_ans[i].text!r}, large {large_ans[i].text!r}")
+    if best is not None and best[0] > 0.70:
         notes.append(f"the cheapest cascade at >= 95% agreement ({best[1]}, threshold {best[2]['threshold']:.3g}) "
                      f"costs {best[0]:.0%} of always-large: the small model alone costs {small_ratio:.0%} and agrees "
                      f"on {agree_small:.0%}")
 
-    if b["live_check"] and best is not None:  # run the cascade for real at the best threshold: does the sweep hold?
-        live = Cascade(small, large, tok, signal=best[1], threshold=best[2]["threshold"])
+    check = best or halfway
+    if b["live_check"] and check is not None:  # run the cascade for real at one threshold: does the sweep hold?
+        _, signal, point = check
+        live = Cascade(small, large, tok, signal=signal, threshold=point["threshold"])
         t0 = time.perf_counter()
         results = live.generate(prompts, params)
         wall = time.perf_counter() - t0
-        predicted = [escalates(a.confidence(best[1]), best[2]["threshold"]) for a in small_ans]
+        predicted = [escalates(a.confidence(signal), point["threshold"]) for a in small_ans]
         same = sum(r.token_ids == (big.token_ids if e else s.token_ids)
                    for r, e, s, big in zip(results, predicted, small_ans, large_ans))
-        ratios["live_vs_sweep_seconds"] = wall / n / best[2]["seconds"]
-        rows.append({"model": "cascade, live run", "signal": best[1], "threshold": round(best[2]["threshold"], 4),
+        ratios["live_vs_sweep_seconds"] = wall / n / point["seconds"]
+        rows.append({"model": "cascade, live run", "signal": signal, "threshold": round(point["threshold"], 4),
                      "agreement": sum(r.token_ids == big.token_ids for r, big in zip(results, large_ans)) / n,
                      "escalation_rate": sum(r.escalated for r in results) / n, "mean_s": wall / n,
-                     "seconds_ratio": wall / n / (sum(a.seconds for a in large_ans) / n)})
-        notes.append(f"live run at the best threshold: {same}/{n} answers and "
+                     "seconds_ratio": wall / n / (sum(a.seconds for a in large_ans) / n),
+                     "mean_gflop": sum(r.flops for r in results) / n / 1e9})
+        notes.append(f"live cascade run ({signal}, threshold {point['threshold']:.3g}): {same}/{n} answers and "
                      f"{sum(r.escalated == e for r, e in zip(results, predicted))}/{n} escalations as the sweep "
-                     "predicted")
+                     f"predicted; its mean seconds {wall / n:.2f} vs the sweep's {point['seconds']:.2f}")
     series["per_request"] = [
         {"question": QUESTIONS[i], "small": s.text, "large": big.text, "exact": s.token_ids == big.token_ids,
          "kl": kls[i], "small_s": s.seconds, "large_s": big.seconds,
