@@ -227,6 +227,7 @@ class Cascade:
         return [self._answer(which, prompt, params) for prompt in _prompt_list(prompts)]
 
     def generate(self, prompts: list, params: SamplingParams | None = None) -> list[CascadeResult]:
+        """Answer each prompt (text or token ids, greedy; default max_tokens 32), one at a time, in input order."""
         params = _greedy_with_logprobs(params)
         results = []
         for prompt in _prompt_list(prompts):
