@@ -238,17 +238,20 @@ class ReplicaPool:
     # ---------------------------------------------------------------------------------------- plumbing
 
     def _expect(self, i: int, kind: str) -> tuple:
-        """Wait for replica i's next message, which must be `kind` (startup and reset: nothing else is in flight)."""
-        if not self._outbox[i].poll(self.timeout):
-            raise RuntimeError(f"replica {i} did not answer within {self.timeout:.0f} s (waiting for {kind!r})")
-        try:
-            got, *args = self._outbox[i].recv()
-        except EOFError:
-            self._procs[i].join(5)
-            raise RuntimeError(f"replica {i} exited (code {self._procs[i].exitcode}) before {kind!r}") from None
-        if got != kind:
-            raise RuntimeError(f"replica {i} failed instead of answering {kind!r}:\n{args[-1]}")
-        return tuple(args)
+        """Wait for replica i's answer `kind` (startup, reset), skipping late events of requests given up."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if not self._outbox[i].poll(max(0.0, deadline - time.monotonic())):
+                raise RuntimeError(f"replica {i} did not answer within {self.timeout:.0f} s (waiting for {kind!r})")
+            try:
+                got, *args = self._outbox[i].recv()
+            except EOFError:
+                self._procs[i].join(5)
+                raise RuntimeError(f"replica {i} exited (code {self._procs[i].exitcode}) before {kind!r}") from None
+            if got == kind:
+                return tuple(args)
+            if got not in ("event", "rejected"):
+                raise RuntimeError(f"replica {i} failed instead of answering {kind!r}:\n{args[-1]}")
 
     def _send(self, i: int, *msg) -> bool:
         try:

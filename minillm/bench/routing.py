@@ -8,10 +8,10 @@ caching, behind round-robin, least-outstanding-tokens or prefix-affinity routing
 all three policies in turn; before each, every replica's engine is rebuilt (empty cache) and the router starts
 fresh, and the same requests arrive at the same times.
 
-Each replica's KV pool holds its running requests plus about half of the groups' system prompts: enough for the
-groups prefix affinity gives it, not for all of them. That is the point of cache-aware routing: round-robin makes
-every replica cache every group (the fleet caches what one replica can), affinity splits the groups (the fleet
-caches N times more). Measured per policy: TTFT p50/p99/mean on the pool's clock, output throughput, the replicas'
+Round-robin makes every replica compute and cache every group's system prompt (the fleet caches what one replica
+can); affinity splits the groups, so each prefix is computed once in the fleet. Each replica's KV pool is sized for
+its running requests plus about half of the groups' system prompts: enough for the groups affinity gives it; when
+the replicas are full of running requests, round-robin's replicas must also evict (the `evictions` column). Measured per policy: TTFT p50/p99/mean on the pool's clock, output throughput, the replicas'
 prefix-cache hit rate, load imbalance (max/mean requests and prompt tokens per replica); greedy outputs compared
 across policies.
 """
@@ -140,6 +140,9 @@ def measure(quick: bool = False, threads: int = 1) -> dict:
          f"{max_tokens} output tokens each; {n_replicas} replicas x {threads} thread(s), float32, CPU; per replica "
          f"{num_blocks} KV blocks of {block_size} (running requests + ~{math.ceil(n_groups / n_replicas)} system "
          f"prompts), max_num_seqs {max_seqs}, budget {budget} tokens per step; pool startup {startup_s:.1f} s."),
+        ("prefix-cache evictions per policy: " + ", ".join(f"{r['policy']} {r['evictions']}" for r in rows)
+         + ("; none: the caches held every group, so the hit-rate gap is each group's first miss on each replica."
+            if not any(r["evictions"] for r in rows) else ".")),
         (f"greedy outputs identical across the three policies for {same}/{len(prompts)} requests (a difference would "
          f"be batched rounding: the batches differ between policies)."),
         ("prefix affinity's fallback: the least loaded replica when nothing matches or when the matched replica owes "
