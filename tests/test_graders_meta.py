@@ -26,6 +26,10 @@ def test_stubs_fail(lesson):
 from tests.graders.mutants import MUTANTS  # noqa: E402
 
 MUTANT_LESSONS = sorted({m.lesson for m in MUTANTS})
+# the mutants of the real-model tasks load and run SmolLM2 (5-30 s each, ~150 s in all): a slow test of their own;
+# the default run still shows that every real-model grader passes the solution and fails the stub
+REAL_MODEL_MUTANT_LESSONS = sorted({m.lesson for m in MUTANTS if m.real_model})
+OTHER_MUTANT_LESSONS = sorted({m.lesson for m in MUTANTS if not m.real_model})
 
 
 def test_every_task_has_a_mutant():
@@ -34,21 +38,35 @@ def test_every_task_has_a_mutant():
     assert required <= covered, f"tasks without a mutant in tests/graders/mutants.py: {sorted(required - covered)}"
 
 
-@pytest.mark.parametrize("lesson", MUTANT_LESSONS)
-def test_every_mutant_fails_its_task(lesson):
-    """Each committed mutant (a solution with one known bug edited in) makes its task's graders fail."""
+def _assert_mutants_killed(lesson: str, real_model: bool) -> None:
     import json
+    import os
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "tests.graders.mutants", lesson], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900, env={**__import__("os").environ, "MINILLM_GRADE": "solutions"})
+    proc = subprocess.run([sys.executable, "-m", "tests.graders.mutants", lesson,
+                           "--real-model" if real_model else "--no-real-model"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "MINILLM_GRADE": "solutions"})
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("MUTANTS ")), None)
     assert line is not None, f"the mutant runner failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     results = json.loads(line[len("MUTANTS "):])
-    assert set(results) == {m.name for m in MUTANTS if m.lesson == lesson}
+    assert set(results) == {m.name for m in MUTANTS if m.lesson == lesson and m.real_model == real_model}
     survivors = [name for name, outcome in results.items() if outcome != "killed"]
     assert not survivors, f"mutants that pass their task's graders (strengthen the grader): {survivors}"
+
+
+@pytest.mark.parametrize("lesson", OTHER_MUTANT_LESSONS)
+def test_every_mutant_fails_its_task(lesson):
+    """Each committed mutant (a solution with one known bug edited in) makes its task's graders fail; those of the
+    real-model tasks: test_every_real_model_mutant_fails_its_task."""
+    _assert_mutants_killed(lesson, real_model=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lesson", REAL_MODEL_MUTANT_LESSONS)
+def test_every_real_model_mutant_fails_its_task(lesson):
+    """The mutants of task_NN_real_model: each makes SmolLM2 run wrong through the learner's code, and the task fails."""
+    _assert_mutants_killed(lesson, real_model=True)
 
 
 # ------------------------------------------------------------------------- importing the reference must fail

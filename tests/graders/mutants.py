@@ -6,9 +6,12 @@ changes. Most are bugs learners write and that earlier graders let through (soft
 rotated in bf16, the top-p boundary, flash's running max started at 0, skipping a blocked head-of-line
 request).
 
-tests/test_graders_meta.py runs every mutant against its task's graders and asserts the task fails. By hand:
+tests/test_graders_meta.py runs every mutant against its task's graders and asserts the task fails: the mutants of
+the real-model tasks (each loads and runs SmolLM2, 5-30 s) in a slow test of their own (`pytest -m slow`), the rest
+in the default run. By hand:
 
-    python -m tests.graders.mutants 05            # one line per mutant of lesson 05: killed / SURVIVED
+    python -m tests.graders.mutants 05                 # every mutant of lesson 05: {mutant: killed / survived}
+    python -m tests.graders.mutants 05 --real-model    # only those of task_05_real_model (--no-real-model: the rest)
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ class Mutant:
     @property
     def lesson(self) -> str:
         return self.module[2:4]
+
+    @property
+    def real_model(self) -> bool:
+        """A mutant of a task_NN_real_model task: its graders load and run SmolLM2."""
+        return self.task.endswith("_real_model")
 
 
 MUTANTS = [
@@ -648,15 +656,17 @@ def build(m: Mutant, module):
     return owner, attr, namespace[attr]
 
 
-def run(lesson: str) -> dict[str, str]:
-    """Run each mutant of `lesson` against its task's graders in this process; {mutant: 'killed' | 'survived'}."""
+def run(lesson: str, real_model: bool | None = None) -> dict[str, str]:
+    """Run each mutant of `lesson` against its task's graders in this process; {mutant: 'killed' | 'survived'}.
+    real_model: True for only the mutants of real-model tasks, False for only the others, None for all."""
     import pytest
-    from hypothesis import settings
+    from hypothesis import Phase, settings
 
-    settings.register_profile("mutants", database=None, print_blob=False)
+    settings.register_profile("mutants", database=None, print_blob=False,
+                              phases=[p for p in Phase if p is not Phase.explain])  # as tests/conftest.py
     settings.load_profile("mutants")
     results = {}
-    for m in [m for m in MUTANTS if m.lesson == lesson]:
+    for m in [m for m in MUTANTS if m.lesson == lesson and real_model in (None, m.real_model)]:
         module = importlib.import_module(f"solutions.{m.module}")
         owner, attr, fn = build(m, module)
         original = getattr(owner, attr)
@@ -675,5 +685,6 @@ def run(lesson: str) -> dict[str, str]:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    out = run(sys.argv[1])
+    which = {"--real-model": True, "--no-real-model": False}
+    out = run(sys.argv[1], *(which[a] for a in sys.argv[2:3]))
     print("MUTANTS " + json.dumps(out))
