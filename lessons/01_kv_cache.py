@@ -86,8 +86,8 @@ print(inspect.getsource(KVCache.attend))
 
 # %%
 question = "Explain in two sentences why the sky is blue."
-with_cache = minillm.generate(model, tok, question, max_new_tokens=pick(64, 24), cache="contiguous", chat=True)
-without = minillm.generate(model, tok, question, max_new_tokens=pick(64, 24), cache="none", chat=True)
+with_cache = minillm.generate(model, tok, question, max_new_tokens=pick(64, 12), cache="contiguous", chat=True)
+without = minillm.generate(model, tok, question, max_new_tokens=pick(64, 12), cache="none", chat=True)
 print("with cache:   ", repr(with_cache.text))
 print("without cache:", repr(without.text))
 print("identical token ids:", with_cache.token_ids == without.token_ids, f"({len(with_cache.token_ids)} tokens)")
@@ -99,7 +99,7 @@ print("identical token ids:", with_cache.token_ids == without.token_ids, f"({len
 # out. Without the cache, step *t* processes 32 + *t* tokens; with it, one.
 
 # %%
-n_new = pick(256, 48)
+n_new = pick(256, 24)
 prompt = eval_ids(tok, 32)  # the first 32 tokens of Python's pydoc topics: real English, always the same
 runs = {}
 for cache in ("contiguous", "none"):

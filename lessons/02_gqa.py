@@ -172,7 +172,7 @@ for n_kv in (9, 3, 1):
 # from the original model's next-token distribution (0 = unchanged), and perplexity.
 
 # %%
-ids = eval_ids(tok, pick(1024, 256))
+ids = eval_ids(tok, pick(1024, 128))
 quality = {}
 for name, m in variants.items():
     quality[name] = (kl_to_reference(m, model, ids), perplexity_of_ids(m, ids, window=512))
@@ -182,7 +182,7 @@ for name, (kl, ppl) in quality.items():
 
 question = "What is the capital of France?"
 for name in (names[1], names[2]):
-    out = minillm.generate(variants[name], tok, question, max_new_tokens=24, chat=True)
+    out = minillm.generate(variants[name], tok, question, max_new_tokens=pick(24, 12), chat=True)
     print(f"{name}: {out.text!r}")
 
 # %%

@@ -28,7 +28,7 @@ KD = "KD (T=1)"  # the student that is saved and used by lesson 10
 
 def budget(quick: bool) -> dict:
     if quick:
-        return {"steps": 6, "batch_size": 2, "seq_len": 64, "warmup": 2, "eval_every": 6, "eval_tokens": 128,
+        return {"steps": 3, "batch_size": 2, "seq_len": 64, "warmup": 1, "eval_every": 3, "eval_tokens": 128,
                 "drop_n_blocks": 14, "n_prompts": 0, "new_tokens": 0}
     return {"steps": 40, "batch_size": 4, "seq_len": 128, "warmup": 5, "eval_every": 10, "eval_tokens": 512,
             "drop_n_blocks": 14, "n_prompts": 32, "new_tokens": 96}

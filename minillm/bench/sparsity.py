@@ -24,19 +24,22 @@ from minillm.bench.quant import prefill_tok_s, quality
 SHAPES = {"wq/wo": (576, 576), "wk/wv": (192, 576), "gate/up": (1536, 576), "down": (576, 1536)}
 
 
-def unstructured_rows(ref, calib, ref_logits, chunks, quick: bool) -> list[dict]:
+def unstructured_rows(ref, calib, ref_logits, chunks, quick: bool) -> tuple[list[dict], dict]:
+    """The rows, and the Wanda 2:4 model (run() checks its masks on every layer)."""
     from minillm.sparsity import prune, sparsity_of
 
     levels = [0.5] if quick else [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
     todo = [(m, "unstructured", s) for s in levels for m in ("magnitude", "wanda")]
     todo += [("magnitude", "2:4", 0.5), ("wanda", "2:4", 0.5)]
-    rows = []
+    rows, wanda_2to4 = [], None
     for method, pattern, s in todo:
         model = copy.deepcopy(ref)
         prune(model, s, method, pattern, calib_ids=calib)
         rows.append({"variant": f"{method} {pattern} {s:.0%}", "part": "masks", "method": method,
                      "pattern": pattern, "sparsity": sparsity_of(model), **quality(model, ref_logits, chunks)})
-    return rows
+        if (method, pattern) == ("wanda", "2:4"):
+            wanda_2to4 = model
+    return rows, wanda_2to4
 
 
 def structured_variants(quick: bool) -> dict[str, dict]:
@@ -112,7 +115,7 @@ def gpu_semi_structured(quick: bool) -> tuple[list[dict], dict]:
 def run(quick: bool = False) -> BenchResult:
     from minillm import load_model
     from minillm.quality import calibration_ids, eval_ids
-    from minillm.sparsity import is_n_m_sparse, prune
+    from minillm.sparsity import is_n_m_sparse
 
     eval_len, window = (64, 64) if quick else (512, 256)
     ref, tok = load_model("smollm2-135m", dtype="float32")
@@ -121,12 +124,11 @@ def run(quick: bool = False) -> BenchResult:
     with torch.inference_mode():
         ref_logits = [ref(torch.tensor([c]))[0].float() for c in chunks]
     calib = calibration_ids(tok, 128 if quick else 512)
-    rows = unstructured_rows(ref, calib, ref_logits, chunks, quick)
+    rows, check = unstructured_rows(ref, calib, ref_logits, chunks, quick)
     by = {r["variant"]: r for r in rows}
     ratios = {"wanda_ppl_over_magnitude_at_50": by["wanda unstructured 50%"]["ppl"] / by["magnitude unstructured 50%"]["ppl"],
               "wanda_2to4_ppl_over_magnitude_2to4": by["wanda 2:4 50%"]["ppl"] / by["magnitude 2:4 50%"]["ppl"]}
-    check = copy.deepcopy(ref)  # 2:4 masks valid on every layer of a pruned model
-    prune(check, 0.5, "wanda", "2:4", calib_ids=calib)
+    # 2:4 masks valid on every layer of the pruned model
     linears = [m for b in check.layers for m in b.modules() if isinstance(m, torch.nn.Linear)]
     ratios["layers_2to4_valid"] = sum(is_n_m_sparse(m.weight) for m in linears) / len(linears)
     del check

@@ -45,8 +45,8 @@ STUDENT = "smollm2-135m-student"
 
 def budget(quick: bool) -> dict:
     if quick:
-        return {"new_tokens": 16, "n_grounded": 1, "n_chat": 1, "n_text": 0, "ngram_k": [4], "student_k": [],
-                "early_exit": [(10, 1)], "verify_q": [1, 5], "engine_batches": [1, 4], "engine_tokens": 12}
+        return {"new_tokens": 8, "n_grounded": 1, "n_chat": 1, "n_text": 0, "ngram_k": [4], "student_k": [],
+                "early_exit": [(10, 1)], "verify_q": [1, 5], "engine_batches": [1, 4], "engine_tokens": 6}
     return {"new_tokens": 64, "n_grounded": 6, "n_chat": 4, "n_text": 4, "ngram_k": [2, 4, 8],
             "student_k": [1, 2, 3], "early_exit": [(10, 1), (20, 1), (20, 2)], "verify_q": [1, 2, 3, 5, 9, 17],
             "engine_batches": [1, 4, 16], "engine_tokens": 64}
