@@ -175,8 +175,10 @@ def _decode_loop(llm, device, inbox, events, fault) -> None:
     if fault is not None and fault[0] == "unpack":  # write part of the KV, then fail: the engine must give the blocks back
         from . import kv_transfer
 
+        real_unpack = kv_transfer.unpack_kv_blocks
+
         def broken_unpack(pool, block_table, payload):
-            pool.import_blocks(block_table[:1], {n: t[:, :1] for n, t in payload.items()})
+            real_unpack(pool, block_table[:1], {n: t[:, :1] for n, t in payload.items()})
             raise RuntimeError("injected fault while writing the KV blocks")
         kv_transfer.unpack_kv_blocks = broken_unpack
     arrived: queue.Queue = queue.Queue()

@@ -89,6 +89,13 @@ TASKS: dict[str, list[tuple[str, str]]] = {
         ("task_12_lru", "free keeps named blocks in an LRU list; allocate: unnamed first, then least recently freed"),
         ("task_12_real_model", "your prefix cache serves SmolLM2 chats sharing a system prompt: same answers and hits"),
     ],
+    "13": [
+        ("task_13_pack", "pack a sequence's KV blocks into contiguous copies (partial last block, int8 scales); unpack "
+                         "them into another pool's blocks, in table order"),
+        ("task_13_route", "least outstanding tokens; prefix affinity: leading-run match, balance fallback, LRU memory"),
+        ("task_13_real_model", "SmolLM2 prefilled on one engine, decoded on another with your transfer; your router's "
+                               "choices and hits"),
+    ],
 }
 
 ROOT = Path(__file__).resolve().parent.parent

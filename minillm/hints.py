@@ -230,6 +230,31 @@ HINTS: dict[str, tuple[str, str]] = {
                            "blocks as minillm's cache, and every block must be free at the end. More hits than "
                            "minillm's: a stale name (an evicted block still found); fewer: the wrong block evicted, "
                            "or a name lost on free."),
+    "task_13_pack": ("A sequence's blocks are scattered over the sender's pool and must land in other ids of the "
+                     "receiver's. What is the payload's shape, and what happens to the sender's blocks once it is "
+                     "packed?",
+                     "pack: ceil(num_tokens / block_size) blocks (the partly filled last one too), packed block i = "
+                     "block_table[i], every layer, every tensor stored_tensors(pool) names (an int8 pool's "
+                     "scales too); new memory (t[:, a:b] is a view the pool overwrites when it reuses the blocks); "
+                     "ValueError for num_tokens < 1 or more than the table holds. unpack: check_payload first "
+                     "(nothing written on a bad payload), then packed block i into block_table[i], in the table's "
+                     "order, scales included, no other block touched."),
+    "task_13_route": ("What does a replica still owe, and which replica's cache most likely holds this prompt's "
+                      "prefix? When is sending it there worse than computing the prefix again elsewhere?",
+                      "least_loaded: fewest outstanding_tokens (not requests) among live replicas, ties to the lowest "
+                      "id, RuntimeError if none is alive. matched_blocks: the leading run of remembered hashes only. "
+                      "on_dispatch: hashes tail first, each moved to the most recent end (move_to_end), then drop "
+                      "the oldest beyond max_blocks: heads survive. is_imbalanced: a - b > balance_abs AND a > "
+                      "balance_rel * b, both strict. choose: the longest match (then less loaded, lower id) unless "
+                      "nothing matches or it is imbalanced against the lightest (then fewest remembered, lower "
+                      "id); choose remembers nothing."),
+    "task_13_real_model": ("Nothing new to write: SmolLM2 is prefilled on one engine and decoded on another through "
+                           "your pack/unpack, and your router routes chat requests over two prefix-caching engines.",
+                           "Three chats (float32 and int8 KV) go LLM.add_prefill -> pop_handoffs -> add_prefilled "
+                           "into an engine whose free blocks come in a scrambled order: the greedy tokens must be a "
+                           "single engine's (KV written into the wrong blocks changes them). Then four waves of "
+                           "chats sharing two system prompts are routed over two engines (block_size 16, max_blocks 24, balance_abs 64, balance_rel 1.5): every choice and each "
+                           "engine's prefix-hit tokens must be minillm's router's."),
 }
 
 
@@ -283,6 +308,12 @@ RECIPES["task_12_real_model"] = (
     "minillm.engine.block_manager.block_hashes and minillm.paged.PrefixCachingAllocator to yours, serve the grader's "
     "PHASES with its serve_phases(model, tok) and compare each phase with reference_phases(model, tok), taken "
     "before yours are swapped in.")
+RECIPES["task_13_real_model"] = (
+    "MINILLM_GRADE=exercises python -m pytest tests/graders/test_ex13_disagg.py -m task_13_real_model -x -rP shows "
+    "the failing request (tokens, or the routing choice and hits); by hand: set minillm.kv_transfer's pack_kv_blocks "
+    "and unpack_kv_blocks to yours and run the grader's disaggregated(model, tok, None) against "
+    "single_engine(model, tok, None); run its route_stream(model, tok, YourRouterClass) against "
+    "route_stream(model, tok, minillm.router.PrefixAffinityRouter).")
 
 
 def _recipes(lesson: str) -> dict[str, str]:

@@ -2,10 +2,10 @@
 
 Per layer a (num_blocks, block_size, n_kv_heads, head_dim) tensor for K and one for V, addressed by *slot*
 (block_id * block_size + offset). The pool can store another dtype than attention computes in (`kv_dtype`): int8
-with a float32 scale per token and head halves (vs bf16) the bytes decode reads per cached token (lesson 07). Blocks
-can be exported as tensors and imported into another pool's blocks: how a request's KV moves from a prefill engine to
-a decode engine (lesson 13). Which blocks are free is BlockAllocator's business (block_allocator.py); which block
-holds which token, the block tables' (paged.py, engine/).
+with a float16 scale per token and head halves (vs bf16) the bytes decode reads per cached token (lesson 07). Moving
+a request's blocks into another pool (disaggregation, lesson 13) is kv_transfer.py's pack/unpack over these tensors.
+Which blocks are free is BlockAllocator's business (block_allocator.py); which block holds which token, the block
+tables' (paged.py, engine/).
 """
 
 from __future__ import annotations
@@ -69,10 +69,6 @@ class KVBlockPool:
             self.k_scale = torch.ones(shape[:-1], dtype=torch.float16, device=device)  # (..., n_kv_heads)
             self.v_scale = torch.ones(shape[:-1], dtype=torch.float16, device=device)
 
-    def _tensors(self) -> dict[str, Tensor]:
-        return {n: t for n, t in (("k", self.k), ("v", self.v), ("k_scale", self.k_scale),
-                                  ("v_scale", self.v_scale)) if t is not None}
-
     def write(self, layer_id: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """k, v (n, n_kv_heads, head_dim) into pool slots (n,) of one layer (slot = block * block_size + offset)."""
         for pool, scale, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
@@ -93,20 +89,3 @@ class KVBlockPool:
                 x = x.float() * scale[layer_id].view(-1, scale.shape[-1]).index_select(0, slots.flatten()).float()[..., None]
             out.append(x.to(self.spec.dtype).view(*slots.shape, *pool.shape[-2:]))
         return out[0], out[1]
-
-    def export_blocks(self, block_ids: list[int]) -> dict[str, Tensor]:
-        """Copies of these blocks' contents, every layer: {"k": (n_layers, len(ids), block_size, ...), "v", scales}."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
-        return {n: t.index_select(1, idx).clone() for n, t in self._tensors().items()}
-
-    def import_blocks(self, block_ids: list[int], blocks: dict[str, Tensor]) -> None:
-        """Write exported blocks into these (already allocated) blocks of this pool, in order."""
-        tensors = self._tensors()
-        if set(blocks) != set(tensors):
-            raise ValueError(f"exported blocks carry {sorted(blocks)}, this pool needs {sorted(tensors)}: same kv_dtype")
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
-        for n, t in tensors.items():
-            if blocks[n].shape[2:] != t.shape[2:] or blocks[n].shape[:2] != (t.shape[0], len(block_ids)):
-                raise ValueError(f"{n}: got {tuple(blocks[n].shape)} for {len(block_ids)} blocks of a pool "
-                                 f"{tuple(t.shape)}: the block size, heads and layers must match")
-            t.index_copy_(1, idx, blocks[n].to(device=t.device, dtype=t.dtype))

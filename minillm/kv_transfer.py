@@ -30,6 +30,13 @@ from .kv_pool import KVBlockPool
 from .sampling import SamplingParams
 
 
+def stored_tensors(pool: KVBlockPool) -> dict[str, Tensor]:
+    """A pool's storage by payload name: "k", "v" (n_layers, num_blocks, block_size, n_kv_heads, head_dim) and, for
+    an int8 pool, their scales "k_scale", "v_scale" (n_layers, num_blocks, block_size, n_kv_heads)."""
+    named = {"k": pool.k, "v": pool.v, "k_scale": pool.k_scale, "v_scale": pool.v_scale}
+    return {name: t for name, t in named.items() if t is not None}
+
+
 def pack_kv_blocks(pool: KVBlockPool, block_table: list[int], num_tokens: int) -> dict[str, Tensor]:
     """The KV of a sequence's first `num_tokens` tokens, copied out of its blocks into contiguous tensors.
 
@@ -40,7 +47,9 @@ def pack_kv_blocks(pool: KVBlockPool, block_table: list[int], num_tokens: int) -
     if num_tokens < 1 or n_blocks > len(block_table):
         raise ValueError(f"cannot pack {num_tokens} tokens from {len(block_table)} blocks of "
                          f"{pool.spec.block_size}: need 1 <= num_tokens <= {len(block_table) * pool.spec.block_size}")
-    return pool.export_blocks(block_table[:n_blocks])
+    idx = torch.tensor(block_table[:n_blocks], dtype=torch.long, device=pool.k.device)
+    # indexing with a tensor gathers into new memory: the pool may reuse these blocks while the payload travels
+    return {name: t[:, idx] for name, t in stored_tensors(pool).items()}  # dim 1 is the block
 
 
 def unpack_kv_blocks(pool: KVBlockPool, block_table: list[int], payload: dict[str, Tensor]) -> None:
@@ -49,16 +58,18 @@ def unpack_kv_blocks(pool: KVBlockPool, block_table: list[int], payload: dict[st
     Raises ValueError, naming what differs, if the payload does not fit this pool (other kv dtype, block size,
     heads, layers, or not one block id per packed block)."""
     check_payload(pool, len(block_table), payload)
-    pool.import_blocks(block_table, payload)
+    idx = torch.tensor(block_table, dtype=torch.long, device=pool.k.device)
+    for name, t in stored_tensors(pool).items():
+        t[:, idx] = payload[name].to(t.device)  # packed block i lands in block_table[i]
 
 
 def check_payload(pool: KVBlockPool, n_blocks: int, payload: dict[str, Tensor]) -> None:
     """Raise ValueError unless `payload` is n_blocks packed blocks that fit `pool` (same tensors, dtypes, dims)."""
-    expected = pool.export_blocks([])  # this pool's tensors with 0 blocks: names, dtypes and the other dims
-    if set(payload) != set(expected):
-        raise ValueError(f"the payload carries {sorted(payload)} but this pool stores {sorted(expected)}: "
+    stored = stored_tensors(pool)
+    if set(payload) != set(stored):
+        raise ValueError(f"the payload carries {sorted(payload)} but this pool stores {sorted(stored)}: "
                          f"both engines need the same kv_cache_dtype")
-    for name, want in expected.items():
+    for name, want in stored.items():
         got = payload[name]
         if got.dtype != want.dtype:
             raise ValueError(f"{name}: payload dtype {got.dtype}, pool dtype {want.dtype}: same kv_cache_dtype needed")
@@ -117,4 +128,5 @@ class KVHandoff:
         return cls(payload=payload, **fields)
 
 
-__all__ = ["KVHandoff", "check_payload", "kv_checksum", "pack_kv_blocks", "payload_nbytes", "unpack_kv_blocks"]
+__all__ = ["KVHandoff", "check_payload", "kv_checksum", "pack_kv_blocks", "payload_nbytes", "stored_tensors",
+           "unpack_kv_blocks"]

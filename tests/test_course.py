@@ -63,7 +63,7 @@ def test_no_notebook_output_contains_a_solution(lesson):
 
 # ------------------------------------------------------------------------------------------------ tiered hints
 
-@pytest.mark.parametrize("lesson", ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12"])
+@pytest.mark.parametrize("lesson", ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13"])
 def test_every_task_has_three_hint_levels(lesson):
     from minillm.grading import TASKS
     from minillm.hints import HINTS, _recipes, hint

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from minillm import kv_transfer
 from minillm.engine import LLM
 from minillm.kv_pool import KVBlockPool, KVCacheSpec
-from minillm.kv_transfer import kv_checksum, pack_kv_blocks, unpack_kv_blocks
+from minillm.kv_transfer import kv_checksum, pack_kv_blocks, stored_tensors, unpack_kv_blocks
 from minillm.parallel import load_for_rank
 from minillm.sampling import SamplingParams
 
@@ -59,16 +59,16 @@ def prefill_then_decode(model, prompt, params, pkw=None, dkw=None):
 def test_pack_unpack_moves_exactly_the_sequences_blocks(n_tokens, block_size, int8):
     spec = KVCacheSpec(2, 2, 8, 12 * 16 // block_size, block_size, kv_dtype=torch.int8 if int8 else None)
     src, dst = KVBlockPool(spec), KVBlockPool(spec)
-    for t in src._tensors().values():
+    for t in stored_tensors(src).values():
         t.copy_(torch.randint(-100, 100, t.shape).to(t.dtype))
     n_blocks = -(-n_tokens // block_size)
     table = list(range(spec.num_blocks))[::-1][:n_blocks]  # scattered, reversed
     payload = pack_kv_blocks(src, table, n_tokens)
-    assert payload["k"].shape == (2, n_blocks, block_size, 2, 8) and set(payload) == set(src._tensors())
+    assert payload["k"].shape == (2, n_blocks, block_size, 2, 8) and set(payload) == set(stored_tensors(src))
     other = list(range(n_blocks))
     unpack_kv_blocks(dst, other, payload)
-    for name, t in dst._tensors().items():
-        assert torch.equal(t[:, other], src._tensors()[name][:, table])
+    for name, t in stored_tensors(dst).items():
+        assert torch.equal(t[:, other], stored_tensors(src)[name][:, table])
     assert kv_checksum(pack_kv_blocks(dst, other, n_tokens)) == kv_checksum(payload)
     with pytest.raises(ValueError, match="block size, heads and layers"):
         unpack_kv_blocks(dst, other + [spec.num_blocks - 1], payload)
@@ -131,7 +131,7 @@ def test_a_fault_while_writing_the_kv_gives_the_blocks_back(monkeypatch):
     (h,) = src.pop_handoffs()
 
     def broken(pool, table, payload):
-        pool.import_blocks(table[:1], {k: t[:, :1] for k, t in payload.items()})  # half written
+        unpack_kv_blocks(pool, table[:1], {k: t[:, :1] for k, t in payload.items()})  # half written
         raise RuntimeError("injected")
 
     monkeypatch.setattr(kv_transfer, "unpack_kv_blocks", broken)

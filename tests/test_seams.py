@@ -20,6 +20,7 @@ from minillm.attention import backend_names, get_attention, register_attention
 from minillm.config import ModelConfig
 from minillm.flash import flash_attention, merge_partials
 from minillm.kv_cache import KVCache
+from minillm.kv_transfer import pack_kv_blocks, unpack_kv_blocks
 from minillm.model import Transformer, model_bytes, replace_linears
 from minillm.paged import KVBlockPool, KVCacheSpec, PagedSequenceCache
 from minillm.sampling import SamplingParams, logits_to_probs, sample_batch
@@ -157,7 +158,7 @@ def test_truncate_then_redecode_equals_never_decoded(kind):
 
 
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8])
-def test_export_import_blocks_then_decode_identically(kv_dtype):
+def test_pack_unpack_blocks_then_decode_identically(kv_dtype):
     """Disaggregation (lesson 13) moves a request's KV blocks from the prefill engine's pool into the decode
     engine's, at other block ids; decoding there continues exactly as it would have at home."""
     model = tiny_model(7)
@@ -167,16 +168,17 @@ def test_export_import_blocks_then_decode_identically(kv_dtype):
     away.allocator.allocate(3)  # other requests hold the first blocks there
     with torch.inference_mode():
         model(ids[:, :11], kv_cache=home)
-        blocks = home.pool.export_blocks(home.block_tables_host[0])
+        whole = len(home.block_tables_host[0]) * 4  # every block of the table (block_size 4)
+        blocks = pack_kv_blocks(home.pool, home.block_tables_host[0], whole)
         table = away.allocator.allocate(len(home.block_tables_host[0]))
-        away.pool.import_blocks(table, blocks)
+        unpack_kv_blocks(away.pool, table, blocks)
         away.block_tables_host, away.seq_len = [table], home.seq_len
         a = decode_logits(model, home, ids[:, 10:], 1)[:, 1:]
         b = decode_logits(model, away, ids[:, 10:], 1)[:, 1:]
     assert table != home.block_tables_host[0][: len(table)]
     torch.testing.assert_close(a, b, atol=0, rtol=0)
     with pytest.raises(ValueError, match="must match"):
-        away.pool.import_blocks(table[:2], blocks)
+        unpack_kv_blocks(away.pool, table[:2], blocks)
 
 
 def test_int8_kv_pool_roundtrip_error_is_small():
