@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rate", type=float, action="append", default=None,
                        help="bench serve: Poisson request rate(s) in requests/s (repeat for several); only for "
                             "benchmarks that take a rate")
+    bench.add_argument("--part", dest="parts", action="append", default=None,
+                       help="bench disagg: run only this part (pd, routing, cascade; repeat for several)")
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (streaming) around the engine "
                                        "(pip install 'minillm[serve]')")
@@ -240,7 +242,7 @@ def cmd_bench(args) -> int:
     from minillm.bench import load_entry
     from minillm.bench.hardware import bf16_status
 
-    extra = {k: v for k, v in (("url", args.url), ("rate", args.rate)) if v is not None}  # for entries that take them
+    extra = {k: v for k, v in (("url", args.url), ("rate", args.rate), ("parts", args.parts)) if v is not None}  # for entries that take them
     if refused := [k for k in extra if k not in inspect.signature(load_entry(args.name)).parameters]:
         raise UsageError(f"--{refused[0]} is not an option of benchmark {args.name!r}")
     print(f"minillm bench {args.name}: {_use_threads(args.threads)} at start; {bf16_status()}")

@@ -22,7 +22,8 @@ pool. It can be wrong both ways (the engine evicted a block the router still rem
 router never saw): a wrong guess costs a prefill, never a wrong answer.
 
 Pure logic: no tensors, no processes. minillm/replicas.py runs the replicas and keeps each ReplicaState up to date.
-Exercise 13 asks for `LeastOutstandingTokensRouter.choose` and `PrefixAffinityRouter.choose`.
+Exercise 13 asks for `least_loaded` and PrefixAffinityRouter's `matched_blocks`, `is_imbalanced`, `choose` and
+`on_dispatch`.
 """
 
 from __future__ import annotations

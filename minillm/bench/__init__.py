@@ -32,6 +32,7 @@ ENTRIES: dict[str, str] = {
     "serve": "minillm.bench.serve:run",
     "prefix-cache": "minillm.bench.prefix_cache:run",
     "chunked-prefill": "minillm.bench.chunked_prefill:run",
+    "disagg": "minillm.bench.disagg:run",
 }
 
 __all__ = ["ENTRIES", "BenchResult", "Timing", "hardware_info", "load_entry", "run_entry", "time_fn"]

@@ -1,0 +1,49 @@
+"""Benchmark "disagg" (lesson 13): three ways to spend a fixed set of cores on many requests, in one run.
+
+  pd        prefill and decode in separate worker processes (the KV cache moves between them over torch.distributed)
+            vs one colocated engine on the same cores, with and without chunked prefill: decode TPOT/ITL, TTFT,
+            goodput, and what the KV transfer costs (minillm/bench/disagg_pd.py);
+  routing   two engine replicas behind a router: round-robin vs least-outstanding-tokens vs prefix-affinity on a
+            shared-prefix workload: TTFT, throughput, prefix hit rate, load imbalance (minillm/bench/routing.py);
+  cascade   the distilled student answers first and escalates to SmolLM2 when unsure: agreement with the large
+            model vs average cost, per confidence signal and threshold (minillm/bench/cascade.py).
+
+Each part is measured side by side within itself (the same workload, back to back); the parts share nothing but the
+machine. `parts` picks a subset (e.g. run(parts=("routing",)); `minillm bench disagg --part routing`). Every worker and
+replica runs `threads` torch threads (default 1: on a 2-core machine the colocated baseline then gets 2).
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+
+import torch
+
+from .harness import BenchResult
+
+PARTS = {"pd": "minillm.bench.disagg_pd", "routing": "minillm.bench.routing", "cascade": "minillm.bench.cascade"}
+
+
+def run(quick: bool = False, threads: int = 1, parts: tuple[str, ...] | list[str] | str = tuple(PARTS)) -> BenchResult:
+    parts = (parts,) if isinstance(parts, str) else tuple(parts)
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        raise ValueError(f"unknown part(s) {unknown or parts}: choose from {list(PARTS)}")
+    torch.set_num_threads(threads)
+    rows, ratios, targets, notes, series, settings = [], {}, {}, [], {}, {"quick": quick, "threads": threads,
+                                                                         "device": "cpu", "parts": list(parts)}
+    for part in parts:
+        t0 = time.perf_counter()
+        out = importlib.import_module(PARTS[part]).measure(quick=quick, threads=threads)
+        rows += [{"part": part, **r} for r in out.get("rows", [])]
+        for name, value in out.get("ratios", {}).items():
+            key = name if name not in ratios else f"{part}_{name}"
+            ratios[key] = value
+            if name in out.get("targets", {}):
+                targets[key] = tuple(out["targets"][name])
+        notes += [f"[{part}] {n}" for n in out.get("notes", [])]
+        series[part] = out.get("series", {})
+        settings[part] = {**out.get("settings", {}), "seconds": round(time.perf_counter() - t0, 1)}
+    return BenchResult(name="disagg", rows=rows, ratios=ratios, targets=targets, settings=settings, notes=notes,
+                       series=series, quick=quick)
