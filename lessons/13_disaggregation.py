@@ -1,0 +1,350 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 13 — Disaggregated prefill/decode, routing across replicas, and a small→large cascade
+#
+# Lesson 12 served one engine on one machine. A fleet serves many, and three decisions then shape latency and cost:
+#
+# - **where prefill and decode run.** Prefill processes a whole prompt per forward: about 2 × parameters FLOPs per
+#   token, compute bound. Decode processes one token per sequence per step and reads every weight and the whole KV
+#   cache to do it: memory bound. In one engine they share every step, so a long prompt that arrives stalls every
+#   running decode for as long as its prefill takes (chunked prefill, lesson 12, only bounds the stall).
+#   DistServe and Splitwise run them on *different* workers, each sized for its phase, and move the request's KV
+#   cache from the prefill worker to the decode worker in between: that transfer is the price;
+# - **which replica gets a request.** Each replica has its own prefix cache. Spreading requests evenly (round-robin)
+#   spreads every shared system prompt over every replica; sending a request where its prefix already is (prefix
+#   affinity, SGLang's cache-aware router) computes each prefix once per fleet, as long as the load stays balanced;
+# - **which model answers.** A small model that is right often enough can answer first and hand the hard requests to
+#   the large one (a cascade). Whether that saves anything depends on how often the small model agrees, and on a
+#   confidence signal that knows when it does not.
+#
+# Sections: (1) the interference, measured step by step; (2) what moving the KV costs: predict, then measure;
+# (3) the handoff between two engines; (4) two processes over torch.distributed, and the recorded benchmark;
+# (5) routing policies; (6) when a small model is enough; (7) the exercise.
+
+# %%
+import itertools
+import json
+import time
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+
+import minillm
+from minillm.bench import run_entry
+from minillm.bench.chunked_prefill import mixed_workload
+from minillm.engine import LLM
+from minillm.lesson import hardware_line, pick
+from minillm.prefix_cache import block_hashes
+from minillm.router import ReplicaState, make_router
+from minillm.sampling import SamplingParams
+from minillm.workload import corpus_ids, serve
+
+torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
+print(hardware_line())
+model, tok = minillm.load_model(dtype="float32")
+cfg = model.config
+RESULTS = Path(minillm.__file__).resolve().parent.parent / "results"
+
+
+def recorded(name: str) -> dict:
+    """The full run in results/<name>.json (the numbers this lesson discusses); without one, a quick run now."""
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return run_entry(name, quick=True, save=False).to_dict()
+    result = json.loads(path.read_text())
+    print(f"the run recorded in results/{name}.json ({result['timestamp']}), on: {result['hardware'].get('cpu', '')}, "
+          f"{result['settings'].get('threads', '?')} thread(s) per worker; rerun: minillm bench {name}")
+    return result
+
+
+# %% [markdown]
+# ## 1. The interference: one engine, decodes and a long prompt
+#
+# Two chat requests decode from t = 0; then long prompts arrive. One engine, one thread, a step budget large enough
+# to take a whole prompt in one step (no chunking). Every step is logged: its duration and how many prompt tokens it
+# carried. Watch what a decode step costs when it shares the step with a prompt.
+
+# %%
+reqs = mixed_workload(tok, n_decode=2, decode_len=pick(48, 16), n_long=2, long_len=pick(768, 160),
+                      gap_s=pick(1.5, 0.4), first_s=pick(0.5, 0.2))
+llm = LLM.from_model(model, tok, max_num_seqs=8, max_num_batched_tokens=pick(1024, 256))
+outs, wall = serve(llm, reqs)
+steps = llm.step_log
+t0 = steps[0]["t_start"]
+dur = [(s["t_end"] - s["t_start"]) * 1e3 for s in steps]
+mixed = [s["num_prefill_tokens"] > s["num_decodes"] for s in steps]
+plain = [d for d, m in zip(dur, mixed) if not m]
+with_prompt = [d for d, m in zip(dur, mixed) if m]
+print(f"{len(steps)} steps in {wall:.1f} s: {len(plain)} decode-only steps, median {sorted(plain)[len(plain) // 2]:.0f} ms; "
+      f"{len(with_prompt)} steps carrying a prompt, longest {max(with_prompt):.0f} ms")
+print("decode inter-token latency of the two chat requests, worst:",
+      ", ".join(f"{max(o.metrics['itl']) * 1e3:.0f} ms" for o in outs[:2]))
+
+fig, ax = plt.subplots(figsize=(10, 3.2))
+ax.bar([(s["t_start"] - t0) for s in steps], dur, width=[(s["t_end"] - s["t_start"]) for s in steps], align="edge",
+       color=["tab:red" if m else "tab:blue" for m in mixed])
+ax.set_xlabel("time (s)")
+ax.set_ylabel("step duration (ms)")
+ax.set_title("one engine: blue = decode-only steps, red = steps that also prefill a prompt")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Every red bar is a gap in the decodes' output: their next token waits for the whole prompt. The decode-only steps
+# are short because decode reads the weights once for the batch and does little arithmetic with them; the red ones
+# are long because the prompt's arithmetic is proportional to its length. Two kinds of work with different
+# bottlenecks share one queue. Chunked prefill (lesson 12) slices the red bars; disaggregation moves them to other
+# hardware.
+
+# %% [markdown]
+# ## 2. What moving the KV costs: predict, then measure
+#
+# After prefill, the decode worker needs the prompt's keys and values: for each token, each layer, each KV head, a
+# key and a value of head_dim numbers. Lesson 00 gave the formula. **Predict before you run the next cell:** how many
+# bytes per prompt token for SmolLM2-135M in float32 (30 layers, 3 KV heads, head_dim 64)? And for a 1,000-token
+# prompt? Write your numbers down.
+
+# %%
+bytes_per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
+print(f"2 x {cfg.n_layers} layers x {cfg.n_kv_heads} kv heads x {cfg.head_dim} x 4 B = {bytes_per_token:,} B per token; "
+      f"a 1,000-token prompt: {bytes_per_token * 1000 / 2**20:.1f} MiB")
+print(f"for comparison, the weights: {sum(p.numel() for p in model.parameters()) * 4 / 2**20:.0f} MiB; "
+      f"GQA (lesson 02) already divides this KV by {cfg.n_heads // cfg.n_kv_heads} (MHA would have {cfg.n_heads} KV heads)")
+
+# %% [markdown]
+# That is what crosses the wire per request. Between two GPUs on NVLink (hundreds of GB/s) a few MiB is tens of
+# microseconds; over a 25 GB/s network it is a millisecond or two; between two processes on this CPU it goes through
+# gloo's TCP loopback. The measured transfer is in section 4.
+
+# %% [markdown]
+# ## 3. The handoff between two engines
+#
+# The engine seam is two calls. `add_prefill` runs a prompt as usual (chunked, prefix-cached), samples the first
+# token, and — before the request's blocks are freed — packs its KV into a `KVHandoff`: the blocks gathered in token
+# order, the first token, the sampling parameters and generator state, and a checksum. `add_prefilled` on another
+# engine allocates *its own* blocks, writes the KV into them, and puts the request straight into its running queue:
+# the next step is a decode. Here both engines live in this process, with pools of different sizes so that block ids
+# differ.
+
+# %%
+prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in
+           ["What is the capital of France?", "Name three primary colors.", "Why is the sky blue?"]]
+params = SamplingParams(max_tokens=pick(24, 8))
+reference = LLM.from_model(model, tok).generate(prompts, params)
+
+prefill_engine = LLM.from_model(model, tok, num_blocks=64)
+decode_engine = LLM.from_model(model, tok, num_blocks=200)
+decode_engine.block_manager.allocator.allocate(37)  # occupy some blocks: the handoff must land elsewhere
+rids = [prefill_engine.add_prefill(p, params) for p in prompts]
+while prefill_engine.has_unfinished():
+    prefill_engine.step()
+handoffs = prefill_engine.pop_handoffs()
+for h in handoffs:
+    decode_engine.add_prefilled(h)
+    seq = decode_engine._seqs[h.request_id]
+    print(f"request {h.request_id}: {h.num_computed_tokens} prompt tokens, first token {tok.decode(h.output_ids)!r}, "
+          f"{h.nbytes / 2**10:.0f} KiB of KV, checksum {h.checksum[:12]}..., lands in blocks {seq.block_table}")
+while decode_engine.has_unfinished():
+    decode_engine.step()
+for h, ref in zip(handoffs, reference):
+    out = decode_engine.pop_output(h.request_id)
+    print(f"  {out.text!r}  identical to one engine: {out.token_ids == ref.token_ids}")
+
+# %% [markdown]
+# The decode engine never ran these prompts, yet it continues them token for token as the single engine does: keys
+# and values are all a decoder needs from the past. What moved is exactly what section 2 predicted (whole blocks: the
+# last one may be partly filled). Exercise 13 asks you to write the packing and unpacking.
+
+# %% [markdown]
+# ## 4. Two processes, a real transfer, and the benchmark
+#
+# `DisaggregatedLLM` runs a prefill worker and a decode worker as two processes, each with its own engine and KV pool,
+# joined by a torch.distributed process group (gloo on CPU, NCCL on GPU). The coordinator (this process) sends
+# requests to the prefill worker; the KV goes prefill → decode with `send`/`recv`; tokens stream back from the decode
+# worker. Every wait has a timeout: a worker that dies fails its requests with an error, never a hang.
+
+# %%
+from minillm.disagg import DisaggregatedLLM
+
+with DisaggregatedLLM("smollm2-135m", threads=1, timeout_s=300) as dllm:
+    t = time.perf_counter()
+    outs = dllm.generate(prompts, params)
+    stats = dllm.stats()["requests"]
+for o, ref, s in zip(outs, reference, stats):
+    print(f"{o.text[:40]!r:44} same as one engine: {o.token_ids == ref.token_ids}; {s['transfer_bytes'] / 2**10:.0f} "
+          f"KiB moved in {s['transfer_s'] * 1e3:.1f} ms = {s['transfer_share_of_ttft']:.1%} of its TTFT")
+
+# %% [markdown]
+# The benchmark (`minillm bench disagg`, part `pd`) serves the interference workload of section 1 three ways on the
+# same two cores: one colocated engine with both threads and no chunking, the same engine with a 64-token chunk
+# budget, and disaggregated prefill + decode with one thread each. The table is the recorded full run.
+
+# %%
+bench = recorded("disagg")
+pd_rows = [r for r in bench["rows"] if r["part"] == "pd"]
+print(f"{'mode':<22}{'TTFT p50':>9}{'p99':>7}{'TPOT p50':>10}{'p99':>8}{'ITL p99':>9}{'long TTFT':>10}{'goodput':>8}")
+for r in pd_rows:
+    print(f"{r['mode']:<22}{r['ttft_p50_s']:>9.2f}{r['ttft_p99_s']:>7.2f}{r['decode_tpot_p50_s']:>10.3f}"
+          f"{r['decode_tpot_p99_s']:>8.3f}{r['decode_itl_p99_s']:>9.3f}{r['long_ttft_mean_s']:>10.2f}"
+          f"{r['goodput_req_per_s']:>8.2f}")
+for k in ("tpot_p99_colocated_vs_disagg", "itl_p99_colocated_vs_disagg", "tpot_p99_chunked_vs_disagg",
+          "long_ttft_disagg_vs_colocated", "throughput_disagg_vs_colocated"):
+    print(f"{k} = {bench['ratios'][k]:.2f}")
+for note in bench["notes"]:
+    if note.startswith("[pd]"):
+        print("note:", note)
+
+# %%
+times = bench["series"]["pd"]["decode_token_times_s"]
+fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
+for mode, per_request in times.items():
+    gaps = sorted(b - a for tt in per_request for a, b in itertools.pairwise(tt))
+    a1.plot([g * 1e3 for g in gaps], [i / len(gaps) for i in range(1, len(gaps) + 1)], label=mode)
+a1.set_xscale("log")
+a1.set_xlabel("decode inter-token latency (ms, log)")
+a1.set_ylabel("fraction of tokens")
+a1.set_title("ITL distribution of the decoding requests")
+a1.legend()
+modes = [r["mode"] for r in pd_rows]
+x = range(len(modes))
+a2.bar([i - 0.2 for i in x], [r["decode_tpot_p99_s"] for r in pd_rows], width=0.4, label="decode TPOT p99")
+a2.bar([i + 0.2 for i in x], [r["long_ttft_mean_s"] for r in pd_rows], width=0.4, label="long-prompt TTFT mean")
+a2.set_xticks(list(x), modes, rotation=10)
+a2.set_yscale("log")
+a2.set_ylabel("seconds (log)")
+a2.legend()
+fig.suptitle(f"interference workload ({bench['hardware'].get('cpu', hardware_line())})")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Read the left plot's right tail: that is where colocated decodes waited behind prompts. Disaggregation removes the
+# tail because a decode step never contains a prompt; chunking shortens it. The right plot shows what each choice
+# charges for it. The disaggregated prefill worker has half the cores, so a long prompt's prefill is slower there,
+# and its TTFT adds the transfer; the ratios above say how much on this machine. With real hardware the split is a
+# sizing decision (DistServe picks the number of prefill and decode GPUs per SLO); here it is one core each.
+
+# %% [markdown]
+# ## 5. Routing across replicas
+#
+# The router sees requests, not caches. It keeps, per replica, the chained block hashes of the prompts it sent there
+# (the same hashes as the engine's prefix cache, lesson 12) and guesses. Three policies on a crafted stream: three
+# groups of chat requests, each group sharing its own system prompt, arriving interleaved, two replicas. No model
+# runs in this cell: only the routers' decisions and what each replica's cache would then hold.
+
+# %%
+corpus = corpus_ids(tok)
+questions = ["What does it say first?", "Summarise it.", "Name one keyword.", "What is the main idea?"]
+groups = [[tok.encode_chat([{"role": "system", "content": tok.decode(corpus[400 * g:400 * g + 160])},
+                            {"role": "user", "content": q}]) for q in questions] for g in range(3)]
+stream = [(g, groups[g][i]) for i in range(len(questions)) for g in range(3)]  # g0 g1 g2 g0 g1 g2 ...
+
+for policy in ("round_robin", "least_tokens", "prefix_affinity"):
+    router = make_router(policy, block_size=16)
+    replicas = [ReplicaState(0), ReplicaState(1)]
+    cached = [set(), set()]  # what each replica's prefix cache would hold (no eviction here)
+    hits = total = 0
+    placed = []
+    for k, (g, ids) in enumerate(stream):
+        r = router.choose(ids, 16, replicas)
+        router.on_dispatch(r, ids)
+        replicas[r].on_dispatch(str(k), len(ids), 16)
+        hs = block_hashes(ids, 16)
+        n = next((i for i, h in enumerate(hs) if h not in cached[r]), len(hs))  # leading blocks already cached
+        hits, total = hits + n * 16, total + len(ids)
+        cached[r].update(hs)
+        placed.append(f"g{g}->{r}")
+        replicas[r].on_finish(str(k))  # one at a time: each finishes before the next arrives
+    per_replica = [sum(p.endswith(f">{i}") for p in placed) for i in range(2)]
+    print(f"{policy:<16} hit rate {hits / total:.2f}, requests per replica {per_replica}:  {' '.join(placed)}")
+
+# %% [markdown]
+# Round-robin, with three groups on two replicas, sends each group to both replicas in turn, so each replica
+# computes every group's prefix once. Prefix affinity keeps each group on the replica that first served it.
+# Least-outstanding-tokens, with one request at a time, always sees two idle replicas and picks the same one: the
+# best hit rate, and one replica doing all the work. Under load the picture changes: affinity must not pile a
+# popular prefix on one replica while the other idles, so it falls back to the least loaded replica when the load
+# gap passes a threshold (absolute and relative). The benchmark runs two real replica processes on a Poisson stream:
+
+# %%
+rt_rows = [r for r in bench["rows"] if r["part"] == "routing"]
+print(f"{'policy':<17}{'TTFT p50':>9}{'p99':>7}{'mean':>7}{'tok/s':>7}{'hit rate':>9}  requests per replica")
+for r in rt_rows:
+    print(f"{r['policy']:<17}{r['ttft_p50_s']:>9.2f}{r['ttft_p99_s']:>7.2f}{r['ttft_mean_s']:>7.2f}"
+          f"{r['output_tok_per_s']:>7.2f}{r['prefix_hit_rate']:>9.2f}  {r['requests_per_replica']}")
+for note in bench["notes"]:
+    if note.startswith("[routing]"):
+        print("note:", note)
+
+fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.4))
+names = [r["policy"] for r in rt_rows]
+a1.bar(names, [r["prefix_hit_rate"] for r in rt_rows], color="tab:green")
+a1.set_ylabel("prefix hit rate")
+a2.bar(names, [r["ttft_mean_s"] for r in rt_rows], color="tab:orange")
+a2.set_ylabel("mean TTFT (s)")
+fig.suptitle("two replicas, shared-prefix chat groups (recorded run)")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## 6. When is a small model enough?
+#
+# A cascade answers with the small model (lesson 09's distilled student) and escalates to SmolLM2 when the student's
+# confidence is below a threshold. Confidence signals: the mean token log-prob (as a probability), the least likely
+# token's probability, and one minus the mean normalised entropy. Threshold 0 never escalates (always-small);
+# threshold 1 always escalates (always-large, the small model is not even run). In between, each escalated request
+# pays for both models, so a cascade wins only if the small model is right often *and* the signal knows when. The
+# benchmark computes both models' greedy answers once per question and sweeps the threshold.
+
+# %%
+cs_rows = [r for r in bench["rows"] if r["part"] == "cascade"]
+cols = [c for c in ("model", "signal", "threshold", "agreement", "escalation_rate", "seconds_ratio") if c in cs_rows[0]]
+print("  ".join(f"{c:>16}" for c in cols))
+for r in cs_rows:
+    print("  ".join(f"{r.get(c, ''):>16.3f}" if isinstance(r.get(c), float) else f"{str(r.get(c, ''))[:40]:>16}"
+                    for c in cols))
+for k in ("always_small_agreement", "small_vs_large_seconds", "cost_ratio_at_95_agreement",
+          "perfect_signal_cost_ratio_at_95"):
+    print(f"{k} = {bench['ratios'][k]:.3f}")
+for note in bench["notes"]:
+    if note.startswith("[cascade]"):
+        print("note:", note)
+
+fig, ax = plt.subplots(figsize=(6.5, 4))
+for signal, curve in bench["series"]["cascade"]["curve"].items():
+    ax.plot([p["seconds_ratio"] for p in curve], [p["agreement"] for p in curve], marker=".", label=signal)
+ax.axhline(0.95, ls=":", color="gray", label="95% agreement")
+ax.axvline(0.70, ls="--", color="gray", label="70% of always-large's cost")
+ax.set_xlabel("mean cost per request / always-large's (measured seconds)")
+ax.set_ylabel("agreement with the large model")
+ax.set_title("cascade: quality vs cost, one point per threshold")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The curve starts at always-small (bottom left: its cost, its agreement) and ends at always-large (top, cost 1). A
+# useful cascade has points above and to the left of the dotted lines' corner. The cells above print where this pair
+# lands and why: the agreement of the small model alone caps what any signal can do, and every escalation pays the
+# small model's cost on top of the large one's. A student distilled on plain text and asked chat questions mostly
+# answers something else; to make this pay, distill on the traffic the cascade will serve (teacher-generated chat
+# answers), then measure again.
+
+# %% [markdown]
+# **Exercise 13** (`exercises/ex13_disagg.py`, graded by `minillm grade 13`, hints with `minillm hint 13`): pack a
+# sequence's KV blocks into contiguous tensors and unpack them into another pool's blocks (graded on scattered block
+# tables, partial last blocks, an int8 pool with scales; then your functions carry SmolLM2's KV between two engines
+# and the decode must continue identically), and the least-outstanding-tokens and prefix-affinity routers (graded on
+# crafted request streams: ties, dead replicas, block-aligned matches, the imbalance fallback, the memory bound).
