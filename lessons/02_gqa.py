@@ -107,6 +107,9 @@ with torch.inference_mode():
 
 # %% [markdown]
 # ## 3. Memory: KV bytes per token and what fits in a budget
+#
+# *Predict before you run the next cell:* SmolLM2 keeps 3 KV heads for 9 query heads. With 1 GiB of cache at 2,048 tokens of context, how
+# many sequences fit for the MHA version (9 KV heads), for GQA (3) and for MQA (1)? Write the three numbers down.
 
 # %%
 budget = 1 << 30  # 1 GiB for the KV cache

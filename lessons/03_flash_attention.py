@@ -145,6 +145,9 @@ print(f"\nN=4096, 64x64 tiles: {n_blocks * n_blocks} tiles without the mask, {n_
 # Peak memory is *measured*: in a fresh worker process, the resident-set high-water mark is reset before each call
 # and read after it (`minillm.bench.attention`; on a GPU the benchmark uses `torch.cuda.max_memory_allocated`).
 # The output itself (N × 9 × 64 floats) is included for every method.
+#
+# *Predict before you run the next cell:* naive attention materialises a 9 × N × N float32 score matrix. At N = 4096, how many MiB is that
+# alone, and roughly how much lower do you expect flash's peak to be? Write both down.
 
 # %%
 lengths = pick([256, 512, 1024, 2048, 4096], [128, 256, 512])

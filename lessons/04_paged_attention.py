@@ -83,6 +83,9 @@ plt.show()
 # %% [markdown]
 # Memory reserved vs used for the whole workload, contiguous (2048 slots each) vs paged (blocks of 16). The paged
 # numbers come from the real `BlockAllocator`: each sequence allocates `ceil(len / 16)` blocks.
+#
+# *Predict before you run the next cell:* the histogram above shows how long the sequences really are. What
+# percentage of the reserved memory do you expect each layout to waste? Write both numbers down.
 
 # %%
 mem = bench.memory_rows(lengths, cfg)

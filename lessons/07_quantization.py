@@ -88,6 +88,9 @@ del q4_model
 # **int8 per output channel, symmetric**: each row gets a scale max|w|/127 and w ≈ q·scale with q in [-127, 127].
 # **int4 group-wise, asymmetric**: each group of g inputs gets its own scale and minimum; smaller groups follow the
 # local range (less error) but store more scale bytes per weight. Error is relative to the weight's RMS.
+#
+# *Predict before you run the next cell:* int8 has 255 levels per row, int4 has 16 per group. Roughly how many times larger do you expect int4
+# g64's relative error to be than int8's on this weight? Write your number down.
 
 # %%
 w = fp32_model.layers[12].attn.wq.weight

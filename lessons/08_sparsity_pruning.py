@@ -59,6 +59,9 @@ calib = calibration_ids(tok, pick(512, 128))  # the tail of the pydoc text; perp
 # Wanda needs the L2 norm of each input channel over some calibration tokens — one forward pass, no gradients.
 # Take block 12's `mlp.down` (its input is where lesson 07 found the outliers), prune it to 50% both ways, and
 # measure the error each mask causes *on the layer's output* for calibration activations.
+#
+# *Predict before you run the next cell:* both masks remove half of the weights. Will Wanda's output error be about
+# the same as magnitude's, half of it, or a small fraction? Write your guess down.
 
 # %%
 layer = model.layers[12].mlp.down

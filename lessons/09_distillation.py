@@ -57,6 +57,9 @@ teacher, tok = minillm.load_model(dtype="float32")
 #
 # The teacher's next-token distribution after a real prompt, at T = 1 and T = 2. The label is the single token the
 # text continues with; the distribution ranks the alternatives.
+#
+# *Predict before you run the next cell:* after "The capital of Germany is", what probability does the teacher give ' Berlin' at T = 1, and
+# does T = 2 raise or lower it? Write both down.
 
 # %%
 prompt = "The capital of France is Paris. The capital of Germany is"

@@ -121,6 +121,9 @@ print(f"tp=3 tokens identical to one process: {par['token_ids'] == single}; firs
 # sends per rank — 2(p−1)/p × size for an all-reduce (reduce-scatter, then all-gather), (p−1)/p × the full tensor for
 # an all-gather. Per decoded token, tensor parallelism on this model all-reduces (2 × 30 + 1) vectors of 576 floats
 # and all-gathers the logits. The counts from the run above, against the formula:
+#
+# *Predict before you run the next cell:* per decoded token at tp = 3, how many bytes does each rank send for one all-reduce of 576 float32
+# values, and how many all-reduces does a token need? Write both down.
 
 # %%
 plan = TPPlan.for_config(ref_model.config, 3)

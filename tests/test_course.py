@@ -5,7 +5,8 @@
 - Prose never outruns the numbers: no markdown cell states a measured speed comparison ("3.1x faster", "**slower**",
   "faster than X by 20 ms"); such a sentence is printed by the cell that measured it. A few regexes, so a rephrased
   claim can slip through: they catch the forms these lessons used.
-- Every lesson 00-05 points to its exercise at the end (`minillm grade NN`).
+- Every lesson points to its exercise at the end (`minillm grade NN`) and asks for one prediction that the next cell
+  measures.
 """
 
 from __future__ import annotations
@@ -121,11 +122,23 @@ def test_no_markdown_states_a_measured_comparison(lesson):
                         f"from the numbers in the cell that measures them: {claims}")
 
 
-@pytest.mark.parametrize("lesson", [p for p in LESSONS if p.name[:2] in ("00", "01", "02", "03", "04", "05")],
-                         ids=lambda p: p.stem)
+@pytest.mark.parametrize("lesson", LESSONS, ids=[p.stem for p in LESSONS])
 def test_every_lesson_ends_with_its_exercise(lesson):
     jupytext = pytest.importorskip("jupytext")
     n = lesson.name[:2]
     tail = [c.source for c in jupytext.read(lesson).cells if c.cell_type == "markdown"][-2:]
     assert any(f"minillm grade {n}" in t for t in tail), (
         f"{lesson.name}: the last markdown cells should point to exercise {n} (`minillm grade {n}`, `minillm hint {n}`)")
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=[p.stem for p in LESSONS])
+def test_every_lesson_asks_for_a_prediction_the_next_cell_measures(lesson):
+    """Predict, then measure: a markdown cell asks the learner to write a number down, and the cell right after it is
+    the code that measures it."""
+    jupytext = pytest.importorskip("jupytext")
+    cells = jupytext.read(lesson).cells
+    asks = [i for i, c in enumerate(cells) if c.cell_type == "markdown" and "Predict before you run the next cell" in c.source]
+    assert asks, f"{lesson.name}: no 'Predict before you run the next cell:' question (lessons/README.md conventions)"
+    for i in asks:
+        assert i + 1 < len(cells) and cells[i + 1].cell_type == "code", (
+            f"{lesson.name}: the prediction question in cell {i} must be followed by the code cell that measures it")
