@@ -269,7 +269,7 @@ class DisaggregatedLLM:
         the decode worker fail while writing every KV payload."""
         import torch.multiprocessing as mp
 
-        from .distributed import free_port
+        from .distributed import free_port, without_main_reimport
 
         sides = {"prefill": dict(prefill or {}), "decode": dict(decode or {})}
         for side, kw in sides.items():
@@ -303,8 +303,9 @@ class DisaggregatedLLM:
                       _fault))
         self._closed = False
         try:
-            for p in self.processes.values():
-                p.start()
+            with without_main_reimport():
+                for p in self.processes.values():
+                    p.start()
             self.info = self._wait_ready()
         except BaseException:
             self.close()

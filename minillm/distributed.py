@@ -23,10 +23,12 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -40,6 +42,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def without_main_reimport():
+    """Start spawned processes without running the caller's script again in each of them.
+
+    A spawned child re-imports the script that started it (as __mp_main__), so that functions defined there can be
+    unpickled. A lesson run as a script (`python lessons/13_disaggregation.py`) has no `if __name__ == "__main__"`
+    guard: every worker would run it from the top and try to start workers of its own. minillm's workers only run
+    functions of minillm, so the script is not needed: its path is hidden while the processes start."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(main, "__spec__", None) is not None:  # a notebook / REPL, or `python -m`
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 def init_group(rank: int | None = None, world_size: int | None = None, port: int | None = None,
@@ -101,8 +123,10 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, tim
             rank, kind, value = results.get()
             (out if kind == "ok" else errors)[rank] = pickle.loads(value)
 
-    context = mp.start_processes(_rank_main, args=(fn, world_size, free_port(), backend, timeout_s, threads, results,
-                                                   args), nprocs=world_size, join=False, start_method="spawn")
+    with without_main_reimport():
+        context = mp.start_processes(_rank_main, args=(fn, world_size, free_port(), backend, timeout_s, threads,
+                                                       results, args), nprocs=world_size, join=False,
+                                     start_method="spawn")
     try:
         while not context.join(timeout=0.05):
             drain()

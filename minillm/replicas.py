@@ -36,6 +36,7 @@ from types import SimpleNamespace
 import torch
 
 from .block_allocator import blocks_needed
+from .distributed import without_main_reimport
 from .request import RequestOutput, make_request
 from .router import ReplicaState, Router, make_router
 from .sampling import SamplingParams
@@ -218,7 +219,8 @@ class ReplicaPool:
                 proc = ctx.Process(target=_replica_main, name=f"minillm-replica-{i}", daemon=True,
                                    args=(i, spec, dtype, dict(engine_kwargs or {}), threads, (faults or {}).get(i),
                                          os.getpid(), cmd_r, ev_w))
-                proc.start()
+                with without_main_reimport():
+                    proc.start()
                 cmd_r.close(), ev_w.close()  # the child's ends: closing ours makes a dead child read as EOF
                 self._procs.append(proc), self._inbox.append(cmd_w), self._outbox.append(ev_r)
             ready = [self._expect(i, "ready") for i in range(n_replicas)]

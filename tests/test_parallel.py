@@ -968,3 +968,18 @@ def test_real_model_matches_single_process(real_model, kwargs):
         check_tp_decode_bytes(res, cfg, TPPlan.for_config(cfg, 3), 3)
 
 
+
+
+def test_launch_from_a_script_without_a_main_guard(tmp_path):
+    """A lesson run as a script (`python lessons/11_parallelism.py`) has no `if __name__ == "__main__"` guard; the
+    spawned ranks must not run the script again (they would try to start ranks of their own and die)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"import operator, sys\nsys.path.insert(0, {str(root)!r})\nfrom minillm.distributed import launch\n"
+                      "print('RESULT', launch(operator.add, 2, backend='gloo', threads=1, timeout_s=30))\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0 and "RESULT [2, 3]" in proc.stdout, proc.stderr[-2000:]
