@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import tiny_model
+from tests.conftest import tiny_model
 from hypothesis import given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
