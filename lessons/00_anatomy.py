@@ -251,7 +251,78 @@ plt.show()
 # allocation, no over-reservation) matter.
 
 # %% [markdown]
-# ## 6. Putting it together: a short greedy generation
+# ## 6. Inside one block: RMSNorm, RoPE, attention, and the sampler
+#
+# One decoder block is `h = h + attention(rms_norm(h))`, then `h = h + mlp(rms_norm(h))`; after the last block a final
+# norm and the tied embedding matrix give the logits, and the sampler turns them into a token. Exercise 00 asks you
+# to write four of these pieces; here is what each one computes and why.
+#
+# **RMSNorm.** Each block adds its output to a residual stream that would otherwise grow layer after layer. RMSNorm
+# rescales a token's vector to unit root-mean-square, then applies a learned gain per dimension:
+# `y = x / sqrt(mean(x²) + eps) * weight`. Unlike LayerNorm it subtracts no mean (one reduction instead of two). The
+# mean of squares is taken in float32 even for a bf16 model: 576 squares summed in bf16 lose the low bits that
+# decide the scale.
+#
+# **RoPE (rotary position embedding).** Attention scores are dot products, and a dot product knows nothing about
+# order. RoPE rotates each query and key by an angle proportional to its position: dimension pair *i* (here dims
+# *i* and *i + head_dim/2*, the "rotate half" layout of HF checkpoints) turns by `p · θ^(−2i/d)` at position *p*.
+# Rotating both q (at position m) and k (at n) leaves their dot product depending only on *m − n*: relative
+# position, for free, with no parameters. Low *i* turn fast (local order), high *i* slowly (long range).
+#
+# **Attention.** `softmax(q kᵀ / sqrt(d) + mask) v` per head; the causal mask hides future keys; with grouped-query
+# attention each KV head serves a group of query heads (lesson 02). Subtract each row's maximum before `exp`:
+# logits of a few hundred overflow float32 otherwise, and the result is mathematically the same.
+#
+# **Sampling.** Greedy takes the argmax. Otherwise: divide the logits by the temperature (below 1 sharpens, above 1
+# flattens), keep the top-k, keep the smallest set of most likely tokens whose probability reaches top-p (nucleus
+# sampling), renormalise, draw. The cell below shows these properties on the real model, using minillm's functions.
+#
+# *Predict before you run the next cell:* for the next token after the chat prompt, how many tokens does top-p = 0.9
+# keep at temperature 0.7, and at 1.5? Write both numbers down.
+
+# %%
+from minillm.model import apply_rope, rope_tables  # the engine's versions (exercise 00 asks for yours)
+from minillm.sampling import logits_to_probs
+
+ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+with torch.inference_mode():
+    logits = model(torch.tensor([ids]))[0, -1:].float()
+for t in (0.7, 1.5):
+    kept = int((logits_to_probs(logits, temperature=t, top_p=0.9) > 0).sum())
+    print(f"temperature {t}: top-p 0.9 keeps {kept} of {logits.shape[-1]:,} tokens")
+
+block0 = model.layers[0]
+seen = {}
+hook = block0.attn_norm.register_forward_hook(lambda mod, args, out: seen.update(x=args[0], y=out))
+with torch.inference_mode():
+    model(torch.tensor([ids]))
+hook.remove()
+
+
+def rms(t):
+    return t.float().pow(2).mean(-1).sqrt()
+
+
+unit = seen["y"] / block0.attn_norm.weight  # the normalised vector, before the learned gain
+print(f"block 0, per token: residual-stream RMS {rms(seen['x']).min():.3f}..{rms(seen['x']).max():.3f}; normalised "
+      f"{rms(unit).min():.3f}..{rms(unit).max():.3f}; after the gain {rms(seen['y']).min():.3f}..{rms(seen['y']).max():.3f}")
+
+cos, sin = rope_tables(cfg.head_dim, 64, cfg.rope_theta)
+q, k = torch.randn(1, 1, 1, cfg.head_dim), torch.randn(1, 1, 1, cfg.head_dim)
+
+
+def rotated_dot(m: int, n: int) -> float:
+    qm = apply_rope(q, cos[m].view(1, 1, 1, -1), sin[m].view(1, 1, 1, -1))
+    kn = apply_rope(k, cos[n].view(1, 1, 1, -1), sin[n].view(1, 1, 1, -1))
+    return float((qm * kn).sum())
+
+
+print("RoPE: q.k at positions (5, 2), (15, 12), (40, 37) =", ", ".join(f"{rotated_dot(m, n):.4f}" for m, n in
+                                                                          ((5, 2), (15, 12), (40, 37))),
+      "(the same: only m - n matters);  (5, 4):", f"{rotated_dot(5, 4):.4f}")
+
+# %% [markdown]
+# ## 7. Putting it together: a short greedy generation
 #
 # `minillm.generate` = tokenize with the chat template, prefill, then decode greedily with the KV cache until the
 # end-of-turn token. The time to first token (TTFT) is the prefill; the rest is decode.
