@@ -356,3 +356,17 @@ def test_cast_model_keeps_rope_tables_float32():
     assert cast.rope_cos.dtype == torch.float32 and torch.equal(cast.rope_cos, model.rope_cos)
     assert cast.lm_head.weight is cast.embed.weight
 
+
+
+def test_disagg_parts_are_checked_before_anything_runs():
+    from minillm.bench import disagg
+
+    assert set(disagg.PARTS) == {"pd", "routing", "cascade"}
+    for bad in (("routng",), ()):
+        with pytest.raises(ValueError, match="choose from"):
+            disagg.run(quick=True, parts=bad)
+    for module in disagg.PARTS.values():  # each part exists and has the contract the combiner calls
+        import importlib
+        import inspect
+
+        assert list(inspect.signature(importlib.import_module(module).measure).parameters)[:2] == ["quick", "threads"]
