@@ -1,19 +1,33 @@
-"""Exercise 04: paged KV cache -- the block allocator and decode attention through block tables.
+"""Exercise 04: paged KV cache -- the block allocator, and where each token's key/value goes in the pool (the write
+path) and where a sequence's cached tokens are read back from (the read path).
 
-Fill in the methods and the function, then grade your work:
+Fill in the methods and the functions, then grade your work:
 
     minillm grade 04
 
+The contract. A layer's pool, viewed as (num_blocks * block_size, n_kv_heads, head_dim), is an array of slots.
+Position p of a sequence whose block table is T lives in slot T[p // block_size] * block_size + p % block_size.
+  slot_mapping   one packed forward: sequence i brings query_lens[i] new tokens, its positions
+                 context_lens[i] - query_lens[i] .. context_lens[i] - 1 (a prompt, a chunk of one that starts in
+                 the middle of a block, or one decode token); return their slots, sequence after sequence, in
+                 position order. Only the new tokens: the earlier ones are already in the pool.
+  context_slots  every cached position 0 .. context_lens[i] - 1 of each sequence, as an (n, width) int64 tensor
+                 of slots plus an (n, width) bool `valid` that is True exactly there. Positions past a sequence's
+                 length are padding: their slot is the sequence's position-0 slot (a real, finite key/value that
+                 the attention mask then drops; a slot nobody owns may hold NaN, and 0 * NaN is NaN). Tables are
+                 padded with -1 past a sequence's blocks.
+
 The allocator grader runs random allocate / fork / free sequences against a model of who owns which block: no block
 handed out twice, all-or-nothing allocation, shared blocks kept until their last owner frees them, double frees
-refused, nothing leaked. The attention grader compares with SDPA over each sequence's own keys, with shuffled block
-ids, lengths that are not multiples of the block size, GQA, and NaN in every pool slot a sequence does not own
-(reading past a sequence's length shows up); it rejects answers that call SDPA or minillm.
+refused, nothing leaked. The slots grader compares with its own position-by-position answer on scattered block
+tables, chunked prefill, decode steps and block boundaries, on random tables and lengths, and writes and reads a
+pool through your two functions step by step: what it reads back must be each sequence's tokens in order, as a
+contiguous cache holds them.
 
-task_04_real_model puts your BlockAllocator in every paged cache and registers your paged_attention as their decode
-backend (register_attention(..., kind="paged_decode")): minillm.generate(cache="paged") and the engine (minillm.LLM,
-six requests on a six-block pool, with preemptions) must give minillm's greedy tokens. It stands on exercises 00
-(norm, RoPE, sampler) and 02/03 (the prefill attention: the latest you wrote), minillm's where you have not.
+task_04_real_model puts your BlockAllocator in every paged cache and your slot_mapping and context_slots in the
+engine's step metadata (minillm.paged_attention): minillm.generate(cache="paged") and the engine (minillm.LLM, six
+requests on a six-block pool, with preemptions) must give minillm's greedy tokens. It stands on exercises 00 (norm,
+RoPE, sampler) and 02/03 (the attention: the latest you wrote), minillm's where you have not.
 """
 
 from __future__ import annotations
@@ -23,7 +37,6 @@ from collections import deque
 from torch import Tensor
 
 from minillm.block_allocator import OutOfBlocksError  # noqa: F401  (the error allocate raises, given)
-from minillm.paged_attention import _check_paged_inputs  # input validation, given: not part of the task
 
 # task 04.allocator ------------------------------------------------------------------------------------------
 
@@ -91,22 +104,22 @@ class BlockAllocator:
                 f"free={self.num_free()})")
 
 
-# task 04.paged_attention ------------------------------------------------------------------------------------
+# task 04.slots ---------------------------------------------------------------------------------------------
 
-def paged_attention(q: Tensor, k_pool_layer: Tensor, v_pool_layer: Tensor, block_tables: Tensor,
-                    context_lens: Tensor) -> Tensor:
-    """Decode attention through block tables, in torch: one query per sequence over its first context_lens keys.
-
-    q (num_seqs, n_heads, head_dim); pools (num_blocks, block_size, n_kv_heads, head_dim); block_tables
-    (num_seqs, max_blocks) (entries past a sequence's blocks may be -1); context_lens (num_seqs,).
-    Returns (num_seqs, n_heads, head_dim). Slots past a sequence's length may hold anything (NaN included).
-    """
-    _check_paged_inputs(q, k_pool_layer, v_pool_layer, block_tables)
-    if block_tables.shape[0] != q.shape[0] or context_lens.shape != (q.shape[0],):
-        raise ValueError(f"{q.shape[0]} queries need {q.shape[0]} block table rows and context lengths, got "
-                         f"{tuple(block_tables.shape)}, {tuple(context_lens.shape)}")
+def slot_mapping(block_tables: list[list[int]], context_lens: list[int], query_lens: list[int], block_size: int
+                 ) -> list[int]:
+    """The write path: the pool slot of every new token of one packed forward, in packed order (see the top)."""
     raise NotImplementedError(
-        "task 04.paged_attention: gather each sequence's blocks from the pools through its block table (clamp -1 "
-        "padding to a real id), mask positions >= context_lens in the scores (-inf) AND in the values (0 * NaN is "
-        "NaN), query head h uses KV head h // (n_heads // n_kv_heads), softmax(q k^T / sqrt(head_dim)) v in float32"
+        "task 04.slots: for each sequence, its new tokens are positions ctx - n .. ctx - 1 (n = its query_len); "
+        "position p -> table[p // block_size] * block_size + p % block_size; concatenate over the sequences"
+    )
+
+
+def context_slots(block_tables: Tensor, context_lens: Tensor, block_size: int, width: int) -> tuple[Tensor, Tensor]:
+    """The read path: (slots (n, width) int64, valid (n, width) bool) of each sequence's positions 0 .. width - 1,
+    valid where position < its context length; padding positions use the sequence's position-0 slot (see the top)."""
+    raise NotImplementedError(
+        "task 04.slots: positions = arange(width); valid = positions < context_lens[:, None]; send invalid "
+        "positions to 0 BEFORE looking up their block (a -1 table entry is no block); block of each position = "
+        "block_tables.gather(1, positions // block_size); slot = block * block_size + positions % block_size"
     )

@@ -181,9 +181,10 @@ print(f"pool {cache.nbytes() / 1024:.0f} KiB reserved, {cache.bytes_used() / 102
 #
 # The pool of one layer, viewed as `(num_blocks * block_size, n_kv_heads, head_dim)`, is an array of **slots**.
 # Each new token's key and value are written to slot `table[p // block_size] * block_size + p % block_size`, one row
-# write per token. The serving engine (lesson 05) packs many sequences' new tokens into one forward and describes
-# them with `AttentionMetadata`: here sequence 0 decodes its 38th token, sequence 1 prefills 5 tokens, sequence 2
-# continues a chunked prefill (3 cached, 4 new):
+# write per token (`slot_mapping`); attention reads a sequence's context back by the same rule, for every cached
+# position (`context_slots`): that write path and that read path are exercise 04. The serving engine (lesson 05)
+# packs many sequences' new tokens into one forward and describes them with `AttentionMetadata`: here sequence 0
+# decodes its 38th token, sequence 1 prefills 5 tokens, sequence 2 continues a chunked prefill (3 cached, 4 new):
 
 # %%
 meta = AttentionMetadata.build(block_tables=[[7, 2, 5], [0], [3]], context_lens=[38, 5, 7], query_lens=[1, 5, 4],
@@ -202,7 +203,7 @@ print("position 37 of sequence 0 -> block", [7, 2, 5][37 // 16], "offset", 37 % 
 # NaN — and attend. Query head `h` reads KV head `h // group` (GQA, lesson 02).
 
 # %% [markdown]
-# As pseudocode (exercise 04 asks you to write it in torch):
+# As pseudocode (`paged_attention` is this, in torch):
 #
 # ```text
 # for each sequence s, with L = len(block_table[s]) · block_size:
@@ -347,7 +348,9 @@ else:
     print("no GPU results yet: run `python scripts/gpu_check_paged.py` on a CUDA machine")
 
 # %% [markdown]
-# **Exercise 04** (`exercises/ex04_paged.py`): write the `BlockAllocator`'s allocate / free / incref and
-# `paged_attention` through block tables. `minillm grade 04` grades them, its last task serving SmolLM2 through
-# `generate(cache="paged")` and the engine with your allocator and attention; `minillm hint 04 [task] --level 1|2|3`
-# when you are stuck.
+# **Exercise 04** (`exercises/ex04_paged.py`): write the `BlockAllocator`'s allocate / free / incref, then the two
+# halves of paging that are new here: `slot_mapping`, the slot each new token's key/value is written to (a whole
+# prompt, a chunk that starts in the middle of a block, a decode token), and `context_slots`, the slots a sequence's
+# cached tokens are read back from, padded for a batch. `minillm grade 04` grades them, its last task serving SmolLM2
+# through `generate(cache="paged")` and the engine with your allocator and slots;
+# `minillm hint 04 [task] --level 1|2|3` when you are stuck.

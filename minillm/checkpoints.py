@@ -11,7 +11,7 @@ Each exercise module plugs into the seam the engine already has, never into an `
 | ex01_kv_cache   | a KVCache that writes with append_kv and decodes with decode_attention | minillm.kv_cache.KVCache       |
 | ex02_gqa        | grouped_attention as the dense attention backend                      | registry                       |
 | ex03_flash      | flash_attention (16 x 16 tiles) as the dense attention backend        | registry                       |
-| ex04_paged      | BlockAllocator in every paged cache; paged_attention as its decode backend | minillm.paged              |
+| ex04_paged      | BlockAllocator in every paged cache; slot_mapping, context_slots in each step's metadata | minillm.paged, minillm.paged_attention |
 | ex05_batching   | schedule_step and postprocess_step of the engine's Scheduler          | minillm.engine.scheduler       |
 
 `skip_stubs=True` leaves out the pieces the learner has not written yet (their body is still the stub's
@@ -35,7 +35,8 @@ from types import ModuleType
 LADDER = ["ex00_decoder", "ex01_kv_cache", "ex02_gqa", "ex03_flash", "ex04_paged", "ex05_batching"]
 # what each real-model task runs underneath its own exercise: the earlier pieces on its path. ex02/ex03 leave ex01's
 # cache out so that their attention serves the decode steps too (ex01's decode_attention would take those over); the
-# contiguous cache is not on the paged path of ex04/ex05; of the dense attentions the latest one written serves.
+# contiguous cache is not on the paged path of ex04/ex05, whose prefill (and equal-length decode) runs the model's dense
+# backend: of the dense attentions the latest one written serves.
 STANDS_ON: dict[str, list[str]] = {
     "ex00_decoder": [],
     "ex01_kv_cache": ["ex00_decoder"],
@@ -52,7 +53,7 @@ PIECES: dict[str, list[str]] = {
     "ex01_kv_cache": ["append_kv", "decode_attention"],
     "ex02_gqa": ["grouped_attention"],
     "ex03_flash": ["flash_attention"],
-    "ex04_paged": ["BlockAllocator", "paged_attention"],
+    "ex04_paged": ["BlockAllocator", "slot_mapping", "context_slots"],
     "ex05_batching": ["schedule_step", "postprocess_step"],
 }
 
@@ -100,9 +101,10 @@ def use_exercises(model, *modules: ModuleType, skip_stubs: bool = False, only: s
     included. Later modules win where two plug into the same seam (the dense attention backend). `only` limits the
     swap to those names (one piece at a time, to find which one breaks the model)."""
     # by module path: the package re-exports functions named like some of its modules (minillm.generate)
-    attention, generate, kv_cache, model_mod, paged, sampling, scheduler = (
+    attention, generate, kv_cache, model_mod, paged, paged_attention, sampling, scheduler = (
         importlib.import_module(f"minillm.{m}")
-        for m in ("attention", "generate", "kv_cache", "model", "paged", "sampling", "engine.scheduler"))
+        for m in ("attention", "generate", "kv_cache", "model", "paged", "paged_attention", "sampling",
+                  "engine.scheduler"))
 
     used: list[str] = []
     with ExitStack() as stack:
@@ -141,17 +143,9 @@ def use_exercises(model, *modules: ModuleType, skip_stubs: bool = False, only: s
                     patch(kv_cache, "KVCache", _cache_with_decode(kv_cache.KVCache, fn))
                 elif name == "BlockAllocator":
                     patch(paged, name, fn)  # every PagedKVCache (generate's and the engine's) builds one
-                elif name == "paged_attention":
-                    backend = f"exercise_{key}"
-                    attention_backend(backend, fn, kind="paged_decode")
-                    init = paged.PagedKVCache.__init__
-
-                    @functools.wraps(init)
-                    def init_with_backend(self, *args, _init=init, _backend=backend, **kwargs):
-                        _init(self, *args, **kwargs)
-                        self.decode_backend = _backend
-
-                    patch(paged.PagedKVCache, "__init__", init_with_backend)
+                elif name in ("slot_mapping", "context_slots"):
+                    # AttentionMetadata.build (write slots) and StepPlan.build (read slots) call the module globals
+                    patch(paged_attention, name, fn)
                 elif name in ("schedule_step", "postprocess_step"):
                     patch(scheduler, name, fn)  # Scheduler.schedule / postprocess call the module-level functions
         yield used

@@ -41,8 +41,9 @@ TASKS: dict[str, list[tuple[str, str]]] = {
     ],
     "04": [
         ("task_04_allocator", "block allocator: allocate, free, ref counts"),
-        ("task_04_paged_attention", "paged decode attention by gathering through the block table"),
-        ("task_04_real_model", "your allocator + paged decode in generate and the engine on SmolLM2"),
+        ("task_04_slots", "slot mapping: the pool slot each new token is written to, and each sequence's context "
+                          "slots to read (padding: position 0, valid False)"),
+        ("task_04_real_model", "your allocator and slots in generate and the engine on SmolLM2: the reference tokens"),
     ],
     "05": [
         ("task_05_schedule", "one scheduler step: admit, preempt, finish"),

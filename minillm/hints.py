@@ -48,9 +48,12 @@ HINTS: dict[str, tuple[str, str]] = {
     "task_04_allocator": ("A free list and a reference count per block.",
                           "allocate is all or nothing; free validates every id before changing anything (double "
                           "free, unknown id: ValueError)."),
-    "task_04_paged_attention": ("Gather each sequence's blocks in table order, then it is ordinary attention.",
-                                "Mask positions past context_lens in the scores AND zero those values (0 * NaN is "
-                                "NaN); -1 table entries; GQA h // group."),
+    "task_04_slots": ("A position p of a sequence is block p // block_size of its table, offset p % block_size in "
+                      "that block. Which positions does one step write, and which does attention read?",
+                      "slot_mapping returns slots for the new tokens only (positions ctx - n .. ctx - 1, which may "
+                      "start mid-block in a chunk), sequence after sequence. context_slots covers positions 0 .. "
+                      "width - 1: valid is position < ctx (strictly); padding positions take position 0's slot, "
+                      "never -1 or slot 0, and must not index the table's -1 entries."),
     "task_05_schedule": ("Running sequences first, then admissions; blocks are the scarce resource.",
                          "When a block is missing, preempt the most recently admitted; admit strictly in arrival "
                          "order (never skip a blocked head); admit nothing in a step that preempted."),
@@ -67,9 +70,10 @@ HINTS: dict[str, tuple[str, str]] = {
     "task_03_real_model": ("Nothing new to write: your flash_attention becomes SmolLM2's attention backend.",
                            "It runs with 16 x 16 tiles, so the 37-token prompt spans three key tiles: the rescale "
                            "of the running sums and the decode case (one query row over the cache) both matter."),
-    "task_04_real_model": ("Nothing new to write: your allocator and paged attention serve generate() and the engine.",
+    "task_04_real_model": ("Nothing new to write: your allocator and slots serve generate() and the engine.",
                            "The engine pool is small (6 blocks of 8), so sequences are preempted and their blocks "
-                           "freed and reused: free must return blocks, paged_attention must follow each table."),
+                           "freed and reused: free must return blocks; every layer writes each new token's key/value "
+                           "to your slot_mapping's slot and decode reads the context through your context_slots."),
     "task_05_real_model": ("Nothing new to write: minillm.LLM runs SmolLM2 with your scheduler's two functions.",
                            "6 requests on a 6-block pool: preemption has to happen, recomputed sequences must end "
                            "with the same tokens, finished ones must free their blocks or the engine stalls."),

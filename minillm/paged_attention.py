@@ -4,8 +4,10 @@ A paged cache keeps each sequence's keys/values in fixed-size blocks scattered o
 therefore reads a sequence's context through its block table: token at position p of a sequence with table T lives
 in pool slot T[p // block_size] * block_size + p % block_size. This file holds
   AttentionMetadata          one packed forward's batch: block tables, context/query lengths, slot of each new token;
-  paged_attention            the readable reference (exercise 04): gather, upcast, mask, softmax, in separate steps;
-  context_slots +            the CPU fast path: slots computed once per step (StepPlan) and reused by every layer,
+  slot_mapping               the write path: where each new token's key/value goes (exercise 04);
+  paged_attention            the readable reference: gather, upcast, mask, softmax, in separate steps;
+  context_slots +            the read path and CPU fast path (context_slots is exercise 04): slots computed once per
+                             step (StepPlan) and reused by every layer,
   gathered_decode_attention  then one index_select per pool and one fused SDPA with a padding mask;
   paged_prefill_attention    variable-length prompts (chunks) over their gathered context, one attention call each.
 The Triton decode kernel (kernels/paged_decode.py) is the GPU path; attention.py's registry names them all.
@@ -24,7 +26,7 @@ from .attention import AttentionFn, sdpa_attention
 from .block_allocator import blocks_needed
 
 __all__ = ["AttentionMetadata", "StepPlan", "context_slots", "gather_sequence", "gathered_decode_attention",
-           "paged_attention", "paged_prefill_attention"]
+           "paged_attention", "paged_prefill_attention", "slot_mapping"]
 
 
 @dataclass
@@ -59,14 +61,13 @@ class AttentionMetadata:
         if not (len(block_tables) == len(context_lens) == len(query_lens)) or not block_tables:
             raise ValueError(f"need one block table, context length and query length per sequence, got "
                              f"{len(block_tables)}, {len(context_lens)}, {len(query_lens)}")
-        slots: list[int] = []
         for i, (table, ctx, n_new) in enumerate(zip(block_tables, context_lens, query_lens)):
             if not 1 <= n_new <= ctx:
                 raise ValueError(f"sequence {i}: need 1 <= query_len <= context_len, got {n_new}, {ctx}")
             if len(table) < blocks_needed(ctx, block_size) or any(b < 0 for b in table):
                 raise ValueError(f"sequence {i}: {ctx} tokens need {blocks_needed(ctx, block_size)} blocks of "
                                  f"{block_size}, its block table is {table}: allocate blocks before the step")
-            slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx - n_new, ctx)]
+        slots = slot_mapping(block_tables, context_lens, query_lens, block_size)  # the module global: swappable
         width = max(len(t) for t in block_tables)
         padded = [list(t) + [-1] * (width - len(t)) for t in block_tables]
         i32 = {"dtype": torch.int32, "device": device}
@@ -75,6 +76,20 @@ class AttentionMetadata:
                    slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
                    host_query_lens=list(query_lens), host_context_lens=list(context_lens),
                    host_block_tables=[list(t) for t in block_tables])
+
+
+def slot_mapping(block_tables: list[list[int]], context_lens: list[int], query_lens: list[int], block_size: int
+                 ) -> list[int]:
+    """The write path: the pool slot of every new token of one packed forward, in packed order.
+
+    Sequence i's query_lens[i] new tokens are its last positions, context_lens[i] - query_lens[i] ..
+    context_lens[i] - 1 (a whole prompt, a chunk of one, or one decode token); position p lives in slot
+    table[p // block_size] * block_size + p % block_size. AttentionMetadata.build checks the lists first.
+    """
+    slots: list[int] = []
+    for table, ctx, n_new in zip(block_tables, context_lens, query_lens):
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx - n_new, ctx)]
+    return slots
 
 
 def _check_paged_inputs(q: Tensor, k_pool_layer: Tensor, v_pool_layer: Tensor, block_tables: Tensor) -> None:

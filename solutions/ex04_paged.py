@@ -1,7 +1,8 @@
-"""Exercise 04 (reference solutions): the block allocator and paged decode attention.
+"""Exercise 04 (reference solutions): the block allocator, and where a token's key/value goes in the pool and is
+read back from.
 
-BlockAllocator is a verbatim copy of minillm.block_allocator's, paged_attention of minillm.paged's (see SAME_AS;
-tests/test_exercise_sync.py keeps them in sync).
+BlockAllocator is a verbatim copy of minillm.block_allocator's, slot_mapping and context_slots of
+minillm.paged_attention's (see SAME_AS; tests/test_exercise_sync.py keeps them in sync).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import torch
 from torch import Tensor
 
 from minillm.block_allocator import OutOfBlocksError
-from minillm.paged_attention import _check_paged_inputs  # input validation, given: not part of the task
 
 SAME_AS = {
     "BlockAllocator": "minillm.block_allocator",
-    "paged_attention": "minillm.paged_attention",
+    "slot_mapping": "minillm.paged_attention",
+    "context_slots": "minillm.paged_attention",
 }
 
 
@@ -106,32 +107,33 @@ class BlockAllocator:
                 f"free={self.num_free()})")
 
 
-# task 04.paged_attention ------------------------------------------------------------------------------------
+# task 04.slots ---------------------------------------------------------------------------------------------
 
-def paged_attention(q: Tensor, k_pool_layer: Tensor, v_pool_layer: Tensor, block_tables: Tensor,
-                    context_lens: Tensor) -> Tensor:
-    """Decode attention through block tables, in torch: one query per sequence over its first context_lens keys.
+def slot_mapping(block_tables: list[list[int]], context_lens: list[int], query_lens: list[int], block_size: int
+                 ) -> list[int]:
+    """The write path: the pool slot of every new token of one packed forward, in packed order.
 
-    q (num_seqs, n_heads, head_dim); pools (num_blocks, block_size, n_kv_heads, head_dim); block_tables
-    (num_seqs, max_blocks) (entries past a sequence's blocks may be -1); context_lens (num_seqs,).
-    Returns (num_seqs, n_heads, head_dim). Slots past a sequence's length may hold anything (NaN included).
+    Sequence i's query_lens[i] new tokens are its last positions, context_lens[i] - query_lens[i] ..
+    context_lens[i] - 1 (a whole prompt, a chunk of one, or one decode token); position p lives in slot
+    table[p // block_size] * block_size + p % block_size. AttentionMetadata.build checks the lists first.
     """
-    _check_paged_inputs(q, k_pool_layer, v_pool_layer, block_tables)
-    if block_tables.shape[0] != q.shape[0] or context_lens.shape != (q.shape[0],):
-        raise ValueError(f"{q.shape[0]} queries need {q.shape[0]} block table rows and context lengths, got "
-                         f"{tuple(block_tables.shape)}, {tuple(context_lens.shape)}")
-    n_seqs, n_heads, head_dim = q.shape
-    n_kv_heads = k_pool_layer.shape[2]
-    group = n_heads // n_kv_heads
-    table = block_tables.long().clamp(min=0).flatten()  # -1 padding reads block 0; those slots are masked below
-    # gathered (n_seqs * max_blocks, block_size, kv_heads, head_dim) -> (n_seqs, kv_heads, L = max_blocks * block_size,
-    # head_dim): each sequence's keys in position order
-    keys = k_pool_layer.index_select(0, table).view(n_seqs, -1, n_kv_heads, head_dim).transpose(1, 2)
-    values = v_pool_layer.index_select(0, table).view(n_seqs, -1, n_kv_heads, head_dim).transpose(1, 2)
-    valid = torch.arange(keys.shape[2], device=q.device) < context_lens.to(q.device)[:, None]  # (n_seqs, L)
-    values = torch.where(valid[:, None, :, None], values, 0)  # 0 * NaN is NaN: clear unused slots, not just weights
-    q_grouped = q.float().view(n_seqs, n_kv_heads, group, head_dim)  # query head h reads KV head h // group
-    scores = (q_grouped @ keys.float().transpose(-1, -2)) * head_dim**-0.5  # (n_seqs, n_kv_heads, group, L)
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    out = scores.softmax(dim=-1) @ values.float()  # (n_seqs, n_kv_heads, group, head_dim)
-    return out.reshape(n_seqs, n_heads, head_dim).to(q.dtype)
+    slots: list[int] = []
+    for table, ctx, n_new in zip(block_tables, context_lens, query_lens):
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx - n_new, ctx)]
+    return slots
+
+
+def context_slots(block_tables: Tensor, context_lens: Tensor, block_size: int, width: int) -> tuple[Tensor, Tensor]:
+    """Each sequence's cached tokens as flat pool slots, in position order, padded to `width` positions.
+
+    block_tables (n, max_blocks), context_lens (n,) -> slots (n, width) int64 indexing a layer's pool viewed as
+    (num_blocks * block_size, n_kv_heads, head_dim), and valid (n, width), True at the sequence's real positions.
+    Position p lives in slot table[p // block_size] * block_size + p % block_size (the module docstring's rule, for
+    every position at once). Padding positions point at the sequence's position 0: a real, finite key/value the mask
+    then excludes (a slot nobody owns may hold NaN, and a masked 0 weight times NaN is still NaN).
+    """
+    positions = torch.arange(width, device=block_tables.device)
+    valid = positions < context_lens.to(block_tables.device)[:, None]  # (n, width)
+    positions = torch.where(valid, positions, 0)
+    blocks = block_tables.long().gather(1, positions // block_size)  # (n, width): block id of each position
+    return blocks * block_size + positions % block_size, valid

@@ -15,6 +15,7 @@ import minillm.engine.scheduler
 import minillm.kv_cache
 import minillm.model
 import minillm.paged
+import minillm.paged_attention
 from minillm.checkpoints import STANDS_ON, check_on_ladder, implemented, pieces, use_exercises
 from minillm.kv_cache import KVCache
 from tests.conftest import tiny_model
@@ -26,6 +27,7 @@ sol = {k: importlib.import_module(f"solutions.{k}") for k in STANDS_ON}
 def _originals():
     return (minillm.model.rms_norm, minillm.model.apply_rope, generate_module.sample_from_logits,
             minillm.kv_cache.append_kv, minillm.kv_cache.KVCache, minillm.paged.BlockAllocator,
+            minillm.paged_attention.slot_mapping, minillm.paged_attention.context_slots,
             minillm.paged.PagedKVCache.__init__, minillm.engine.scheduler.schedule_step,
             minillm.engine.scheduler.postprocess_step, set(minillm.attention._REGISTRY))
 
@@ -49,8 +51,9 @@ def test_everything_is_swapped_in_and_restored():
         assert minillm.engine.scheduler.schedule_step is sol["ex05_batching"].schedule_step
         assert model.attn_backend == "exercise_ex03_flash"  # the last dense attention wins
         assert issubclass(minillm.kv_cache.KVCache, KVCache) and minillm.kv_cache.KVCache is not KVCache
+        assert minillm.paged_attention.slot_mapping is sol["ex04_paged"].slot_mapping  # what build and
+        assert minillm.paged_attention.context_slots is sol["ex04_paged"].context_slots  # StepPlan.build call
         cache = minillm.paged.PagedSequenceCache.for_model(model, 1, 8)
-        assert cache.decode_backend == "exercise_ex04_paged"
         assert isinstance(cache.allocator, sol["ex04_paged"].BlockAllocator)
     assert _originals() == before and model.attn_backend == "sdpa"
 
@@ -76,3 +79,41 @@ def test_a_failure_on_the_ladder_names_the_earlier_exercise(monkeypatch):
     with pytest.raises(AssertionError) as info:
         check_on_ladder(model, sol["ex01_kv_cache"], check)
     assert "minillm grade 00" not in str(info.value)  # its own failure, not the earlier exercise's
+
+
+
+def test_the_learners_slots_serve_the_paged_cache():
+    """Exercise 04's slot_mapping and context_slots are what the paged cache writes and reads through: the learner's
+    functions are called and give the model's logits; a wrong slot_mapping changes them."""
+    import types
+
+    model = tiny_model()
+    ids = torch.randint(0, model.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = model(ids)
+
+    def paged_logits():  # a prefill of 17 tokens over two blocks of 16, then four decode steps
+        cache = minillm.paged.PagedSequenceCache.for_model(model, 1, 21)
+        with torch.inference_mode():
+            return torch.cat([model(ids[:, :17], kv_cache=cache)] +
+                             [model(ids[:, t:t + 1], kv_cache=cache) for t in range(17, 21)], dim=1)
+
+    calls = {"slot_mapping": 0, "context_slots": 0}
+
+    def counted(name, fn):
+        def wrapper(*args):
+            calls[name] += 1
+            return fn(*args)
+        return wrapper
+
+    learner = types.ModuleType("learner.ex04_paged")
+    learner.BlockAllocator = sol["ex04_paged"].BlockAllocator
+    learner.slot_mapping = counted("slot_mapping", sol["ex04_paged"].slot_mapping)
+    learner.context_slots = counted("context_slots", sol["ex04_paged"].context_slots)
+    with use_exercises(model, learner):
+        torch.testing.assert_close(paged_logits(), want, atol=1e-4, rtol=1e-4)
+    assert calls == {"slot_mapping": 5, "context_slots": 4}  # one write per step; the prefill reads no old context
+    learner.slot_mapping = lambda tables, lens, qlens, block_size: list(range(sum(qlens)))  # ignores the tables
+    with use_exercises(model, learner):
+        assert not torch.allclose(paged_logits()[:, 17:], want[:, 17:], atol=1e-3)
+    assert minillm.paged_attention.slot_mapping is not learner.slot_mapping

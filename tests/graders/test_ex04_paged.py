@@ -1,13 +1,17 @@
-"""Grader for exercise 04: the block allocator and paged decode attention.
+"""Grader for exercise 04: the block allocator, and the slots a paged cache writes and reads.
 
 Allocator: seeded random sequences of allocate / fork (incref) / free run against a model of who owns which block;
 after every step the ref counts, the free count and the free list must agree with the model. Plus the cases common
 wrong answers get wrong: out of blocks (all or nothing, OutOfBlocksError), a shared block freed by one owner (must
 stay allocated), double free (ValueError, nothing changed), no leaks.
-Attention: SDPA over each sequence's own keys (gathered here, independently) is the oracle; pools hold NaN in every
-slot no sequence owns, block ids are shuffled, lengths are not multiples of the block size, GQA maps query head h to
-KV head h // group. The `*_rejects_wrong_answers` tests run the same checks on common mistakes (skipped when
-grading exercises/).
+Slots: the oracles here apply the rule position by position (position p of table T is slot T[p // block_size] *
+block_size + p % block_size). Crafted cases with hand-computed slots (scattered block ids, a chunk that starts in the
+middle of a block, decode steps on both sides of a block boundary, tables padded with -1, padding positions that
+must point at position 0's slot with valid False), hypothesis over tables and lengths, and the engine's use: several
+sequences grow through chunked prefill and decode steps, each step's new tokens are written into a pool at your
+slot_mapping's slots and every context is read back through your context_slots, which must give each sequence's
+tokens in order, as a contiguous cache holds them. The `*_rejects_wrong_answers` tests run the same checks on common
+mistakes (skipped when grading exercises/).
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minillm.block_allocator import OutOfBlocksError
 from tests.graders.conftest import TARGET, forbid_calls, forbid_reference_imports, load_impl
@@ -175,147 +180,235 @@ def test_allocator_rejects_wrong_answers(wrong):
         check_allocator(wrong)
 
 
-# ======================================================================================= task 04.paged_attention
+# ================================================================================================= task 04.slots
 
 
-def _case(lens, n_heads, n_kv_heads, block_size, head_dim, seed):
-    """Pools full of NaN except the slots the sequences own (at shuffled block ids); q; each sequence's k/v."""
-    g = torch.Generator().manual_seed(seed)
-    need = [-(-n // block_size) for n in lens]
-    num_blocks = sum(need) + 2
-    k_pool = torch.full((num_blocks, block_size, n_kv_heads, head_dim), float("nan"))
-    v_pool = k_pool.clone()
-    ids = torch.randperm(num_blocks, generator=g).tolist()
-    tables = torch.full((len(lens), max(need) + 1), -1, dtype=torch.int32)  # one extra -1 column for everyone
-    seqs = []
-    for i, (n, nb) in enumerate(zip(lens, need)):
-        mine, ids = ids[:nb], ids[nb:]
-        tables[i, :nb] = torch.tensor(mine, dtype=torch.int32)
-        k = torch.randn(n, n_kv_heads, head_dim, generator=g)
-        v = torch.randn(n, n_kv_heads, head_dim, generator=g)
-        for p in range(n):
-            k_pool[mine[p // block_size], p % block_size] = k[p]
-            v_pool[mine[p // block_size], p % block_size] = v[p]
-        seqs.append((k, v))
-    q = torch.randn(len(lens), n_heads, head_dim, generator=g)
-    return q, k_pool, v_pool, tables, torch.tensor(lens), seqs
+def _slot(table: list[int], p: int, block_size: int) -> int:
+    return table[p // block_size] * block_size + p % block_size
 
 
-def _oracle(q_row, k, v):
-    group = q_row.shape[0] // k.shape[1]
-    kf = k.transpose(0, 1).repeat_interleave(group, 0)  # (n_heads, n, head_dim): head h reads KV head h // group
-    vf = v.transpose(0, 1).repeat_interleave(group, 0)
-    return F.scaled_dot_product_attention(q_row[:, None], kf, vf)[:, 0]
+def slot_mapping_oracle(tables, context_lens, query_lens, block_size) -> list[int]:
+    return [_slot(t, p, block_size) for t, ctx, n in zip(tables, context_lens, query_lens) for p in range(ctx - n, ctx)]
 
 
-CASES = [
-    # lens, n_heads, n_kv_heads, block_size, head_dim
-    ([1], 2, 1, 4, 8),
-    ([5, 16, 17], 4, 2, 16, 8),
-    ([3, 9, 1, 30], 6, 2, 4, 16),
-    ([33, 7], 9, 3, 8, 16),
-    ([12, 12], 4, 4, 4, 8),
-    ([40], 8, 1, 16, 32),
+def context_slots_oracle(tables, context_lens, block_size, width) -> tuple[list[list[int]], list[list[bool]]]:
+    slots = [[_slot(t, p if p < ctx else 0, block_size) for p in range(width)] for t, ctx in zip(tables, context_lens)]
+    return slots, [[p < ctx for p in range(width)] for ctx in context_lens]
+
+
+def _padded(tables: list[list[int]], dtype=torch.int32) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([list(t) + [-1] * (width - len(t)) for t in tables], dtype=dtype)
+
+
+def call_slot_mapping(fn, tables, context_lens, query_lens, block_size) -> list[int]:
+    args = ([list(t) for t in tables], list(context_lens), list(query_lens), block_size)
+    got = fn(*args)
+    assert isinstance(got, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in got), (
+        f"slot_mapping must return a list of ints, got {type(got).__name__} {got!r:.80}")
+    assert args == ([list(t) for t in tables], list(context_lens), list(query_lens), block_size), (
+        "slot_mapping changed its arguments")
+    return got
+
+
+def call_context_slots(fn, tables, context_lens, block_size, width, dtype=torch.int32):
+    block_tables, lens = _padded(tables, dtype), torch.tensor(context_lens, dtype=dtype)
+    before = block_tables.clone(), lens.clone()
+    slots, valid = fn(block_tables, lens, block_size, width)
+    n = len(tables)
+    assert isinstance(slots, torch.Tensor) and slots.shape == (n, width) and slots.dtype == torch.int64, (
+        f"slots must be an int64 ({n}, {width}) tensor, got {getattr(slots, 'dtype', type(slots))} "
+        f"{tuple(getattr(slots, 'shape', ()))}")
+    assert isinstance(valid, torch.Tensor) and valid.shape == (n, width) and valid.dtype == torch.bool, (
+        f"valid must be a bool ({n}, {width}) tensor, got {getattr(valid, 'dtype', type(valid))} "
+        f"{tuple(getattr(valid, 'shape', ()))}")
+    assert torch.equal(block_tables, before[0]) and torch.equal(lens, before[1]), "context_slots changed its inputs"
+    return slots.tolist(), valid.tolist()
+
+
+def check_slot_mapping(fn, tables, context_lens, query_lens, block_size, want=None) -> None:
+    want = slot_mapping_oracle(tables, context_lens, query_lens, block_size) if want is None else want
+    got = call_slot_mapping(fn, tables, context_lens, query_lens, block_size)
+    case = (f"tables {tables}, context_lens {context_lens}, query_lens {query_lens}, block_size {block_size}")
+    assert len(got) == len(want), (
+        f"{case}: {sum(query_lens)} new tokens need {len(want)} slots, got {len(got)} (only the new tokens, "
+        f"positions ctx - n .. ctx - 1 of each sequence, are written)")
+    if got != want:
+        k = next(k for k, (g, w) in enumerate(zip(got, want)) if g != w)
+        seq, first = 0, k
+        while first >= query_lens[seq]:
+            first, seq = first - query_lens[seq], seq + 1
+        p = context_lens[seq] - query_lens[seq] + first
+        raise AssertionError(f"{case}: new token {k} is sequence {seq}'s position {p}: slot {want[k]} (block "
+                             f"{tables[seq][p // block_size]}, offset {p % block_size}), got {got[k]}")
+
+
+def check_context_slots(fn, tables, context_lens, block_size, width, want=None, dtype=torch.int32) -> None:
+    want_slots, want_valid = context_slots_oracle(tables, context_lens, block_size, width)
+    if want is not None:
+        assert want == want_slots, "grader bug: hand-computed slots disagree with the oracle"
+    got_slots, got_valid = call_context_slots(fn, tables, context_lens, block_size, width, dtype)
+    case = f"tables {tables}, context_lens {context_lens}, block_size {block_size}, width {width}"
+    for i, ctx in enumerate(context_lens):
+        assert got_valid[i] == want_valid[i], (
+            f"{case}: sequence {i} holds {ctx} tokens, so valid must be True at positions 0..{ctx - 1} only; got "
+            f"{got_valid[i]}")
+        for p in range(width):
+            if got_slots[i][p] != want_slots[i][p]:
+                where = (f"position {p}: slot {want_slots[i][p]}" if p < ctx else
+                         f"padding position {p} (past its {ctx} tokens): slot {want_slots[i][p]}, its position 0's "
+                         f"(a real key/value the mask drops, never -1 or a -1 table entry)")
+                raise AssertionError(f"{case}: sequence {i}, {where}; got {got_slots[i][p]}")
+
+
+# (tables, context_lens, query_lens, block_size, hand-computed slots)
+SLOT_CASES = [
+    # two sequences, scattered blocks: a two-token chunk ending a block pair, a whole short prompt
+    ([[5, 2], [7]], [6, 3], [2, 3], 4, [8, 9, 28, 29, 30]),
+    # a chunk of 6 that starts mid-block (positions 5..10 cross from block 9 into block 1)
+    ([[3, 9, 1]], [11], [6], 4, [37, 38, 39, 4, 5, 6]),
+    # decode on both sides of a block boundary: position 7 is the last slot of block 9, position 8 the first of 1
+    ([[3, 9, 1], [3, 9, 1]], [8, 9], [1, 1], 4, [39, 4]),
+    # a whole prompt, a decode and a chunk in one packed step; tables longer than needed (blocks taken ahead)
+    ([[0, 6, 4], [2, 8], [1, 3, 5, 9]], [3, 4, 7], [3, 1, 4], 2, [0, 1, 12, 17, 7, 10, 11, 18]),
+    # block_size 1: every position its own block
+    ([[4, 0, 3, 1]], [4], [2], 1, [3, 1]),
+    # sixteen-token blocks (the engine's default), a prompt of 17 and a decode at position 40
+    ([[2, 0], [1, 5, 3]], [17, 41], [17, 1], 16, list(range(32, 48)) + [0, 56]),
+]
+
+# (tables, context_lens, block_size, width, hand-computed slots)
+CONTEXT_CASES = [
+    ([[7, 2, 5], [0, -1, -1], [3, 6, -1]], [9, 1, 5], 4, 9,
+     [[28, 29, 30, 31, 8, 9, 10, 11, 20], [0] * 9, [12, 13, 14, 15, 24, 12, 12, 12, 12]]),
+    ([[7, 2, 5]], [9], 4, 12, [[28, 29, 30, 31, 8, 9, 10, 11, 20, 28, 28, 28]]),  # width past the table's blocks
+    ([[1, 4], [6, 9]], [3, 8], 4, 8, [[4, 5, 6, 4, 4, 4, 4, 4], [24, 25, 26, 27, 36, 37, 38, 39]]),
+    ([[4, 0, 3]], [3], 1, 5, [[4, 0, 3, 4, 4]]),
 ]
 
 
-def check_paged_attention(fn) -> None:
-    for seed, (lens, h, hkv, bs, d) in enumerate(CASES):
-        q, k_pool, v_pool, tables, ctx, seqs = _case(lens, h, hkv, bs, d, seed)
-        out = fn(q, k_pool, v_pool, tables, ctx)
-        assert out.shape == q.shape, f"output shape {tuple(out.shape)}, expected {tuple(q.shape)}"
-        assert not out.isnan().any(), (
-            f"NaN in the output (lens {lens}, block_size {bs}): a position past a sequence's length, or a -1 "
-            f"table entry, reached the result; mask the scores and zero the values there")
-        for i, (k, v) in enumerate(seqs):
-            where = f"sequence {i} (len {lens[i]}, {h} heads / {hkv} KV heads, block {bs})"
-            torch.testing.assert_close(out[i], _oracle(q[i], k, v), atol=1e-5, rtol=1e-4,
-                                       msg=lambda m, where=where: f"{where}: {m}")
-    q, k_pool, v_pool, tables, ctx, seqs = _case([9, 14], 6, 2, 4, 16, 7)  # large logits: scores of hundreds
-    q, k_pool = q * 12, k_pool * 12
-    out = fn(q, k_pool, v_pool, tables, ctx)
-    assert torch.isfinite(out).all(), "scores of a few hundred gave inf/nan: subtract the row max before exp"
-    for i, (k, v) in enumerate(seqs):
-        torch.testing.assert_close(out[i], _oracle(q[i], k * 12, v), atol=1e-4, rtol=1e-4)
-    q, k_pool, v_pool, tables, ctx, seqs = _case([20, 4], 4, 2, 8, 16, 99)
-    out = fn(q.bfloat16(), k_pool.bfloat16(), v_pool.bfloat16(), tables, ctx)
-    assert out.dtype == torch.bfloat16, "return q's dtype"
+@pytest.mark.task_04_slots
+def test_slot_mapping_crafted():
+    forbid_calls(impl.slot_mapping, ["minillm", "AttentionMetadata", "StepPlan"])
+    for tables, ctx, qlens, block_size, want in SLOT_CASES:
+        assert slot_mapping_oracle(tables, ctx, qlens, block_size) == want, "grader bug: hand-computed slots"
+        check_slot_mapping(impl.slot_mapping, tables, ctx, qlens, block_size, want)
 
 
-@pytest.mark.task_04_paged_attention
-def test_paged_attention():
-    forbid_calls(impl.paged_attention, ["scaled_dot_product_attention", "minillm", "sdpa_attention",
-                                        "naive_attention", "gather_sequence"])
-    check_paged_attention(impl.paged_attention)
+@pytest.mark.task_04_slots
+def test_context_slots_crafted():
+    forbid_calls(impl.context_slots, ["minillm", "AttentionMetadata", "StepPlan"])
+    for tables, ctx, block_size, width, want in CONTEXT_CASES:
+        real = [[b for b in t if b >= 0] for t in tables]
+        for dtype in (torch.int32, torch.int64):  # the engine's tables are int32
+            check_context_slots(impl.context_slots, real, ctx, block_size, width, want, dtype)
 
 
-# deliberately wrong versions ---------------------------------------------------------------------------------------
+@st.composite
+def step_lists(draw):
+    """Scattered block tables (some longer than needed), context lengths and new-token counts for one step."""
+    block_size = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
+    lens = draw(st.lists(st.integers(1, 40), min_size=1, max_size=5))
+    need = [-(-n // block_size) + draw(st.integers(0, 2)) for n in lens]
+    ids = draw(st.permutations(range(sum(need) + draw(st.integers(0, 3)))))
+    tables, start = [], 0
+    for n in need:
+        tables.append(list(ids[start:start + n]))
+        start += n
+    qlens = [draw(st.integers(1, n)) for n in lens]
+    return tables, lens, qlens, block_size, max(lens) + draw(st.integers(0, 5))
 
 
-def _gathered(q, k_pool, v_pool, tables):
-    n, d = q.shape[0], q.shape[2]
-    hkv = k_pool.shape[2]
-    t = tables.long().clamp(min=0)
-    keys = k_pool[t].reshape(n, -1, hkv, d).transpose(1, 2)  # (n, hkv, L, d)
-    values = v_pool[t].reshape(n, -1, hkv, d).transpose(1, 2)
-    return keys, values
+@pytest.mark.task_04_slots
+@settings(max_examples=150, deadline=None)
+@given(step_lists())
+def test_slots_random(case):
+    tables, lens, qlens, block_size, width = case
+    check_slot_mapping(impl.slot_mapping, tables, lens, qlens, block_size)
+    check_context_slots(impl.context_slots, tables, lens, block_size, width)
 
 
-def _attend(q, keys, values, valid, head_map, mask_values=True, scale=True):
-    d = q.shape[2]
-    keys, values = keys[:, head_map], values[:, head_map]  # (n, h, L, d)
-    if mask_values:
-        values = torch.where(valid[:, None, :, None], values, 0)
-    s = (q[:, :, None] @ keys.transpose(-1, -2))[:, :, 0] * (d**-0.5 if scale else 1.0)  # (n, h, L)
-    s = s.masked_fill(~valid[:, None], float("-inf"))
-    return (s.softmax(-1)[:, :, None] @ values)[:, :, 0]
+def check_write_then_read(slot_mapping, context_slots, seed: int) -> None:
+    """The engine's use: sequences grow by chunks and decode steps, blocks taken as they fill, several sequences per
+    step. Each step writes its new tokens (ids unique per sequence and position) at slot_mapping's slots, then every
+    sequence's context is read back through context_slots: it must be the sequence's tokens in order, padding
+    giving its first token."""
+    rng = random.Random(seed)
+    block_size = rng.choice([2, 4, 8])
+    n_seqs = rng.randint(2, 4)
+    targets = [rng.randint(1, 30) for _ in range(n_seqs)]
+    num_blocks = sum(-(-t // block_size) for t in targets) + 3
+    free = list(range(num_blocks))
+    rng.shuffle(free)  # blocks come out of the pool in no particular order
+    pool = torch.full((num_blocks * block_size,), -1, dtype=torch.int64)  # -1: a slot nobody wrote
+    tables: list[list[int]] = [[] for _ in range(n_seqs)]
+    lens = [0] * n_seqs
+    token = lambda i, p: 1000 * (i + 1) + p
+    while lens != targets:
+        seqs = [i for i in range(n_seqs) if lens[i] < targets[i] and rng.random() < 0.7]
+        if not seqs:
+            continue
+        qlens = [1 if lens[i] and rng.random() < 0.5 else rng.randint(1, targets[i] - lens[i]) for i in seqs]
+        for i, n in zip(seqs, qlens):
+            lens[i] += n
+            while len(tables[i]) * block_size < lens[i]:
+                tables[i].append(free.pop())
+        step_tables, step_lens = [tables[i] for i in seqs], [lens[i] for i in seqs]
+        slots = slot_mapping([list(t) for t in step_tables], list(step_lens), list(qlens), block_size)
+        new = [token(i, p) for i, n in zip(seqs, qlens) for p in range(lens[i] - n, lens[i])]
+        assert len(slots) == len(new), f"a step of {len(new)} new tokens got {len(slots)} slots from slot_mapping"
+        assert len(set(slots)) == len(slots), f"two new tokens of one step were given the same slot: {slots}"
+        pool[torch.tensor(slots, dtype=torch.int64)] = torch.tensor(new)
+        width = max(lens)
+        active = [i for i in range(n_seqs) if lens[i]]
+        got, valid = context_slots(_padded([tables[i] for i in active]), torch.tensor([lens[i] for i in active],
+                                   dtype=torch.int32), block_size, width)
+        read = pool[got]
+        for row, i in enumerate(active):
+            want = [token(i, p) for p in range(lens[i])]
+            have = read[row, :lens[i]].tolist()
+            assert have == want, (
+                f"block_size {block_size}, after a step of new tokens {dict(zip(seqs, qlens))} (sequence: count): "
+                f"sequence {i} (table {tables[i]}, {lens[i]} tokens) reads back {have}, a contiguous cache holds "
+                f"{want} (-1: a slot nobody wrote; another sequence's id: a slot written twice)")
+            assert valid[row].tolist() == [p < lens[i] for p in range(width)], f"sequence {i}: wrong valid mask"
+            assert (read[row, lens[i]:] == token(i, 0)).all(), (
+                f"sequence {i}: padding positions must read its position 0, got {read[row, lens[i]:].tolist()}")
 
 
-def _right_map(h, hkv):
-    return torch.arange(h) // (h // hkv)
+@pytest.mark.task_04_slots
+def test_write_then_read_like_the_engine():
+    for seed in range(12):
+        check_write_then_read(impl.slot_mapping, impl.context_slots, seed)
 
 
-def wrong_reads_whole_blocks(q, k_pool, v_pool, tables, ctx):  # ignores context_lens: the tail of the last block
-    keys, values = _gathered(q, k_pool, v_pool, tables)
-    valid = (tables >= 0).repeat_interleave(k_pool.shape[1], 1)
-    return _attend(q, keys, values, valid, _right_map(q.shape[1], k_pool.shape[2]))
+# deliberately wrong versions (the committed mutants in tests/graders/mutants.py are more) -----------------------
 
 
-def wrong_masks_scores_only(q, k_pool, v_pool, tables, ctx):  # 0 * NaN from unused value slots leaks
-    keys, values = _gathered(q, k_pool, v_pool, tables)
-    valid = torch.arange(keys.shape[2]) < ctx[:, None]
-    return _attend(q, keys, values, valid, _right_map(q.shape[1], k_pool.shape[2]), mask_values=False)
+def wrong_positions_from_zero(block_tables, context_lens, query_lens, block_size):  # a chunk written at 0..n-1
+    return [t[p // block_size] * block_size + p % block_size for t, n in zip(block_tables, query_lens)
+            for p in range(n)]
 
 
-def wrong_gqa_modulo(q, k_pool, v_pool, tables, ctx):  # query head h -> KV head h % n_kv_heads
-    keys, values = _gathered(q, k_pool, v_pool, tables)
-    valid = torch.arange(keys.shape[2]) < ctx[:, None]
-    return _attend(q, keys, values, valid, torch.arange(q.shape[1]) % k_pool.shape[2])
-
-
-def wrong_no_scale(q, k_pool, v_pool, tables, ctx):
-    keys, values = _gathered(q, k_pool, v_pool, tables)
-    valid = torch.arange(keys.shape[2]) < ctx[:, None]
-    return _attend(q, keys, values, valid, _right_map(q.shape[1], k_pool.shape[2]), scale=False)
+def wrong_pads_through_the_table(block_tables, context_lens, block_size, width):  # padding looks up -1 entries
+    positions = torch.arange(width)
+    valid = positions < context_lens[:, None]
+    cols = (positions // block_size).clamp(max=block_tables.shape[1] - 1).expand(len(block_tables), -1)
+    return block_tables.long().gather(1, cols) * block_size + positions % block_size, valid
 
 
 @grader_selftest
-@pytest.mark.task_04_paged_attention
-@pytest.mark.parametrize("wrong", [wrong_reads_whole_blocks, wrong_masks_scores_only, wrong_gqa_modulo,
-                                   wrong_no_scale])
-def test_paged_attention_rejects_wrong_answers(wrong):
+@pytest.mark.task_04_slots
+def test_slots_rejects_wrong_answers():
     with pytest.raises(AssertionError):
-        check_paged_attention(wrong)
-
-
-@grader_selftest
-@pytest.mark.task_04_paged_attention
-def test_paged_attention_rejects_sdpa():
-    def calls_sdpa(q, k_pool, v_pool, tables, ctx):
-        return F.scaled_dot_product_attention(q, k_pool, v_pool)
-
-    with pytest.raises(pytest.fail.Exception):
-        forbid_calls(calls_sdpa, ["scaled_dot_product_attention", "minillm"])
+        for tables, ctx, qlens, block_size, want in SLOT_CASES:
+            check_slot_mapping(wrong_positions_from_zero, tables, ctx, qlens, block_size, want)
+    with pytest.raises(AssertionError):
+        for tables, ctx, block_size, width, _ in CONTEXT_CASES:
+            check_context_slots(wrong_pads_through_the_table, [[b for b in t if b >= 0] for t in tables], ctx,
+                                block_size, width)
+    with pytest.raises(AssertionError):
+        check_write_then_read(wrong_positions_from_zero, impl.context_slots, 0)
 
 
 # ========================================================================================= the real model, paged
@@ -323,11 +416,11 @@ def test_paged_attention_rejects_sdpa():
 
 @pytest.mark.task_04_real_model
 def test_your_paged_cache_runs_smollm2(real_model):
-    """Your BlockAllocator hands out the blocks and your paged_attention is the decode backend
-    (`register_attention(..., kind="paged_decode")`) of every paged cache: `minillm.generate(cache="paged")` and the
-    engine (minillm.LLM, 6 requests on a 6-block pool, with preemptions) give SmolLM2-135M's reference greedy tokens.
-    Stands on exercises 00, 02 and 03 (norm, RoPE, sampler; the prefill attention: the latest you wrote, else
-    minillm's)."""
+    """Your BlockAllocator hands out the blocks of every paged cache, your slot_mapping says where each layer writes
+    each new token's key/value (AttentionMetadata.build) and your context_slots where the decode steps and the chunks
+    read their context from (StepPlan.build): `minillm.generate(cache="paged")` and the engine (minillm.LLM, 6
+    requests on a 6-block pool, with preemptions) give SmolLM2-135M's reference greedy tokens. Stands on exercises
+    00, 02 and 03 (norm, RoPE, sampler; the attention: the latest you wrote, else minillm's)."""
     from minillm.checkpoints import check_on_ladder
     from tests.graders.real_model import (
         greedy_ids,
@@ -347,6 +440,6 @@ def test_your_paged_cache_runs_smollm2(real_model):
         same_tokens(greedy_ids(model, tok, cache="paged"), want, tok, "generate(cache='paged') with your paged cache")
         got, _ = serve(model, tok, requests)
         for i, (g, w) in enumerate(zip(got, want_served)):
-            same_tokens(g, w, tok, f"engine request {i} with your allocator and paged attention")
+            same_tokens(g, w, tok, f"engine request {i} with your allocator and slots")
 
     check_on_ladder(model, impl, check)
