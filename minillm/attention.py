@@ -147,6 +147,6 @@ register_attention("flash", "minillm.flash:flash_attention", supports_lse=True,
                    doc="tiled online-softmax in torch (lesson 03)")
 register_attention("triton", "minillm_kernels.flash_attn:triton_attention", doc="Triton flash kernel (lesson 03)")
 register_attention("torch", "minillm.paged_attention:paged_attention", kind="paged_decode",
-                   doc="readable reference gather (exercise 04)")
+                   doc="readable reference gather (lesson 04)")
 register_attention("triton_paged", "minillm_kernels.paged_decode:triton_paged_decode", kind="paged_decode",
                    doc="Triton paged decode kernel (GPU)")

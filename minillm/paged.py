@@ -6,7 +6,7 @@ request no longer than it (fragmentation). Paging (vLLM's PagedAttention) cuts t
 `block_size` slots; a sequence takes a block only when it fills the last one, so at most `block_size - 1` slots per
 sequence are wasted and any free block fits any sequence. The cost is an indirection: attention reads keys through
 the sequence's block table instead of from one strided buffer. Lesson 04 measures both sides; exercise 04 asks for
-the allocator and the gather.
+the allocator and the slots (where each new token is written, where each cached token is read).
 
 Split by job:
   KVCacheSpec / KVBlockPool  the storage (kv_pool.py): K and V blocks in `kv_dtype`, read and written by slot,
