@@ -10,7 +10,8 @@ tests/test_graders_meta.py runs every mutant against its task's graders and asse
 the real-model tasks (each loads and runs SmolLM2, 5-30 s) in a slow test of their own (`pytest -m slow`), the rest
 in the default run. By hand:
 
-    python -m tests.graders.mutants 05                 # every mutant of lesson 05: {mutant: killed / survived}
+    python -m tests.graders.mutants 05                 # lesson 05's mutants: {"05:name": killed / survived}
+    python -m tests.graders.mutants 04,05,12 --no-real-model  # several lessons in one process
     python -m tests.graders.mutants 05 --real-model    # only those of task_05_real_model (--no-real-model: the rest)
 """
 
@@ -758,5 +759,8 @@ def run(lesson: str, real_model: bool | None = None) -> dict[str, str]:
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     which = {"--real-model": True, "--no-real-model": False}
-    out = run(sys.argv[1], *(which[a] for a in sys.argv[2:3]))
+    out = {}  # several lessons (04,05,12) in one process: one interpreter start for all of them
+    for lesson in sys.argv[1].split(","):
+        found = run(lesson, *(which[a] for a in sys.argv[2:3]))
+        out.update({f"{lesson}:{name}": outcome for name, outcome in found.items()})
     print("MUTANTS " + json.dumps(out))
