@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 from .disagg_worker import DECODE, ENGINE_KWARGS, PREFILL, _worker_main, recv_handoff, send_handoff  # noqa: F401
-from .request import RequestOutput
+from .request import RequestOutput, params_per_prompt
 from .sampling import SamplingParams
 
 # ---------------------------------------------------------------------------------------------- the coordinator
@@ -254,12 +254,7 @@ class DisaggregatedLLM:
                  raise_on_error: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in input order. A request that failed raises RuntimeError naming
         it (after the others finished), unless raise_on_error=False (then its finish_reason is "error")."""
-        if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
-            raise TypeError("pass a list of prompts (strings or lists of token ids), e.g. [prompt]")
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        params = params_per_prompt(prompts, params)
         ids = [self.submit(p, sp) for p, sp in zip(prompts, params)]
         outs = [self.result(r) for r in ids]
         failed = [(o.request_id, o.metrics["error"]) for o in outs if o.finish_reason == "error"]

@@ -53,6 +53,18 @@ def prompt_to_ids(prompt, tokenizer, vocab_size: int, chat: bool = False) -> lis
     return ids
 
 
+def params_per_prompt(prompts, params) -> list[SamplingParams]:
+    """The SamplingParams of each prompt of a batch: one for all (or None: the defaults), or one each. A bare prompt
+    (a str, or one list of ids) is a TypeError: batch front ends take a list of prompts."""
+    if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
+        raise TypeError("pass a list of prompts (strings or lists of token ids), e.g. [prompt]")
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+    return list(params)
+
+
 def make_request(prompt, params: SamplingParams | None, tokenizer, config, device: torch.device | str = "cpu",
                  request_id: str = "0", chat: bool = False, clip_to_context: bool = False,
                  arrival_time: float | None = None, eos_ids: frozenset[int] | None = None) -> Request:

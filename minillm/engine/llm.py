@@ -36,7 +36,7 @@ from ..block_allocator import blocks_needed
 from ..kv_pool import KVCacheSpec
 from ..kv_transfer import KVHandoff
 from ..paged import PagedKVCache
-from ..request import Request, RequestOutput, make_request
+from ..request import Request, RequestOutput, make_request, params_per_prompt
 from ..sampling import SamplingParams
 from ..speculative import SpecStats, SpeculativeConfig, make_drafter
 from .block_manager import BlockManager
@@ -266,12 +266,7 @@ class LLM(HandoffMixin):
     # ------------------------------------------------------------------------------------------- conveniences
 
     def _submit(self, prompts, params, chat: bool, sink: queue.SimpleQueue | None = None) -> list[str]:
-        if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
-            raise TypeError("pass a list of prompts (strings or lists of token ids), e.g. [prompt]")
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        params = params_per_prompt(prompts, params)
         with self._lock:
             prepared = []
             for i, (prompt, p) in enumerate(zip(prompts, params)):  # validate every request before queueing any
