@@ -62,16 +62,6 @@ def recv_handoff(src: int, device) -> KVHandoff | None:
 # --------------------------------------------------------------------------------------------------- the workers
 
 
-def _load(spec, dtype: str, device):
-    from .parallel import load_for_rank
-
-    if isinstance(spec, dict):
-        return load_for_rank(spec, dtype, device), None
-    from .loader import load_model
-
-    return load_model(spec, dtype=dtype, device=str(device))
-
-
 def _worker_main(rank: int, spec, dtype: str, threads: int, engine_kwargs: dict, port: int, device: str,
                  inbox, events, fault: str | None) -> None:
     torch.set_num_threads(threads)
@@ -79,9 +69,10 @@ def _worker_main(rank: int, spec, dtype: str, threads: int, engine_kwargs: dict,
     try:
         from .distributed import init_group, weights_checksum
         from .engine import LLM
+        from .parallel import load_spec
 
         dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if device == "cuda" else "cpu")
-        model, tok = _load(spec, dtype, dev)
+        model, tok = load_spec(spec, dtype, dev)
         llm = LLM.from_model(model, tok, **engine_kwargs)
         pool = llm.cache.spec
         events.put(("ready", role, {"checksum": weights_checksum(model), "block_size": pool.block_size,

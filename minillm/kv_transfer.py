@@ -15,7 +15,8 @@ the sequence's blocks gathered into contiguous tensors, in token order:
     unpack_kv_blocks(decode_pool, new_block_ids, payload)                 # same shapes, other ids
 
 Processes, queues and the wire are minillm/disagg.py's business; the engine seam is LLM.add_prefill /
-LLM.add_prefilled (minillm/engine/llm.py). Lesson 13; exercise 13 asks for pack_kv_blocks and unpack_kv_blocks.
+LLM.add_prefilled (minillm/engine/handoff.py). Lesson 13; exercise 13 asks for pack_kv_blocks and
+unpack_kv_blocks.
 """
 
 from __future__ import annotations

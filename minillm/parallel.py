@@ -48,15 +48,21 @@ class ParallelConfig:
 
 def load_for_rank(spec, dtype: str = "float32", device: torch.device | str = "cpu"):
     """The model every rank loads: a registered/saved name, or {"tiny": overrides, "seed": s} (a random model)."""
+    return load_spec(spec, dtype, device)[0]
+
+
+def load_spec(spec, dtype: str = "float32", device: torch.device | str = "cpu"):
+    """(model, tokenizer) for a spec any process can rebuild the same: a registered/saved name, or {"tiny":
+    overrides, "seed": s} (a random model, tokenizer None: prompts are token ids)."""
     if isinstance(spec, dict):
         from .config import ModelConfig
         from .model import Transformer
 
         torch.manual_seed(spec.get("seed", 0))
-        return Transformer(ModelConfig.tiny(**spec.get("tiny", {}))).to(getattr(torch, dtype)).to(device).eval()
+        return Transformer(ModelConfig.tiny(**spec.get("tiny", {}))).to(getattr(torch, dtype)).to(device).eval(), None
     from .loader import load_model
 
-    return load_model(spec, dtype=dtype, device=str(device))[0]
+    return load_model(spec, dtype=dtype, device=str(device))
 
 
 def validate(model_config, cfg: ParallelConfig) -> None:

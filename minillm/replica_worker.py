@@ -29,16 +29,6 @@ class Fault:
 
 # ------------------------------------------------------------------------------------- inside a replica process
 
-def _load(spec, dtype: str):
-    if isinstance(spec, str):
-        from .loader import load_model
-
-        return load_model(spec, dtype=dtype, device="cpu")
-    from .parallel import load_for_rank
-
-    return load_for_rank(spec, dtype), None
-
-
 def _build_engine(model, tokenizer, engine_kwargs: dict, fault: Fault | None):
     from .engine import LLM
 
@@ -87,7 +77,9 @@ def _replica_main(replica_id: int, spec, dtype: str, engine_kwargs: dict, thread
                 pass
 
     try:
-        model, tok = _load(spec, dtype)
+        from .parallel import load_spec
+
+        model, tok = load_spec(spec, dtype)
         llm = _build_engine(model, tok, engine_kwargs, fault)
         bm = llm.block_manager
         send("ready", weights_checksum(model), bm.num_blocks, bm.block_size, model.config.vocab_size,

@@ -28,6 +28,7 @@ Exercise 13 asks for `least_loaded` and PrefixAffinityRouter's `matched_blocks`,
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -92,13 +93,14 @@ def least_loaded(replicas: Sequence[ReplicaState]) -> ReplicaState:
     return min(live(replicas), key=lambda r: (r.outstanding_tokens, r.id))
 
 
-class Router:
+class Router(ABC):
     """A routing policy. `choose` picks a live replica's id; `on_dispatch` tells the router where a request went."""
 
     name = "router"
 
+    @abstractmethod
     def choose(self, prompt_ids: Sequence[int], max_tokens: int, replicas: Sequence[ReplicaState]) -> int:
-        raise NotImplementedError
+        """The id of the live replica this request goes to."""
 
     def on_dispatch(self, replica_id: int, prompt_ids: Sequence[int]) -> None:
         pass

@@ -139,8 +139,8 @@ class HandoffMixin:
                 self._sinks.pop(seq.request_id, None)
                 self._decoders.pop(seq.request_id, None)
                 raise
-            seq.block_table, seq.num_cached_tokens, seq.status = blocks, h.num_computed_tokens, SequenceStatus.RUNNING
+            seq.block_table, seq.num_cached_tokens = blocks, h.num_computed_tokens
             self._seqs[seq.request_id] = seq
-            self.scheduler.running.append(seq)
+            self.scheduler.add_running(seq)
             self._emit(seq, seq.output_ids[0])
             return seq.request_id
