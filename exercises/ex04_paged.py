@@ -25,7 +25,7 @@ pool through your two functions step by step: what it reads back must be each se
 contiguous cache holds them.
 
 task_04_real_model puts your BlockAllocator in every paged cache and your slot_mapping and context_slots in the
-engine's step metadata (minillm.paged_attention): minillm.generate(cache="paged") and the engine (minillm.LLM, six
+engine's step metadata (minillm.cache.paged_attention): minillm.generate(cache="paged") and the engine (minillm.LLM, six
 requests on a six-block pool, with preemptions) must give minillm's greedy tokens. It stands on exercises 00 (norm,
 RoPE, sampler) and 02/03 (the attention: the latest you wrote), minillm's where you have not.
 """
@@ -36,7 +36,7 @@ from collections import deque
 
 from torch import Tensor
 
-from minillm.block_allocator import OutOfBlocksError  # noqa: F401  (the error allocate raises, given)
+from minillm.cache.block_allocator import OutOfBlocksError  # noqa: F401  (the error allocate raises, given)
 
 # task 04.allocator ------------------------------------------------------------------------------------------
 

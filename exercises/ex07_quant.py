@@ -13,8 +13,8 @@ the eight functions, then grade your work:
 
 The graders compare bit for bit with the formats' rules on adversarial values (constant groups, exact halves, rows
 of zeros, all 256 byte values), bound the rounding error, and finish by quantizing the real model with your
-functions (swapped into minillm.quant and minillm.llm_int8): it must still answer Paris and keep its perplexity.
-Calling minillm.quant or minillm.llm_int8 inside your answers is rejected.
+functions (swapped into minillm.compress.quant and minillm.compress.llm_int8): it must still answer Paris and keep its perplexity.
+Calling minillm.compress.quant or minillm.compress.llm_int8 inside your answers is rejected.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch  # noqa: F401  (you will need it)
 from torch import Tensor
 
-from minillm.llm_int8 import _int8_mm  # noqa: F401  given: int8 (m, k) @ int8 (n, k).T -> int32 (m, n)
-from minillm.quant import check_group_size  # noqa: F401  given: the group size must be even and divide the input dim
+from minillm.compress.llm_int8 import _int8_mm  # noqa: F401  given: int8 (m, k) @ int8 (n, k).T -> int32 (m, n)
+from minillm.compress.quant import check_group_size  # noqa: F401  given: the group size must be even and divide the input dim
 
 # task 07.int8 -----------------------------------------------------------------------------------------------
 

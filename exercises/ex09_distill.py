@@ -26,9 +26,9 @@ The graders compare with oracles written out in the grader (the KL in float64 wi
 by step, and a training step done by hand on tiny random Transformers with plain SGD: the same parameters after one
 step and after two, the same loss, terms and norm), on random shapes and temperatures and on logits of +-1000. They
 hook the teacher to see that autograd is off while it runs. The real-model task then distils SmolLM2 with your
-three functions swapped into minillm.distill: 10 steps of minillm.distill.distill must bring the pruned student's KL
+three functions swapped into minillm.compress.distill: 10 steps of minillm.compress.distill.distill must bring the pruned student's KL
 to the teacher down by at least 10% on held-apart text, and leave the teacher's weights as they were. Calling
-minillm.distill's implementations inside your answers is rejected.
+minillm.compress.distill's implementations inside your answers is rejected.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 # given: DistillConfig (the run's settings), _forward (a model's logits and, when asked, its last hidden states) and
 # hidden_cosine_loss (1 - mean cosine similarity of two sets of hidden states: the cos term)
-from minillm.distill import DistillConfig, _forward, hidden_cosine_loss  # noqa: F401
+from minillm.compress.distill import DistillConfig, _forward, hidden_cosine_loss  # noqa: F401
 
 # task 09.loss ------------------------------------------------------------------------------------------------
 

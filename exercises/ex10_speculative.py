@@ -37,9 +37,9 @@ every earlier occurrence for the n-gram lookup, and for rejection sampling craft
 zeros on either side, one-hot) plus exact distribution tests: on a 6-token vocabulary with drafts drawn from q,
 20,000 seeded calls must give every outcome (first token, second token, ...) its exact probability within a bound
 that a correct rule exceeds with probability below 1e-6. The real-model task swaps your three functions into
-minillm.speculative and minillm.drafters and runs SmolLM2 with n-gram speculation (k = 4) on a "repeat this text"
+minillm.speculative.decoding and minillm.speculative.drafters and runs SmolLM2 with n-gram speculation (k = 4) on a "repeat this text"
 prompt: greedy must give exactly the target's own greedy tokens with at least half the drafts accepted and fewer
-target forwards than tokens, and a seeded sampled run must complete. Calling minillm.speculative or minillm.drafters
+target forwards than tokens, and a seeded sampled run must complete. Calling minillm.speculative.decoding or minillm.speculative.drafters
 inside your answers is rejected.
 """
 

@@ -31,10 +31,10 @@ over shapes, degrees 1, 2 and 3), the concatenated column-parallel outputs and t
 against x @ W.T, each shard against the block it must hold, and your W checked unchanged afterwards; GPipe grids
 of crafted sizes against a grid built step by step, and the pipeline's rules (order, dependencies, the bubble) on
 random sizes. The real-model task first runs your slices of SmolLM2's first block as three simulated ranks in the
-grading process, then starts three real ranks (minillm.distributed.launch) that shard SmolLM2 with your
-column_slice and row_slice (minillm.tensor_parallel.shard_tensor_parallel) and decode 16 greedy tokens of "The
+grading process, then starts three real ranks (minillm.parallel.distributed.launch) that shard SmolLM2 with your
+column_slice and row_slice (minillm.parallel.tensor.shard_tensor_parallel) and decode 16 greedy tokens of "The
 capital of France is": they must be the single-process model's tokens, Paris included. Calling
-minillm.tensor_parallel or minillm.pipeline_parallel inside your answers is rejected.
+minillm.parallel.tensor or minillm.parallel.pipeline inside your answers is rejected.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ are the grader's own, so the tasks can be done in any order. The real-model task
 hash_block) into the engine's BlockManager and your PrefixCachingAllocator into its paged cache
 (LLM.from_model(..., enable_prefix_caching=True)): SmolLM2-135M serves chat requests that share a system prompt on a
 pool small enough to evict, with exactly the greedy tokens of the engine without prefix caching, the prefix hits and
-evictions of minillm's own cache, and every block back at the end. Calling minillm.prefix_cache is rejected.
+evictions of minillm's own cache, and every block back at the end. Calling minillm.cache.prefix_cache is rejected.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ from array import array  # noqa: F401
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from minillm.block_allocator import BlockAllocator, OutOfBlocksError  # noqa: F401  (the base class, given; the error)
-from minillm.prefix_cache import ROOT_HASH, PrefixCacheStats  # noqa: F401  (bytes(32), and the engine's counters)
+from minillm.cache.block_allocator import BlockAllocator, OutOfBlocksError  # noqa: F401  (the base class, given; the error)
+from minillm.cache.prefix_cache import ROOT_HASH, PrefixCacheStats  # noqa: F401  (bytes(32), and the engine's counters)
 
 # task 12.hash -------------------------------------------------------------------------------------------------
 

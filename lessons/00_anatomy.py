@@ -48,8 +48,8 @@ from minillm.bench.harness import (
 )
 from minillm.config import LLAMA2_7B
 from minillm.kv_cache import kv_bytes, kv_bytes_per_token
-from minillm.lesson import QUICK, hardware_line, pick
-from minillm.weights import gguf_path
+from minillm.course.lesson import QUICK, hardware_line, pick
+from minillm.gguf.weights import gguf_path
 
 print(hardware_line())
 hw = hardware_info("cpu")

@@ -44,8 +44,8 @@ from minillm.bench.harness import (
 )
 from minillm.config import LLAMA2_7B, LLAMA2_70B, SMOLLM2_135M
 from minillm.kv_cache import KVCache, append_kv, kv_bytes, kv_bytes_per_token, max_tokens_in_budget
-from minillm.lesson import hardware_line, pick
-from minillm.quality import eval_ids
+from minillm.course.lesson import hardware_line, pick
+from minillm.compress.quality import eval_ids
 
 print(hardware_line())
 hw = hardware_info("cpu")

@@ -40,10 +40,10 @@ from minillm.bench.gqa import decode_step_seconds
 from minillm.bench.hardware import bf16_status, preferred_dtype
 from minillm.bench.harness import decode_bytes_per_token, hardware_info, hardware_summary, time_fn
 from minillm.config import LLAMA2_7B, LLAMA2_70B
-from minillm.gqa import grouped_attention, kv_heads_for, mean_pool_kv_heads, regroup, to_mha, to_mqa
+from minillm.compress.gqa import grouped_attention, kv_heads_for, mean_pool_kv_heads, regroup, to_mha, to_mqa
 from minillm.kv_cache import kv_bytes_per_token, max_tokens_in_budget
-from minillm.lesson import hardware_line, pick
-from minillm.quality import eval_ids, kl_to_reference, perplexity_of_ids
+from minillm.course.lesson import hardware_line, pick
+from minillm.compress.quality import eval_ids, kl_to_reference, perplexity_of_ids
 
 print(hardware_line())
 hw = hardware_info("cpu")
@@ -171,7 +171,7 @@ for n_kv in (9, 3, 1):
 # %% [markdown]
 # ## 5. Quality: what mean-pooling costs
 #
-# Two measures on real English (the Python docs that ship with Python, `minillm.quality`): the mean KL divergence
+# Two measures on real English (the Python docs that ship with Python, `minillm.compress.quality`): the mean KL divergence
 # from the original model's next-token distribution (0 = unchanged), and perplexity.
 
 # %%

@@ -27,7 +27,7 @@
 # divide by `l` at the end. Memory becomes O(N) — one tile at a time — and on a GPU each tile lives in on-chip
 # SRAM, so K and V are read from HBM once per query tile instead of the scores making round trips.
 #
-# This lesson: (1) the online softmax on a small example, (2) the tiled algorithm in torch (`minillm.flash`),
+# This lesson: (1) the online softmax on a small example, (2) the tiled algorithm in torch (`minillm.attention.flash`),
 # (3) peak memory vs N, measured, (4) identical results on the real model, (5) honest CPU times, (6) the Triton
 # kernel (`minillm_kernels.flash_attn`) and its GPU numbers.
 
@@ -44,8 +44,8 @@ import minillm
 from minillm.attention import naive_attention, sdpa_attention
 from minillm.bench.attention import BATCH, HEAD_DIM, N_HEADS, make_inputs, measure_cpu_peaks
 from minillm.bench.harness import time_fn
-from minillm.flash import flash_attention, merge_partials
-from minillm.lesson import hardware_line, pick
+from minillm.attention.flash import flash_attention, merge_partials
+from minillm.course.lesson import hardware_line, pick
 
 torch.manual_seed(0)
 print(hardware_line())

@@ -22,10 +22,10 @@
 # would barely show.
 #
 # Two ways to remove ops without changing the math:
-# - **Operator fusion** (`minillm/fusion.py`): transformations of a loaded model. The q, k and v projections become
+# - **Operator fusion** (`minillm/compile/fusion.py`): transformations of a loaded model. The q, k and v projections become
 #   one matmul whose output is split (GQA sizes: q is 9×64 wide, k and v 3×64 each); gate and up become one; RoPE
 #   rotates q and k in one call; the residual add is folded into the RMSNorm that follows it.
-# - **Compilation** (`minillm/compile.py`): `torch.compile` traces the whole decode step into a graph and *generates*
+# - **Compilation** (`minillm/compile/torch_compile.py`): `torch.compile` traces the whole decode step into a graph and *generates*
 #   code for it (C++ loops on a CPU, Triton kernels on a GPU): each chain of elementwise ops becomes one loop, and the
 #   Python walk over 30 blocks disappears. It needs a step whose shapes never change — a **static KV cache**
 #   (preallocated, written at the token's position, attended with a mask) — or it would recompile every token.
@@ -45,9 +45,9 @@ import torch
 import minillm
 from minillm.bench.fusion import first_divergence, ladder
 from minillm.bench.hardware import bf16_status
-from minillm.fusion import count_ops, fuse
+from minillm.compile.fusion import count_ops, fuse
 from minillm.kv_cache import KVCache
-from minillm.lesson import hardware_line, pick
+from minillm.course.lesson import hardware_line, pick
 
 torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
 print(hardware_line())

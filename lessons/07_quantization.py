@@ -17,7 +17,7 @@
 # what any chip computes per byte it loads, so the step is **memory-bound** and its best time is
 # *weight bytes / memory bandwidth*. Fewer bits per weight is therefore the first lever of inference at small
 # batch: int8 halves the bytes of bf16, int4 quarters them — **if the matmul kernel reads the small integers and
-# dequantizes in registers** (`minillm/quant.py` on CPU with torch's int8/int4 kernels; `kernels/quant_matmul.py`
+# dequantizes in registers** (`minillm/compress/quant.py` on CPU with torch's int8/int4 kernels; `kernels/quant_matmul.py`
 # in Triton on a GPU). The price is quality, which this lesson measures three ways against the reference model:
 # perplexity, KL divergence per token, and top-1 agreement.
 #
@@ -38,11 +38,11 @@ from gguf import GGUFReader
 import minillm
 from minillm.bench import run_entry
 from minillm.bench.hardware import bf16_status
-from minillm.lesson import QUICK, hardware_line, pick
-from minillm.llm_int8 import outlier_profile
-from minillm.quality import eval_ids
-from minillm.quant import Int4Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
-from minillm.weights import gguf_path
+from minillm.course.lesson import QUICK, hardware_line, pick
+from minillm.compress.llm_int8 import outlier_profile
+from minillm.compress.quality import eval_ids
+from minillm.compress.quant import Int4Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from minillm.gguf.weights import gguf_path
 
 torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
 print(hardware_line())

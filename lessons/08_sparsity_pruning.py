@@ -40,12 +40,12 @@ import torch
 import minillm
 from minillm.bench import run_entry
 from minillm.engine.llm import LLM
-from minillm.lesson import QUICK, hardware_line, pick
-from minillm.loader import save_model
-from minillm.pruning import block_importance, n_params, prune_structured
-from minillm.quality import calibration_ids, perplexity
+from minillm.course.lesson import QUICK, hardware_line, pick
+from minillm.gguf.loader import save_model
+from minillm.compress.pruning import block_importance, n_params, prune_structured
+from minillm.compress.quality import calibration_ids, perplexity
 from minillm.sampling import SamplingParams
-from minillm.sparsity import (compress_2to4, decompress_2to4, format_bytes, magnitude_scores, semi_structured_mask,
+from minillm.compress.sparsity import (compress_2to4, decompress_2to4, format_bytes, magnitude_scores, semi_structured_mask,
                               unstructured_mask, wanda_scores)
 
 torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
@@ -192,7 +192,7 @@ outs = engine.generate([prompt, "Python is a programming language that"], Sampli
 for o in outs:
     print(f"    engine: {o.text!r}")
 folder = save_model(pruned, "smollm2-pruned-20", info={"dropped_blocks": report["dropped_blocks"]})
-print(f"saved to {folder} (lesson 09 starts from it: minillm.loader.load_saved('smollm2-pruned-20'))")
+print(f"saved to {folder} (lesson 09 starts from it: minillm.gguf.loader.load_saved('smollm2-pruned-20'))")
 
 # %% [markdown]
 # ## 5. On a GPU

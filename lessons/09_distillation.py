@@ -43,10 +43,10 @@ import torch.nn.functional as F
 
 import minillm
 from minillm.bench import run_entry
-from minillm.distill import DistillConfig, distill, distillation_loss, hidden_cosine_loss, train_ids
-from minillm.lesson import QUICK, hardware_line, pick
-from minillm.pruning import block_importance, drop_blocks, least_important
-from minillm.quality import calibration_ids, eval_ids
+from minillm.compress.distill import DistillConfig, distill, distillation_loss, hidden_cosine_loss, train_ids
+from minillm.course.lesson import QUICK, hardware_line, pick
+from minillm.compress.pruning import block_importance, drop_blocks, least_important
+from minillm.compress.quality import calibration_ids, eval_ids
 
 torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
 print(hardware_line())
@@ -79,7 +79,7 @@ for T in (1.0, 2.0):
 #
 # ## 2. The loss terms
 #
-# `minillm.distill` has the three terms of DistilBERT's loss, each switchable: the T²-scaled forward KL
+# `minillm.compress.distill` has the three terms of DistilBERT's loss, each switchable: the T²-scaled forward KL
 # KL(teacher ‖ student) on softened distributions, cross-entropy on the text, and 1 − cos between the final hidden
 # states. Forward KL puts weight where the *teacher* puts probability: the student is pushed to cover every token the
 # teacher considers likely.

@@ -29,7 +29,7 @@
 # tokens under greedy decoding, the same distribution under sampling (section 3 shows why).
 #
 # The drafter is the whole game — it must be cheap next to the target *and* often right. Three are built in
-# `minillm/drafters.py`:
+# `minillm/speculative/drafters.py`:
 # - **prompt lookup** (n-gram): continue the sequence's last n tokens the way they were continued earlier in the
 #   prompt or output. No model at all; right whenever the answer copies its input (summaries, edits, extraction, code);
 # - **a draft model**: lesson 09's distilled student (16 of the target's 30 blocks);
@@ -49,8 +49,8 @@ import torch
 import minillm
 from minillm.bench import run_entry
 from minillm.bench.speculative import PASSAGES, verify_cost
-from minillm.lesson import QUICK, hardware_line, pick
-from minillm.speculative import SpecStats, SpeculativeConfig, expected_tokens_per_step, rejection_sample
+from minillm.course.lesson import QUICK, hardware_line, pick
+from minillm.speculative.decoding import SpecStats, SpeculativeConfig, expected_tokens_per_step, rejection_sample
 
 torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
 print(hardware_line())

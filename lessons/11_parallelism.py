@@ -26,7 +26,7 @@
 #   on; cheap point-to-point traffic that crosses nodes well, but an idle **bubble** while the pipe fills and drains.
 #
 # This lesson runs all three for real: one process per rank, `torch.distributed` process groups (gloo on CPU, NCCL on
-# GPU), started by `minillm.distributed.launch` (or `torchrun`). Sections: (1) column- and row-parallel linears;
+# GPU), started by `minillm.parallel.distributed.launch` (or `torchrun`). Sections: (1) column- and row-parallel linears;
 # (2) tensor parallelism on the real model, and the head-count constraint; (3) what every collective moves;
 # (4) sequence parallelism; (5) the pipeline and its bubble; (6) the benchmark, and what it would be on a GPU node.
 
@@ -39,13 +39,13 @@ import torch
 
 import minillm
 from minillm.bench import run_entry
-from minillm.lesson import QUICK, hardware_line, pick
+from minillm.course.lesson import QUICK, hardware_line, pick
 from minillm.generate import generate_ids
-from minillm.parallel import generate_parallel, load_for_rank
+from minillm.parallel.launch import generate_parallel, load_for_rank
 from minillm.sampling import SamplingParams
-from minillm.pipeline_parallel import bubble_fraction, gpipe_schedule
-from minillm.sequence_parallel import residual_bytes
-from minillm.tensor_parallel import TPPlan, column_slice, row_slice, tp_bytes_per_token
+from minillm.parallel.pipeline import bubble_fraction, gpipe_schedule
+from minillm.parallel.sequence import residual_bytes
+from minillm.parallel.tensor import TPPlan, column_slice, row_slice, tp_bytes_per_token
 
 torch.set_num_threads(1)
 print(hardware_line())
@@ -117,7 +117,7 @@ print(f"tp=3 tokens identical to one process: {par['token_ids'] == single}; firs
 # %% [markdown]
 # ## 3. What every collective moves
 #
-# `minillm.distributed.Comm` counts each collective: calls, the bytes handed to it and the bytes a ring algorithm
+# `minillm.parallel.distributed.Comm` counts each collective: calls, the bytes handed to it and the bytes a ring algorithm
 # sends per rank — 2(p−1)/p × size for an all-reduce (reduce-scatter, then all-gather), (p−1)/p × the full tensor for
 # an all-gather. Per decoded token, tensor parallelism on this model all-reduces (2 × 30 + 1) vectors of 576 floats
 # and all-gathers the logits. The counts from the run above, against the formula:

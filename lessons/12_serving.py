@@ -42,9 +42,9 @@ import torch
 import minillm
 from minillm.bench import run_entry
 from minillm.bench.prefix_cache import shared_prefix_prompts, simulate_hit_rate
-from minillm.lesson import QUICK, hardware_line, pick
-from minillm.prefix_cache import block_hashes
-from minillm.workload import corpus_ids
+from minillm.course.lesson import QUICK, hardware_line, pick
+from minillm.cache.prefix_cache import block_hashes
+from minillm.bench.workload import corpus_ids
 
 torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
 print(hardware_line())
@@ -92,7 +92,7 @@ import threading
 import openai
 
 from minillm.engine import LLM
-from minillm.server import Server, build_app
+from minillm.serving.server import Server, build_app
 
 llm = LLM.from_model(model, tok, max_num_seqs=4, enable_prefix_caching=True)
 server = Server(build_app(llm, "smollm2-135m"), port=0, log_level="warning")  # port 0: any free port
@@ -156,7 +156,7 @@ print(f"full blocks: {len(a)} and {len(b)}; the partial last block of each promp
 # SHA-256 and not Python's `hash()`: with a hash that is easy to collide, a crafted prompt could be handed another
 # user's cached keys and values (vLLM fixed exactly this, CVE-2025-25183).
 #
-# The engine side is small (`minillm/prefix_cache.py`): `PrefixCachingAllocator` keeps each block in one of three
+# The engine side is small (`minillm/cache/prefix_cache.py`): `PrefixCachingAllocator` keeps each block in one of three
 # states — free and unnamed, owned by running sequences, or unowned but named (still holding its KV, in LRU order);
 # `BlockManager.allocate` asks `match(names)` for the longest cached prefix, shares those blocks by reference
 # count, and sets the sequence's `num_cached_tokens` past them, so the unchanged scheduler of lesson 05 simply

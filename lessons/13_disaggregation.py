@@ -45,11 +45,11 @@ import minillm
 from minillm.bench import run_entry
 from minillm.bench.chunked_prefill import mixed_workload
 from minillm.engine import LLM
-from minillm.lesson import hardware_line, pick
-from minillm.prefix_cache import block_hashes
-from minillm.router import ReplicaState, make_router
+from minillm.course.lesson import hardware_line, pick
+from minillm.cache.prefix_cache import block_hashes
+from minillm.serving.router import ReplicaState, make_router
 from minillm.sampling import SamplingParams
-from minillm.workload import corpus_ids, serve
+from minillm.bench.workload import corpus_ids, serve
 
 torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
 print(hardware_line())
@@ -176,7 +176,7 @@ for h, ref in zip(handoffs, reference):
 # worker. Every wait has a timeout: a worker that dies fails its requests with an error, never a hang.
 
 # %%
-from minillm.disagg import DisaggregatedLLM
+from minillm.serving.disagg import DisaggregatedLLM
 
 with DisaggregatedLLM("smollm2-135m", threads=1, timeout_s=300) as dllm:
     t = time.perf_counter()

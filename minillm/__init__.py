@@ -8,13 +8,13 @@ import os as _os
 
 import torch as _torch
 
-from .config import ModelConfig
-from .generate import GenerationResult, chat, generate
-from .kv_cache import KVCache, kv_bytes, kv_bytes_per_token
-from .loader import load_model
-from .request import RequestOutput
-from .sampling import SamplingParams
-from .speculative import SpecStats, SpeculativeConfig
+from minillm.config import ModelConfig
+from minillm.generate import GenerationResult, chat, generate
+from minillm.kv_cache import KVCache, kv_bytes, kv_bytes_per_token
+from minillm.gguf.loader import load_model
+from minillm.request import RequestOutput
+from minillm.sampling import SamplingParams
+from minillm.speculative.decoding import SpecStats, SpeculativeConfig
 
 # Triton picks its interpreter or a GPU driver when it is first imported, and torch imports it lazily (dynamo,
 # flop_counter): without CUDA, choose the interpreter before anything else can (kernels/_triton_env.py, lesson 03)
@@ -40,7 +40,7 @@ __all__ = [
 
 def __getattr__(name):  # the engine imports lazily: `import minillm` stays fast
     if name == "LLM":
-        from .engine import LLM
+        from minillm.engine import LLM
 
         return LLM
     raise AttributeError(f"module 'minillm' has no attribute {name!r}")

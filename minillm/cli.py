@@ -45,7 +45,7 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from minillm.attention import backend_names
     from minillm.generate import CACHE_KINDS
-    from minillm.loader import DTYPES
+    from minillm.gguf.loader import DTYPES
 
     parser = _Parser(prog="minillm", description="LLM inference, one technique at a time, on SmolLM2-135M.",
                      epilog="generate and bench take --threads N (torch threads); see minillm generate --help")
@@ -163,7 +163,7 @@ def cmd_generate(args) -> int:
         return _generate_parallel(args)
     spec = None
     if args.speculative:
-        from minillm.speculative import SpeculativeConfig, SpecStats
+        from minillm.speculative.decoding import SpeculativeConfig, SpecStats
 
         spec = SpeculativeConfig(args.speculative, k=args.k, draft_model=args.draft_model)  # refuses bad combos
         spec_stats = SpecStats()
@@ -203,7 +203,7 @@ def cmd_generate(args) -> int:
 
 def _generate_parallel(args) -> int:
     """--tp / --pp / --sp: greedy generation on several processes (torch.distributed, gloo on CPU)."""
-    from minillm.parallel import ParallelConfig, generate_parallel
+    from minillm.parallel.launch import ParallelConfig, generate_parallel
 
     if args.temperature != 0 or args.speculative or args.compile or args.cache != "contiguous":
         raise UsageError("--tp/--pp/--sp decode greedily on a contiguous cache: drop --temperature, --speculative, "
@@ -259,7 +259,7 @@ def cmd_serve(args) -> int:
               "(from a checkout: pip install -e '.[serve]')", file=sys.stderr)
         return EXIT_SETUP
     from minillm.engine import LLM
-    from minillm.server import serve
+    from minillm.serving.server import serve
 
     if args.drain_timeout < 0:
         raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
@@ -274,7 +274,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_grade(args) -> int:
-    from minillm.grading import TASKS, print_table, run_graders
+    from minillm.course.grading import TASKS, print_table, run_graders
 
     lesson = args.lesson.zfill(2)
     if lesson not in TASKS:
@@ -286,7 +286,7 @@ def cmd_grade(args) -> int:
 
 
 def cmd_hint(args) -> int:
-    from minillm.hints import hint
+    from minillm.course.hints import hint
 
     try:
         print(hint(args.lesson.zfill(2), args.task, args.level))
@@ -298,7 +298,7 @@ def cmd_hint(args) -> int:
 def cmd_info(args) -> int:
     from minillm.config import ModelConfig
     from minillm.kv_cache import kv_bytes, kv_bytes_per_token
-    from minillm.weights import gguf_path, read_gguf_metadata
+    from minillm.gguf.weights import gguf_path, read_gguf_metadata
 
     cfg = ModelConfig.from_gguf_metadata(read_gguf_metadata(gguf_path(args.model)))
     n = cfg.n_params()
@@ -340,8 +340,8 @@ COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "grade": cmd_grade, "h
 
 
 def main(argv: list[str] | None = None) -> int:
-    from minillm.grading import GradingSetupError
-    from minillm.weights import WeightsError
+    from minillm.course.grading import GradingSetupError
+    from minillm.gguf.weights import WeightsError
 
     try:
         args = build_parser().parse_args(argv)

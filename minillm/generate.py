@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .request import Request, RequestOutput, finish_reason, make_request
-from .sampling import SamplingParams, sample_from_logits
+from minillm.request import Request, RequestOutput, finish_reason, make_request
+from minillm.sampling import SamplingParams, sample_from_logits
 
 CACHE_KINDS = ("none", "contiguous", "paged")
 GenerationResult = RequestOutput  # the name generate() returned before the request layer was shared
@@ -24,11 +24,11 @@ def make_cache(kind: str, model, max_len: int, batch_size: int = 1, kv_dtype: to
     if kind == "none":
         return None
     if kind == "contiguous":
-        from .kv_cache import KVCache
+        from minillm.kv_cache import KVCache
 
         return KVCache.for_model(model, batch_size, max_len, kv_dtype=kv_dtype)
     if kind == "paged":
-        from .paged import PagedSequenceCache
+        from minillm.cache.paged import PagedSequenceCache
 
         return PagedSequenceCache.for_model(model, batch_size, max_len, kv_dtype=kv_dtype)
     raise ValueError(f"unknown cache {kind!r}; choose one of {CACHE_KINDS}")
@@ -48,7 +48,7 @@ def generate_request(model, req: Request, cache: str = "contiguous", compile: bo
         yield from _generate_speculative(model, req, cache, compile, speculative, spec_stats)
         return
     if compile:
-        from .compile import StaticKVCache, compiled_decode, static_length
+        from minillm.compile.torch_compile import StaticKVCache, compiled_decode, static_length
 
         if cache != "contiguous":
             raise ValueError(f"compile=True decodes with a static contiguous cache; cache={cache!r} cannot be compiled")
@@ -79,8 +79,8 @@ def generate_request(model, req: Request, cache: str = "contiguous", compile: bo
 
 
 def _generate_speculative(model, req: Request, cache: str, compile: bool, config, stats) -> Iterator[int]:
-    from .block_allocator import blocks_needed
-    from .speculative import SpeculativeConfig, check_budget, generate_speculative, make_drafter
+    from minillm.cache.block_allocator import blocks_needed
+    from minillm.speculative.decoding import SpeculativeConfig, check_budget, generate_speculative, make_drafter
 
     if compile:
         raise ValueError("compile=True and speculative decoding do not combine here: choose one")

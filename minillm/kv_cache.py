@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .attention import AttentionFn
-from .config import ModelConfig
-from .kv_pool import quantize_kv_int8
+from minillm.attention import AttentionFn
+from minillm.config import ModelConfig
+from minillm.cache.kv_pool import quantize_kv_int8
 
 
 class CacheFullError(RuntimeError):

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from .attention import AttentionFn, get_attention
-from .config import ModelConfig
+from minillm.attention import AttentionFn, get_attention
+from minillm.config import ModelConfig
 
 
 class KVCacheLike(Protocol):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams, validate_sampling
+from minillm.sampling import SamplingParams, validate_sampling
 
 FINISH_REASONS = ("stop", "length", "abort")
 

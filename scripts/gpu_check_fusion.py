@@ -34,7 +34,7 @@ def main() -> int:
         return 0
     try:
         import minillm
-        from minillm.fusion import fuse
+        from minillm.compile.fusion import fuse
 
         model, tok = minillm.load_model("smollm2-135m", dtype="bfloat16", device="cuda")
         ids = tok.encode("The history of the printing press begins with " * 8)[:32]

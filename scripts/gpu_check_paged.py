@@ -89,7 +89,7 @@ def reference(q, k, v, lens):
 def check_config(cfg) -> dict:
     from minillm_kernels.paged_decode import triton_paged_decode
 
-    from minillm.paged import paged_attention
+    from minillm.cache.paged import paged_attention
 
     batch, n_heads, n_kv_heads, head_dim = cfg
     rec: dict = {"batch": batch, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim,
@@ -136,7 +136,7 @@ def check_model() -> dict:
     from minillm.config import ModelConfig
     from minillm.kv_cache import KVCache
     from minillm.model import Transformer
-    from minillm.paged import PagedSequenceCache
+    from minillm.cache.paged import PagedSequenceCache
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig.tiny(n_layers=2, dim=128, n_heads=4, n_kv_heads=2)).eval().cuda()

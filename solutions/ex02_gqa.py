@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 SAME_AS = {
-    "grouped_attention": "minillm.gqa",
-    "mean_pool_kv_heads": "minillm.gqa",
+    "grouped_attention": "minillm.compress.gqa",
+    "mean_pool_kv_heads": "minillm.compress.gqa",
 }
 
 

@@ -1,6 +1,6 @@
 """Exercise 03 (reference solutions): online softmax, tiled flash attention, and the Triton kernel's inner step.
 
-merge_partials and flash_attention are verbatim copies of minillm.flash (see SAME_AS; tests/test_exercise_sync.py
+merge_partials and flash_attention are verbatim copies of minillm.attention.flash (see SAME_AS; tests/test_exercise_sync.py
 keeps them in sync). attend_key_block is the inner step of minillm_kernels.flash_attn's kernel, copied verbatim too
 (tests/graders/test_ex03_flash.py checks it); it exists only when triton is installed.
 """
@@ -18,8 +18,8 @@ except ImportError:
     triton = tl = None
 
 SAME_AS = {
-    "merge_partials": "minillm.flash",
-    "flash_attention": "minillm.flash",
+    "merge_partials": "minillm.attention.flash",
+    "flash_attention": "minillm.attention.flash",
 }
 
 

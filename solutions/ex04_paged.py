@@ -1,8 +1,8 @@
 """Exercise 04 (reference solutions): the block allocator, and where a token's key/value goes in the pool and is
 read back from.
 
-BlockAllocator is a verbatim copy of minillm.block_allocator's, slot_mapping and context_slots of
-minillm.paged_attention's (see SAME_AS; tests/test_exercise_sync.py keeps them in sync).
+BlockAllocator is a verbatim copy of minillm.cache.block_allocator's, slot_mapping and context_slots of
+minillm.cache.paged_attention's (see SAME_AS; tests/test_exercise_sync.py keeps them in sync).
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from collections import deque
 import torch
 from torch import Tensor
 
-from minillm.block_allocator import OutOfBlocksError
+from minillm.cache.block_allocator import OutOfBlocksError
 
 SAME_AS = {
-    "BlockAllocator": "minillm.block_allocator",
-    "slot_mapping": "minillm.paged_attention",
-    "context_slots": "minillm.paged_attention",
+    "BlockAllocator": "minillm.cache.block_allocator",
+    "slot_mapping": "minillm.cache.paged_attention",
+    "context_slots": "minillm.cache.paged_attention",
 }
 
 

@@ -9,18 +9,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from minillm.llm_int8 import _int8_mm  # given: int8 (m, k) @ int8 (n, k).T -> int32 (m, n) (torch._int_mm)
-from minillm.quant import check_group_size  # given: the group size must be even and divide the input dim
+from minillm.compress.llm_int8 import _int8_mm  # given: int8 (m, k) @ int8 (n, k).T -> int32 (m, n) (torch._int_mm)
+from minillm.compress.quant import check_group_size  # given: the group size must be even and divide the input dim
 
 SAME_AS = {
-    "quantize_int8": "minillm.quant",
-    "dequantize_int8": "minillm.quant",
-    "quantize_int4": "minillm.quant",
-    "dequantize_int4": "minillm.quant",
-    "pack_int4": "minillm.quant",
-    "unpack_int4": "minillm.quant",
-    "quantize_rows_int8": "minillm.llm_int8",
-    "int8_matmul_with_outliers": "minillm.llm_int8",
+    "quantize_int8": "minillm.compress.quant",
+    "dequantize_int8": "minillm.compress.quant",
+    "quantize_int4": "minillm.compress.quant",
+    "dequantize_int4": "minillm.compress.quant",
+    "pack_int4": "minillm.compress.quant",
+    "unpack_int4": "minillm.compress.quant",
+    "quantize_rows_int8": "minillm.compress.llm_int8",
+    "int8_matmul_with_outliers": "minillm.compress.llm_int8",
 }
 
 # task 07.int8 -----------------------------------------------------------------------------------------------

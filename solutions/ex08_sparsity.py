@@ -12,13 +12,13 @@ from torch import Tensor, nn
 # given: Transformer (the model class: drop_blocks' annotation), check_sparsity (ValueError unless
 # 0 <= sparsity < 1) and _check_scores (ValueError unless the scores are a 2-D matrix of finite numbers)
 from minillm.model import Transformer
-from minillm.sparsity import _check_scores, check_sparsity
+from minillm.compress.sparsity import _check_scores, check_sparsity
 
 SAME_AS = {
-    "wanda_scores": "minillm.sparsity",
-    "unstructured_mask": "minillm.sparsity",
-    "semi_structured_mask": "minillm.sparsity",
-    "drop_blocks": "minillm.pruning",
+    "wanda_scores": "minillm.compress.sparsity",
+    "unstructured_mask": "minillm.compress.sparsity",
+    "semi_structured_mask": "minillm.compress.sparsity",
+    "drop_blocks": "minillm.compress.pruning",
 }
 
 # task 08.wanda -----------------------------------------------------------------------------------------------

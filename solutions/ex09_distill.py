@@ -14,12 +14,12 @@ from torch import Tensor, nn
 
 # given: DistillConfig (the run's settings), _forward (a model's logits and, when asked, its last hidden states) and
 # hidden_cosine_loss (1 - mean cosine similarity of two sets of hidden states: the cos term)
-from minillm.distill import DistillConfig, _forward, hidden_cosine_loss
+from minillm.compress.distill import DistillConfig, _forward, hidden_cosine_loss
 
 SAME_AS = {
-    "distillation_loss": "minillm.distill",
-    "lr_at": "minillm.distill",
-    "train_step": "minillm.distill",
+    "distillation_loss": "minillm.compress.distill",
+    "lr_at": "minillm.compress.distill",
+    "train_step": "minillm.compress.distill",
 }
 
 # task 09.loss ------------------------------------------------------------------------------------------------

@@ -14,9 +14,9 @@ from torch import Tensor
 from minillm.sampling import sample
 
 SAME_AS = {
-    "verify_greedy": "minillm.speculative",
-    "rejection_sample": "minillm.speculative",
-    "propose_ngram": "minillm.drafters",
+    "verify_greedy": "minillm.speculative.decoding",
+    "rejection_sample": "minillm.speculative.decoding",
+    "propose_ngram": "minillm.speculative.drafters",
 }
 
 # task 10.greedy ----------------------------------------------------------------------------------------------

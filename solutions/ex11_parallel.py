@@ -9,9 +9,9 @@ import torch
 from torch import Tensor
 
 SAME_AS = {
-    "column_slice": "minillm.tensor_parallel",
-    "row_slice": "minillm.tensor_parallel",
-    "gpipe_schedule": "minillm.pipeline_parallel",
+    "column_slice": "minillm.parallel.tensor",
+    "row_slice": "minillm.parallel.tensor",
+    "gpipe_schedule": "minillm.parallel.pipeline",
 }
 
 # task 11.shard ------------------------------------------------------------------------------------------------

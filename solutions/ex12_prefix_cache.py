@@ -1,6 +1,6 @@
 """Exercise 12 (reference solutions): the chained block hash, the longest cached prefix and LRU eviction.
 
-hash_block, block_hashes and PrefixCachingAllocator are verbatim copies of minillm.prefix_cache's (see SAME_AS;
+hash_block, block_hashes and PrefixCachingAllocator are verbatim copies of minillm.cache.prefix_cache's (see SAME_AS;
 tests/test_exercise_sync.py keeps them in sync).
 """
 
@@ -11,13 +11,13 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from minillm.block_allocator import BlockAllocator, OutOfBlocksError
-from minillm.prefix_cache import ROOT_HASH, PrefixCacheStats
+from minillm.cache.block_allocator import BlockAllocator, OutOfBlocksError
+from minillm.cache.prefix_cache import ROOT_HASH, PrefixCacheStats
 
 SAME_AS = {
-    "hash_block": "minillm.prefix_cache",
-    "block_hashes": "minillm.prefix_cache",
-    "PrefixCachingAllocator": "minillm.prefix_cache",
+    "hash_block": "minillm.cache.prefix_cache",
+    "block_hashes": "minillm.cache.prefix_cache",
+    "PrefixCachingAllocator": "minillm.cache.prefix_cache",
 }
 
 # task 12.hash -------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Exercise 13 (reference solutions): moving KV blocks between engines, and routing requests between replicas.
 
-pack_kv_blocks and unpack_kv_blocks are verbatim copies of minillm.kv_transfer's, least_loaded and
-PrefixAffinityRouter of minillm.router's (see SAME_AS; tests/test_exercise_sync.py keeps them in sync).
+pack_kv_blocks and unpack_kv_blocks are verbatim copies of minillm.cache.kv_transfer's, least_loaded and
+PrefixAffinityRouter of minillm.serving.router's (see SAME_AS; tests/test_exercise_sync.py keeps them in sync).
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from minillm.kv_pool import KVBlockPool
-from minillm.kv_transfer import check_payload, stored_tensors
-from minillm.prefix_cache import block_hashes
-from minillm.router import ReplicaState, Router, live
+from minillm.cache.kv_pool import KVBlockPool
+from minillm.cache.kv_transfer import check_payload, stored_tensors
+from minillm.cache.prefix_cache import block_hashes
+from minillm.serving.router import ReplicaState, Router, live
 
 SAME_AS = {
-    "pack_kv_blocks": "minillm.kv_transfer",
-    "unpack_kv_blocks": "minillm.kv_transfer",
-    "least_loaded": "minillm.router",
-    "PrefixAffinityRouter": "minillm.router",
+    "pack_kv_blocks": "minillm.cache.kv_transfer",
+    "unpack_kv_blocks": "minillm.cache.kv_transfer",
+    "least_loaded": "minillm.serving.router",
+    "PrefixAffinityRouter": "minillm.serving.router",
 }
 
 # task 13.pack -------------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def real_model():
 
 @pytest.fixture(scope="session")
 def real_meta():
-    from minillm.weights import gguf_path, read_gguf_metadata
+    from minillm.gguf.weights import gguf_path, read_gguf_metadata
 
     return read_gguf_metadata(gguf_path())
 

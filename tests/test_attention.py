@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
 from minillm.attention import causal_mask, get_attention, naive_attention, sdpa_attention
-from minillm.flash import flash_attention, merge_partials
+from minillm.attention.flash import flash_attention, merge_partials
 
 HEADS = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (6, 1), (6, 2), (6, 3), (6, 6)]  # (n_heads, n_kv_heads)
 TOL = {torch.float32: {"atol": 2e-5, "rtol": 1e-5}, torch.float16: {"atol": 2e-3, "rtol": 2e-3},

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from minillm.block_allocator import BlockAllocator, OutOfBlocksError, blocks_needed
+from minillm.cache.block_allocator import BlockAllocator, OutOfBlocksError, blocks_needed
 
 
 def test_blocks_needed():

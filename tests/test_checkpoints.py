@@ -1,4 +1,4 @@
-"""minillm.checkpoints: the learner's exercise code swapped into the model, the caches and the engine, and back out.
+"""minillm.course.ladder: the learner's exercise code swapped into the model, the caches and the engine, and back out.
 
 The real-model tasks of the graders (task_NN_real_model) rely on this; here a tiny random model keeps it fast.
 """
@@ -14,9 +14,9 @@ import minillm.attention
 import minillm.engine.scheduler
 import minillm.kv_cache
 import minillm.model
-import minillm.paged
-import minillm.paged_attention
-from minillm.checkpoints import STANDS_ON, check_on_ladder, implemented, pieces, use_exercises
+import minillm.cache.paged
+import minillm.cache.paged_attention
+from minillm.course.ladder import STANDS_ON, check_on_ladder, implemented, pieces, use_exercises
 from minillm.kv_cache import KVCache
 from tests.conftest import tiny_model
 
@@ -26,9 +26,9 @@ sol = {k: importlib.import_module(f"solutions.{k}") for k in STANDS_ON}
 
 def _originals():
     return (minillm.model.rms_norm, minillm.model.apply_rope, generate_module.sample_from_logits,
-            minillm.kv_cache.append_kv, minillm.kv_cache.KVCache, minillm.paged.BlockAllocator,
-            minillm.paged_attention.slot_mapping, minillm.paged_attention.context_slots,
-            minillm.paged.PagedKVCache.__init__, minillm.engine.scheduler.schedule_step,
+            minillm.kv_cache.append_kv, minillm.kv_cache.KVCache, minillm.cache.paged.BlockAllocator,
+            minillm.cache.paged_attention.slot_mapping, minillm.cache.paged_attention.context_slots,
+            minillm.cache.paged.PagedKVCache.__init__, minillm.engine.scheduler.schedule_step,
             minillm.engine.scheduler.postprocess_step, set(minillm.attention._REGISTRY))
 
 
@@ -47,13 +47,13 @@ def test_everything_is_swapped_in_and_restored():
     with use_exercises(model, *sol.values()) as used:
         assert len(used) == sum(len(pieces(m)) for m in sol.values())
         assert minillm.model.rms_norm is sol["ex00_decoder"].rms_norm
-        assert minillm.paged.BlockAllocator is sol["ex04_paged"].BlockAllocator
+        assert minillm.cache.paged.BlockAllocator is sol["ex04_paged"].BlockAllocator
         assert minillm.engine.scheduler.schedule_step is sol["ex05_batching"].schedule_step
         assert model.attn_backend == "exercise_ex03_flash"  # the last dense attention wins
         assert issubclass(minillm.kv_cache.KVCache, KVCache) and minillm.kv_cache.KVCache is not KVCache
-        assert minillm.paged_attention.slot_mapping is sol["ex04_paged"].slot_mapping  # what build and
-        assert minillm.paged_attention.context_slots is sol["ex04_paged"].context_slots  # StepPlan.build call
-        cache = minillm.paged.PagedSequenceCache.for_model(model, 1, 8)
+        assert minillm.cache.paged_attention.slot_mapping is sol["ex04_paged"].slot_mapping  # what build and
+        assert minillm.cache.paged_attention.context_slots is sol["ex04_paged"].context_slots  # StepPlan.build call
+        cache = minillm.cache.paged.PagedSequenceCache.for_model(model, 1, 8)
         assert isinstance(cache.allocator, sol["ex04_paged"].BlockAllocator)
     assert _originals() == before and model.attn_backend == "sdpa"
 
@@ -93,7 +93,7 @@ def test_the_learners_slots_serve_the_paged_cache():
         want = model(ids)
 
     def paged_logits():  # a prefill of 17 tokens over two blocks of 16, then four decode steps
-        cache = minillm.paged.PagedSequenceCache.for_model(model, 1, 21)
+        cache = minillm.cache.paged.PagedSequenceCache.for_model(model, 1, 21)
         with torch.inference_mode():
             return torch.cat([model(ids[:, :17], kv_cache=cache)] +
                              [model(ids[:, t:t + 1], kv_cache=cache) for t in range(17, 21)], dim=1)
@@ -116,4 +116,4 @@ def test_the_learners_slots_serve_the_paged_cache():
     learner.slot_mapping = lambda tables, lens, qlens, block_size: list(range(sum(qlens)))  # ignores the tables
     with use_exercises(model, learner):
         assert not torch.allclose(paged_logits()[:, 17:], want[:, 17:], atol=1e-3)
-    assert minillm.paged_attention.slot_mapping is not learner.slot_mapping
+    assert minillm.cache.paged_attention.slot_mapping is not learner.slot_mapping

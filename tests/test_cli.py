@@ -48,7 +48,7 @@ def test_generate_prints_its_stats_right_after_the_answer(tmp_path):
     """No slow probe between the answer and the stats line, even on a machine whose probe cache is empty: the
     stats come within a small multiple of the decode time itself (a 2048^3 bf16 matmul probe once sat here for
     minutes on a CPU that emulates bf16). Threads and load are part of the stats."""
-    from minillm.weights import cache_dir, gguf_path
+    from minillm.gguf.weights import cache_dir, gguf_path
 
     model_folder = gguf_path().parent
     cache = tmp_path / "cache"  # the real weights, but no measured bandwidth yet: the first-run case
@@ -129,25 +129,25 @@ def test_info_prints_config_params_and_kv_bytes(capsys):
 def test_grade_solutions_passes(capsys):
     assert main(["grade", "0", "--solutions"]) == 0  # "0" means lesson 00
     out = capsys.readouterr().out
-    from minillm.grading import TASKS
+    from minillm.course.grading import TASKS
 
     n = len(TASKS["00"])
     assert f"{n}/{n} tasks pass" in out and "FAIL" not in out
 
 
 def test_grade_stubs_fail_with_exit_1(monkeypatch, capsys):
-    import minillm.grading
+    import minillm.course.grading
 
-    monkeypatch.setattr(minillm.grading, "run_graders",
-                        lambda lesson, target: {m: "fail" for m, _ in minillm.grading.TASKS[lesson]})
+    monkeypatch.setattr(minillm.course.grading, "run_graders",
+                        lambda lesson, target: {m: "fail" for m, _ in minillm.course.grading.TASKS[lesson]})
     assert main(["grade", "00"]) == 1
-    assert f"0/{len(minillm.grading.TASKS['00'])} tasks pass" in capsys.readouterr().out
+    assert f"0/{len(minillm.course.grading.TASKS['00'])} tasks pass" in capsys.readouterr().out
 
 
 def test_grade_without_pytest_says_what_to_install(monkeypatch, capsys):
-    import minillm.grading
+    import minillm.course.grading
 
-    monkeypatch.setattr(minillm.grading, "have_pytest", lambda: False)  # as after `pip install -e .` alone
+    monkeypatch.setattr(minillm.course.grading, "have_pytest", lambda: False)  # as after `pip install -e .` alone
     assert main(["grade", "00"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("minillm: error:") and "\n" not in err and "pip install" in err and "[dev]" in err, err

@@ -66,12 +66,12 @@ def test_no_notebook_output_contains_a_solution(lesson):
 
 @pytest.mark.parametrize("lesson", ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13"])
 def test_every_task_has_three_hint_levels(lesson):
-    from minillm.grading import TASKS
-    from minillm.hints import HINTS, _recipes, hint
+    from minillm.course.grading import TASKS
+    from minillm.course.hints import HINTS, _recipes, hint
 
     recipes = _recipes(lesson)
     for marker, _ in TASKS[lesson]:
-        assert marker in HINTS and all(HINTS[marker]), f"{marker} has no level 1/2 hint in minillm/hints.py"
+        assert marker in HINTS and all(HINTS[marker]), f"{marker} has no level 1/2 hint in minillm/course/hints.py"
         assert marker in recipes, f"{marker}: no 'task NN.name: ...' recipe in its stub"
         task = marker.split("_", 2)[2]
         one, three = hint(lesson, task, 1), hint(lesson, task, 3)

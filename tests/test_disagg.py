@@ -14,11 +14,11 @@ from hypothesis import given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from minillm import kv_transfer
+from minillm.cache import kv_transfer
 from minillm.engine import LLM
-from minillm.kv_pool import KVBlockPool, KVCacheSpec
-from minillm.kv_transfer import kv_checksum, pack_kv_blocks, stored_tensors, unpack_kv_blocks
-from minillm.parallel import load_for_rank
+from minillm.cache.kv_pool import KVBlockPool, KVCacheSpec
+from minillm.cache.kv_transfer import kv_checksum, pack_kv_blocks, stored_tensors, unpack_kv_blocks
+from minillm.parallel.launch import load_for_rank
 from minillm.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -189,7 +189,7 @@ def wait_for(cond, d, timeout_s: float = 20.0) -> None:
 
 @pytest.fixture(scope="module")
 def disagg():
-    from minillm.disagg import DisaggregatedLLM
+    from minillm.serving.disagg import DisaggregatedLLM
 
     with DisaggregatedLLM(SPEC, prefill=dict(block_size=4, num_blocks=64, max_num_batched_tokens=8,
                                              enable_prefix_caching=True),
@@ -231,7 +231,7 @@ def test_disaggregated_refuses_bad_requests_and_keeps_serving(disagg):
 def test_int8_kv_and_a_corrupted_transfer():
     """int8 KV moves with its scales; a payload corrupted on the way is refused (checksum) without holding blocks,
     and the next request is served."""
-    from minillm.disagg import DisaggregatedLLM
+    from minillm.serving.disagg import DisaggregatedLLM
 
     model = load_for_rank(SPEC)
     kw = dict(block_size=4, num_blocks=64, kv_cache_dtype="int8")
@@ -245,7 +245,7 @@ def test_int8_kv_and_a_corrupted_transfer():
 
 
 def test_a_killed_decode_worker_ends_its_requests_with_an_error():
-    from minillm.disagg import DisaggregatedLLM
+    from minillm.serving.disagg import DisaggregatedLLM
 
     with DisaggregatedLLM(SPEC, prefill=dict(block_size=4), decode=dict(block_size=4), timeout_s=60) as d:
         rids = [d.submit(ids(20, i), SamplingParams(max_tokens=400, ignore_eos=True)) for i in range(3)]
@@ -260,7 +260,7 @@ def test_a_killed_decode_worker_ends_its_requests_with_an_error():
 
 
 def test_workers_with_different_weights_or_layouts_are_refused():
-    from minillm.disagg import DisaggregatedLLM
+    from minillm.serving.disagg import DisaggregatedLLM
 
     with pytest.raises(ValueError, match="same block_size"):
         DisaggregatedLLM(SPEC, prefill=dict(block_size=4), decode=dict(block_size=8))
@@ -274,7 +274,7 @@ def test_workers_with_different_weights_or_layouts_are_refused():
 
 @pytest.mark.slow
 def test_a_prefill_worker_dying_mid_transfer_is_an_error_not_a_hang():
-    from minillm.disagg import DisaggregatedLLM
+    from minillm.serving.disagg import DisaggregatedLLM
 
     with DisaggregatedLLM(SPEC, timeout_s=60, _fault=("die_mid_transfer", 0)) as d:
         out = d.generate([ids(10)], GREEDY, raise_on_error=False)[0]
@@ -283,7 +283,7 @@ def test_a_prefill_worker_dying_mid_transfer_is_an_error_not_a_hang():
 
 @pytest.mark.slow
 def test_real_model_disaggregated_equals_colocated(real_model):
-    from minillm.disagg import DisaggregatedLLM
+    from minillm.serving.disagg import DisaggregatedLLM
 
     model, tok = real_model
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, " * 6]

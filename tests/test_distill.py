@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm.config import ModelConfig
-from minillm.distill import (
+from minillm.compress.distill import (
     DistillConfig,
     batch_at,
     distill,
@@ -23,7 +23,7 @@ from minillm.distill import (
     save_checkpoint,
 )
 from minillm.model import Transformer
-from minillm.pruning import drop_blocks
+from minillm.compress.pruning import drop_blocks
 
 TINY = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
 

@@ -1,4 +1,4 @@
-"""Workload generation and serving metrics (minillm/workload.py), checked against numpy and hand counts."""
+"""Workload generation and serving metrics (minillm/bench/workload.py), checked against numpy and hand counts."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from minillm import workload as wl
-
-
+from minillm.bench import workload as wl
 class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode())

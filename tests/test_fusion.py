@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minillm
-from minillm.compile import StaticKVCache, static_length
-from minillm.fusion import (
+from minillm.compile.torch_compile import StaticKVCache, static_length
+from minillm.compile.fusion import (
     FusedGateUpMLP,
     FusedNormBlock,
     FusedQKVAttention,
@@ -115,7 +115,7 @@ def test_compiled_decode_matches_eager_and_never_recompiles():
 
 
 def test_compile_without_a_compiler_says_why(monkeypatch):
-    import minillm.compile as mc
+    import minillm.compile.torch_compile as mc
 
     monkeypatch.setattr(mc.shutil, "which", lambda name: None)
     model = tiny_model(5)
@@ -150,7 +150,7 @@ def test_engine_on_a_fused_model_gives_the_same_outputs():
 def test_a_copy_of_a_compiled_model_compiles_its_own_forward():
     import copy
 
-    from minillm.compile import compiled_decode
+    from minillm.compile.torch_compile import compiled_decode
 
     model = tiny_model(7, n_layers=1)
     step = compiled_decode(model)

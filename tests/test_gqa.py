@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from minillm.attention import repeat_kv
 from minillm.generate import generate_ids
-from minillm.gqa import (
+from minillm.compress.gqa import (
     grouped_attention,
     kv_heads_for,
     mean_pool_kv_heads,

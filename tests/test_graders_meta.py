@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from minillm.grading import ROOT, TASKS, run_graders_of
+from minillm.course.grading import ROOT, TASKS, run_graders_of
 
 LESSONS = [lesson for lesson in TASKS if list((ROOT / "tests" / "graders").glob(f"test_ex{lesson}_*.py"))]
 
@@ -92,7 +92,7 @@ CHEATS = {
                              "from minillm.attention import naive_attention as _ref\n\n"
                              "def _helper(q, k, v, causal):\n    return _ref(q, k, v, causal)\n\n"
                              "def naive_attention(q, k, v, causal=True):\n    return _helper(q, k, v, causal)\n"),
-    "ex09_module_alias": ("train_step", "import minillm.distill as _d\n\n"
+    "ex09_module_alias": ("train_step", "import minillm.compress.distill as _d\n\n"
                                         "def train_step(student, teacher, x, optimizer, cfg):\n"
                                         "    return _d.train_step(student, teacher, x, optimizer, cfg)\n"),
     "ex03_solution_alias": ("flash_attention", "import solutions.ex03_flash as _sol\n\n"

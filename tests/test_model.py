@@ -35,7 +35,7 @@ PROMPTS = [
 def hf_model():
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from minillm.weights import gguf_path
+    from minillm.gguf.weights import gguf_path
 
     path = gguf_path()
     transformers.logging.set_verbosity_error()

@@ -1,4 +1,4 @@
-"""Quality measures (minillm.quality) and the real model's quality on real text.
+"""Quality measures (minillm.compress.quality) and the real model's quality on real text.
 
 Oracles: a model with uniform logits has perplexity = vocabulary size exactly; torch's F.kl_div; and the weights as
 stored in the GGUF file (q/k rows in llama.cpp's permuted layout), which must score far worse under our RoPE.
@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from minillm.config import ModelConfig
-from minillm.loader import unpermute_qk
+from minillm.gguf.loader import unpermute_qk
 from minillm.model import Transformer
-from minillm.quality import (
+from minillm.compress.quality import (
     eval_ids,
     kl_divergence,
     kl_to_reference,
@@ -25,7 +25,7 @@ from minillm.quality import (
     perplexity_of_ids,
     pydoc_text,
 )
-from minillm.weights import gguf_path
+from minillm.gguf.weights import gguf_path
 
 N_TOKENS = 512
 
@@ -113,7 +113,7 @@ def gguf_qk_rows_as_stored() -> dict[str, np.ndarray]:
 
 def test_rope_convention_permuted_qk_rows_ruin_perplexity(real_model, real_ppl):
     """GGUF stores q/k rows permuted for llama.cpp's adjacent-pair RoPE; with our rotate-half RoPE they must be
-    un-permuted (minillm.loader.gguf_state_dict does it). Skipping that still runs but the model falls apart."""
+    un-permuted (minillm.gguf.loader.gguf_state_dict does it). Skipping that still runs but the model falls apart."""
     model, tok = real_model
     stored = gguf_qk_rows_as_stored()
     cfg = model.config

@@ -13,7 +13,7 @@ import minillm
 from minillm.config import ModelConfig
 from minillm.kv_cache import KVCache
 from minillm.model import Transformer
-from minillm.paged import (
+from minillm.cache.paged import (
     AttentionMetadata,
     OutOfBlocksError,
     PagedKVCache,

@@ -32,19 +32,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minillm.config import SMOLLM2_135M, ModelConfig
-from minillm.distributed import Comm, check_same_weights, free_port, init_group, launch, weights_checksum
+from minillm.parallel.distributed import Comm, check_same_weights, free_port, init_group, launch, weights_checksum
 from minillm.generate import generate_ids
 from minillm.kv_cache import KVCache
 from minillm.model import Transformer
-from minillm.parallel import ParallelConfig, generate_parallel, load_for_rank, validate
-from minillm.pipeline_parallel import (PipelineStage, bubble_fraction, gpipe_schedule, measured_bubble,
+from minillm.parallel.launch import ParallelConfig, generate_parallel, load_for_rank, validate
+from minillm.parallel.pipeline import (PipelineStage, bubble_fraction, gpipe_schedule, measured_bubble,
                                        pipeline_prefill, stage_bounds)
 from minillm.sampling import SamplingParams
-from minillm.sequence_parallel import enable_sequence_parallel, prefill_sp, residual_bytes, sp_forward
-from minillm.tensor_parallel import (RowParallelLinear, TPPlan, VocabParallelEmbedding, column_shard, column_slice,
+from minillm.parallel.sequence import enable_sequence_parallel, prefill_sp, residual_bytes, sp_forward
+from minillm.parallel.tensor import (RowParallelLinear, TPPlan, VocabParallelEmbedding, column_shard, column_slice,
                                      row_slice, shard_tensor_parallel, tp_bytes_per_token)
 
-_load_for_rank = load_for_rank  # the original: the ranks below patch minillm.parallel.load_for_rank
+_load_for_rank = load_for_rank  # the original: the ranks below patch minillm.parallel.launch.load_for_rank
 
 # 6 query heads / 3 KV heads: attention splits at tp=3, is replicated at tp=2 (SmolLM2's 9/3 in miniature);
 # ffn 96 and vocab 384 divide by 2 and 3; 4 blocks make pp=3 uneven (2, 1, 1)
@@ -535,12 +535,12 @@ def test_pipeline_refuses_more_micro_batches_than_tokens():
 @pytest.fixture
 def no_launch(monkeypatch):
     """Fail the test if generate_parallel gets as far as starting ranks."""
-    import minillm.distributed
+    import minillm.parallel.distributed
 
     def refuse(*args, **kwargs):
         raise AssertionError("launch was called: the input should have been refused before any process started")
 
-    monkeypatch.setattr(minillm.distributed, "launch", refuse)
+    monkeypatch.setattr(minillm.parallel.distributed, "launch", refuse)
 
 
 @pytest.mark.parametrize("model,kwargs,match", [
@@ -594,8 +594,8 @@ def test_one_rank_comm_counts_and_refusals(solo_group):
     check_same_weights(lively_model(), comm)  # one rank always agrees with itself, and resets the counters
     assert comm.stats() == {} and comm.seconds == 0
 
-    from minillm.fusion import fuse, fuse_gate_up, fuse_norms, fuse_qkv
-    from minillm.quant import quantize
+    from minillm.compile.fusion import fuse, fuse_gate_up, fuse_norms, fuse_qkv
+    from minillm.compress.quant import quantize
 
     for rewrite in (fuse_qkv, fuse_gate_up, fuse_norms, fuse, lambda m: quantize(m, "int8")):
         with pytest.raises(ValueError, match="plain"):
@@ -637,7 +637,7 @@ def test_free_port_gives_distinct_usable_ports():
 def _suite(rank, world_size, cases, prompt, n_new):
     """Rank function: several generations in one process group (starting ranks is the expensive part).
     cases: (name, spec, ParallelConfig, expect_error); an expected RuntimeError is returned as its message."""
-    import minillm.parallel as par
+    import minillm.parallel.launch as par
 
     par.load_for_rank = _load_lively
     out = {}
@@ -979,7 +979,7 @@ def test_launch_from_a_script_without_a_main_guard(tmp_path):
 
     root = Path(__file__).resolve().parent.parent
     script = tmp_path / "unguarded.py"
-    script.write_text(f"import operator, sys\nsys.path.insert(0, {str(root)!r})\nfrom minillm.distributed import launch\n"
+    script.write_text(f"import operator, sys\nsys.path.insert(0, {str(root)!r})\nfrom minillm.parallel.distributed import launch\n"
                       "print('RESULT', launch(operator.add, 2, backend='gloo', threads=1, timeout_s=30))\n")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0 and "RESULT [2, 3]" in proc.stdout, proc.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""Prefix caching (minillm/prefix_cache.py, lesson 12): the hash chain, the allocator's three block states and LRU
+"""Prefix caching (minillm/cache/prefix_cache.py, lesson 12): the hash chain, the allocator's three block states and LRU
 eviction (a hypothesis state machine against a plain-Python model), and the engine end to end: every output with
 prefix caching equals the same request run alone (minillm.generate, no cache sharing), under preemption, aborts,
 chunked prefill and speculative decoding; every block comes back."""
@@ -13,16 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from minillm.block_allocator import OutOfBlocksError
+from minillm.cache.block_allocator import OutOfBlocksError
 from minillm.config import ModelConfig
 from minillm.engine import LLM
 from minillm.engine.block_manager import BlockManager
 from minillm.engine.sequence import Sequence
 from minillm.generate import generate_ids
 from minillm.model import Transformer
-from minillm.prefix_cache import ROOT_HASH, PrefixCachingAllocator, block_hashes, hash_block
+from minillm.cache.prefix_cache import ROOT_HASH, PrefixCachingAllocator, block_hashes, hash_block
 from minillm.sampling import SamplingParams
-from minillm.speculative import SpeculativeConfig
+from minillm.speculative.decoding import SpeculativeConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,9 +12,9 @@ from torch import nn
 
 from minillm.config import ModelConfig
 from minillm.kv_cache import KVCache
-from minillm.llm_int8 import LLMInt8Linear, int8_matmul_with_outliers
+from minillm.compress.llm_int8 import LLMInt8Linear, int8_matmul_with_outliers
 from minillm.model import Transformer, model_bytes
-from minillm.quant import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, fake_quantize_int4, pack_int4,
+from minillm.compress.quant import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, fake_quantize_int4, pack_int4,
                            quantize, quantize_int4, quantize_int8, unpack_int4)
 
 TINY = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
@@ -182,7 +182,7 @@ def test_int8_kv_cache_decodes_close_to_the_float_cache(cache):
 
 
 def test_int8_kv_cache_holds_about_twice_the_tokens():
-    from minillm.kv_pool import KVCacheSpec
+    from minillm.cache.kv_pool import KVCacheSpec
 
     fp = KVCacheSpec(30, 3, 64, 1, 16, torch.bfloat16).bytes_per_block()
     i8 = KVCacheSpec(30, 3, 64, 1, 16, torch.bfloat16, torch.int8).bytes_per_block()
@@ -193,7 +193,7 @@ def test_int8_kv_cache_holds_about_twice_the_tokens():
 @pytest.mark.slow
 def test_native_q4_model_is_the_files_bytes():
     """weights="q4": every Q4_1 layer dequantizes to exactly the fp32 model's weight (same file, nothing rounded)."""
-    from minillm.loader import load_model
+    from minillm.gguf.loader import load_model
 
     q4, _ = load_model(weights="q4")
     fp, _ = load_model()
@@ -204,7 +204,7 @@ def test_native_q4_model_is_the_files_bytes():
 
 
 def test_awq_keeps_the_float_model_and_beats_round_to_nearest():
-    from minillm.awq import apply_awq
+    from minillm.compress.awq import apply_awq
 
     ref = tiny_model(seed=3)
     for block in ref.layers:  # give some input channels large activations, as real models have

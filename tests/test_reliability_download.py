@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from minillm import weights
+from minillm.gguf import weights
 from minillm.cli import main
-from minillm.weights import ModelSource, WeightsError, gguf_path
+from minillm.gguf.weights import ModelSource, WeightsError, gguf_path
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = """
 import json, sys, time
 from pathlib import Path
-from minillm import weights
+from minillm.gguf import weights
 weights.KNOWN_MODELS["fake"] = weights.ModelSource(**json.loads(sys.argv[1]))
 if len(sys.argv) > 4:  # the "killed halfway" case: extraction writes 1 MiB, says so, then hangs
     import shutil

@@ -1,4 +1,4 @@
-"""Routing across engine replicas (minillm/router.py, minillm/replicas.py; lesson 13).
+"""Routing across engine replicas (minillm/serving/router.py, minillm/serving/replicas.py; lesson 13).
 
 The policies on crafted request streams, against plain-Python oracles (what round-robin, the minimum of the loads,
 the longest block-aligned prefix should give). Then the ReplicaPool with tiny random models on 2 processes: outputs
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minillm.prefix_cache import block_hashes
-from minillm.router import (
+from minillm.cache.prefix_cache import block_hashes
+from minillm.serving.router import (
     LeastOutstandingTokensRouter,
     PrefixAffinityRouter,
     ReplicaState,
@@ -207,14 +207,14 @@ def workload(n: int, seed: int = 0) -> list[list[int]]:
 
 def reference(prompts, params) -> list[list[int]]:
     from minillm.engine import LLM
-    from minillm.parallel import load_for_rank
+    from minillm.parallel.launch import load_for_rank
 
     return [o.token_ids for o in LLM.from_model(load_for_rank(SPEC), **ENGINE).generate(prompts, params)]
 
 
 @pytest.fixture(scope="module")
 def pool():
-    from minillm.replicas import ReplicaPool
+    from minillm.serving.replicas import ReplicaPool
 
     with ReplicaPool(SPEC, 2, "round_robin", ENGINE, timeout=60) as p:
         yield p
@@ -256,7 +256,7 @@ def test_pool_refuses_bad_requests(pool):
 
 
 def test_slow_and_crashing_replicas_lose_nothing():
-    from minillm.replicas import Fault, ReplicaPool
+    from minillm.serving.replicas import Fault, ReplicaPool
     from minillm.sampling import SamplingParams
 
     prompts = workload(10, seed=1)
@@ -287,14 +287,14 @@ def test_slow_and_crashing_replicas_lose_nothing():
 
 
 def test_replicas_with_different_weights_refuse_to_start():
-    from minillm.replicas import ReplicaPool
+    from minillm.serving.replicas import ReplicaPool
 
     with pytest.raises(RuntimeError, match="different weights"):
         ReplicaPool([SPEC, {"tiny": {}, "seed": 1}], 2, "round_robin", ENGINE, timeout=60)
 
 
 def test_a_replica_that_cannot_load_its_model_is_an_error():
-    from minillm.replicas import ReplicaPool
+    from minillm.serving.replicas import ReplicaPool
 
     with pytest.raises(RuntimeError, match="replica 0 failed"):
         ReplicaPool({"tiny": {"n_heads": 3}, "seed": 0}, 1, "round_robin", ENGINE, timeout=60)
@@ -303,7 +303,7 @@ def test_a_replica_that_cannot_load_its_model_is_an_error():
 @pytest.mark.slow
 def test_real_model_replicas_match_one_engine(real_model):
     from minillm.engine import LLM
-    from minillm.replicas import ReplicaPool
+    from minillm.serving.replicas import ReplicaPool
     from minillm.sampling import SamplingParams
 
     model, tok = real_model

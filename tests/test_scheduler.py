@@ -12,7 +12,7 @@ from collections import deque
 
 import pytest
 
-from minillm.block_allocator import BlockAllocator, blocks_needed
+from minillm.cache.block_allocator import BlockAllocator, blocks_needed
 from minillm.engine.block_manager import BlockManager
 from minillm.engine.scheduler import ScheduledSeq, Scheduler, postprocess_step, schedule_step
 from minillm.engine.sequence import Sequence, SequenceStatus

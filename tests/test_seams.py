@@ -18,11 +18,11 @@ from torch import nn
 import minillm
 from minillm.attention import backend_names, get_attention, register_attention
 from minillm.config import ModelConfig
-from minillm.flash import flash_attention, merge_partials
+from minillm.attention.flash import flash_attention, merge_partials
 from minillm.kv_cache import KVCache
-from minillm.kv_transfer import pack_kv_blocks, unpack_kv_blocks
+from minillm.cache.kv_transfer import pack_kv_blocks, unpack_kv_blocks
 from minillm.model import Transformer, model_bytes, replace_linears
-from minillm.paged import KVBlockPool, KVCacheSpec, PagedSequenceCache
+from minillm.cache.paged import KVBlockPool, KVCacheSpec, PagedSequenceCache
 from minillm.sampling import SamplingParams, logits_to_probs, sample_batch
 from tests.conftest import tiny_model
 

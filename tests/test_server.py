@@ -1,4 +1,4 @@
-"""minillm.server: a real uvicorn server on 127.0.0.1 around the real model, driven by the official openai client and by
+"""minillm.serving.server: a real uvicorn server on 127.0.0.1 around the real model, driven by the official openai client and by
 raw HTTP. The oracle is the in-process engine: the same greedy request through LLM.generate/LLM.chat must give the
 same text and token counts. After every test the server must be clean: no request in flight, every KV block free, no
 output left behind in the engine."""
@@ -21,8 +21,8 @@ httpx = pytest.importorskip("httpx2")
 
 from minillm.engine import LLM
 from minillm.sampling import SamplingParams
-from minillm.server import Server, build_app
-from minillm.server_protocol import StopMatcher
+from minillm.serving.server import Server, build_app
+from minillm.serving.openai_protocol import StopMatcher
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

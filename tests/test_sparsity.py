@@ -12,7 +12,7 @@ from torch import nn
 from minillm.config import ModelConfig
 from minillm.generate import generate_ids
 from minillm.model import Transformer
-from minillm.pruning import (
+from minillm.compress.pruning import (
     block_importance,
     drop_blocks,
     ffn_channel_importance,
@@ -24,7 +24,7 @@ from minillm.pruning import (
     prune_structured,
 )
 from minillm.sampling import SamplingParams
-from minillm.sparsity import (
+from minillm.compress.sparsity import (
     compress_2to4,
     decompress_2to4,
     format_bytes,
@@ -179,7 +179,7 @@ def test_prune_bad_input():
         prune(m, 0.3, "magnitude", "2:4")
     with pytest.raises(ValueError, match="unknown method"):
         prune(m, 0.5, "random")
-    from minillm.quant import quantize
+    from minillm.compress.quant import quantize
 
     with pytest.raises(ValueError, match="float model"):
         prune(quantize(tiny_model(), "int8"), 0.5, "magnitude")
@@ -283,7 +283,7 @@ def test_structured_bad_input():
         drop_blocks(m, [4])
     with pytest.raises(ValueError, match="duplicate"):
         drop_blocks(m, [1, 1])
-    from minillm.fusion import fuse
+    from minillm.compile.fusion import fuse
 
     with pytest.raises(ValueError, match="unfused"):
         kv_group_importance(fuse(tiny_model()), CALIB)
@@ -293,14 +293,13 @@ def test_structured_bad_input():
 
 
 def test_save_and_load_round_trip_exactly(tmp_path, monkeypatch):
-    from minillm import loader
-
+    from minillm.gguf import loader
     monkeypatch.setattr(loader, "saved_model_dir", lambda name: tmp_path / name)
     monkeypatch.setattr(loader, "read_gguf_metadata", lambda path: {})
     monkeypatch.setattr(loader, "gguf_path", lambda name: None)
-    import minillm.tokenizer
+    import minillm.gguf.tokenizer
 
-    monkeypatch.setattr(minillm.tokenizer.Tokenizer, "from_gguf_metadata", classmethod(lambda cls, meta: "tok"))
+    monkeypatch.setattr(minillm.gguf.tokenizer.Tokenizer, "from_gguf_metadata", classmethod(lambda cls, meta: "tok"))
     m = tiny_model()
     prune_structured(m, CALIB, drop_n_blocks=1, kv_groups=1, ffn_dim=96, window=32)
     folder = loader.save_model(m, "pruned", info={"dropped": [2]})
@@ -326,7 +325,7 @@ def test_save_and_load_round_trip_exactly(tmp_path, monkeypatch):
 
 
 def test_saved_name_must_be_a_plain_folder():
-    from minillm.loader import saved_model_dir
+    from minillm.gguf.loader import saved_model_dir
 
     for bad in ("", "../x", "a/b", ".hidden"):
         with pytest.raises(ValueError, match="plain folder"):
@@ -339,7 +338,7 @@ def test_saved_name_must_be_a_plain_folder():
 @pytest.mark.slow
 def test_wanda_beats_magnitude_at_half_sparsity_on_smollm2(real_model):
     from minillm import load_model
-    from minillm.quality import calibration_ids, perplexity
+    from minillm.compress.quality import calibration_ids, perplexity
 
     _, tok = real_model
     calib = calibration_ids(tok, 256)
@@ -354,7 +353,7 @@ def test_wanda_beats_magnitude_at_half_sparsity_on_smollm2(real_model):
 def test_dropping_a_quarter_of_smollm2_still_runs_the_engine(real_model):
     from minillm import load_model
     from minillm.engine.llm import LLM
-    from minillm.quality import calibration_ids
+    from minillm.compress.quality import calibration_ids
 
     _, tok = real_model
     m, _ = load_model(dtype="float32")

@@ -24,9 +24,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.block_allocator import BlockAllocator, OutOfBlocksError, blocks_needed
+from minillm.cache.block_allocator import BlockAllocator, OutOfBlocksError, blocks_needed
 from minillm.config import ModelConfig
-from minillm.drafters import ModelDrafter, NgramDrafter, propose_ngram
+from minillm.speculative.drafters import ModelDrafter, NgramDrafter, propose_ngram
 from minillm.engine import LLM
 from minillm.engine.block_manager import BlockManager
 from minillm.engine.scheduler import Scheduler
@@ -34,9 +34,9 @@ from minillm.engine.sequence import Sequence
 from minillm.generate import generate, generate_ids
 from minillm.kv_cache import KVCache
 from minillm.model import Transformer
-from minillm.paged import PagedSequenceCache
+from minillm.cache.paged import PagedSequenceCache
 from minillm.sampling import SamplingParams, logits_to_probs
-from minillm.speculative import (
+from minillm.speculative.decoding import (
     SpecStats,
     SpeculativeConfig,
     check_budget,

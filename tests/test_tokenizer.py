@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minillm.tokenizer import SMOLLM_CHAT_TEMPLATE, Tokenizer, gpt2_unicode_to_byte
+from minillm.gguf.tokenizer import SMOLLM_CHAT_TEMPLATE, Tokenizer, gpt2_unicode_to_byte
 
 # The 21 single bytes SmolLM2's vocabulary has no token for (FACTS.md), and characters whose UTF-8 holds one:
 # a few control characters and the (unassigned) planes 4-11, whose UTF-8 starts with 0xf1 / 0xf2.

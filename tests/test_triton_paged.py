@@ -63,7 +63,7 @@ def test_half_precision_inputs(dtype):
 def test_cache_decode_backend_triton_equals_torch():
     from minillm.config import ModelConfig
     from minillm.model import Transformer
-    from minillm.paged import PagedSequenceCache
+    from minillm.cache.paged import PagedSequenceCache
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig.tiny(n_layers=1, dim=64, n_heads=4, n_kv_heads=2)).eval().to(DEVICE)

@@ -151,8 +151,8 @@ def test_leading_dims_empty_batch_and_non_contiguous_x():
 
 
 def test_layouts_match_minillm_quant():
-    # the layer code (minillm/quant.py) quantizes and packs; the kernels must read exactly those layouts
-    quant = pytest.importorskip("minillm.quant")
+    # the layer code (minillm/compress/quant.py) quantizes and packs; the kernels must read exactly those layouts
+    quant = pytest.importorskip("minillm.compress.quant")
     gen = torch.Generator().manual_seed(5)
     w, x = torch.randn(48, 128, generator=gen), torch.randn(3, 128, generator=gen)
     q, scale = quant.quantize_int8(w)

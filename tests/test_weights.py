@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from minillm import weights
-from minillm.weights import ModelSource, WeightsError, gguf_path, verify
+from minillm.gguf import weights
+from minillm.gguf.weights import ModelSource, WeightsError, gguf_path, verify
 
 
 def _fake_source(tmp_path: Path, payload: bytes) -> ModelSource:

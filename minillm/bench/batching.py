@@ -13,15 +13,15 @@ import time
 
 import torch
 
-from ..workload import make_workload, summarize
-from .harness import BenchResult
+from minillm.bench.workload import make_workload, summarize
+from minillm.bench.harness import BenchResult
 
 
 def hf_padded_generate(requests, max_batch: int, dtype: str) -> tuple[float, int]:
     """transformers' padded batch generate: (wall seconds, useful output tokens)."""
     from transformers import AutoModelForCausalLM
 
-    from ..weights import gguf_path
+    from minillm.gguf.weights import gguf_path
 
     path = gguf_path()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)).eval()
@@ -44,9 +44,9 @@ def hf_padded_generate(requests, max_batch: int, dtype: str) -> tuple[float, int
 
 
 def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> BenchResult:
-    from ..engine import LLM
-    from ..engine.static import StaticBatchEngine
-    from ..loader import load_model
+    from minillm.engine import LLM
+    from minillm.engine.static import StaticBatchEngine
+    from minillm.gguf.loader import load_model
 
     n, prompt_len, output_len, max_batch = (8, (16, 32), (4, 32), 4) if quick else (64, (16, 128), (8, 256), 16)
     model, tok = load_model("smollm2-135m", dtype=dtype, device="cpu")
@@ -111,7 +111,7 @@ def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> Be
          "slots (mean occupancy) while a batch waits for its longest request."),
         ("both engines run the same ModelRunner and PagedKVCache: ragged decode attention gathers each sequence's "
          "blocks once per layer through slot indices computed once per step, then one masked SDPA call "
-         "(minillm.paged.gathered_decode_attention)."),
+         "(minillm.cache.paged.gathered_decode_attention)."),
         f"goodput: requests/s meeting TTFT <= {slo['slo_ttft_s']} s and TPOT <= {slo['slo_tpot_s']} s.",
     ]
     return BenchResult(name="batching", rows=rows, ratios=ratios, targets=targets,

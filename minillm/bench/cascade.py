@@ -4,7 +4,7 @@ Large: SmolLM2-135M (float32). Small: the distilled student of lesson 09 ("smoll
 is saved on this machine, else a stand-in (the target's first 16 blocks and its head, untrained: the notes say so).
 A fixed set of short factual/chat questions, greedy, chat template, one request at a time. Each model answers every
 question once per repeat (the two alternate per question, so a slow moment of a shared machine hits both; a request's
-seconds are its minimum over repeats). From those answers `minillm.cascade.sweep` computes the cascade at every
+seconds are its minimum over repeats). From those answers `minillm.serving.cascade.sweep` computes the cascade at every
 threshold without running a model again: agreement with the large model (exact greedy answer, token prefix, KL on the
 large answer), mean cost (seconds and analytic FLOPs), escalation rate, for each confidence signal. Then one live
 cascade run at the best threshold found checks the sweep's prediction: same answers, same escalations.
@@ -56,9 +56,9 @@ def _row(label: str, signal: str, p: dict) -> dict:
 
 
 def measure(quick: bool = False, threads: int = 1) -> dict:
-    from ..cascade import SIGNALS, Cascade, Outcome, answer_kl, escalates, load_small, outcomes, sweep
-    from ..loader import load_model
-    from ..sampling import SamplingParams
+    from minillm.serving.cascade import SIGNALS, Cascade, Outcome, answer_kl, escalates, load_small, outcomes, sweep
+    from minillm.gguf.loader import load_model
+    from minillm.sampling import SamplingParams
 
     torch.set_num_threads(threads)
     b = budget(quick)

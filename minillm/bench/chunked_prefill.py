@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from ..workload import Request, corpus_ids, percentiles, serve
-from .harness import BenchResult
+from minillm.bench.workload import Request, corpus_ids, percentiles, serve
+from minillm.bench.harness import BenchResult
 
 
 def mixed_workload(tok, n_decode: int, decode_len: int, n_long: int, long_len: int, gap_s: float,
@@ -33,8 +33,8 @@ def mixed_workload(tok, n_decode: int, decode_len: int, n_long: int, long_len: i
 
 
 def run(quick: bool = False, dtype: str = "float32") -> BenchResult:
-    from ..engine import LLM
-    from ..loader import load_model
+    from minillm.engine import LLM
+    from minillm.gguf.loader import load_model
 
     if quick:
         n_decode, decode_len, n_long, long_len, gap, first, budgets = 2, 12, 2, 160, 0.5, 0.2, (256, 32)

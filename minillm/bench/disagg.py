@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .harness import BenchResult
+from minillm.bench.harness import BenchResult
 
 PARTS = {"pd": "minillm.bench.disagg_pd", "routing": "minillm.bench.routing", "cascade": "minillm.bench.cascade"}
 

@@ -7,7 +7,7 @@ Three ways to serve it with the same total cores (2 x `threads`):
                       running decode for its whole prefill;
   colocated, chunked  the same with max_num_batched_tokens 64 (Sarathi): stalls are bounded by one chunk, paid for
                       with more steps;
-  disaggregated 1+1   minillm.disagg.DisaggregatedLLM: a prefill worker and a decode worker of `threads` threads each;
+  disaggregated 1+1   minillm.serving.disagg.DisaggregatedLLM: a prefill worker and a decode worker of `threads` threads each;
                       the prompt's KV moves over gloo after its prefill. Decodes never share a step with a prompt.
 Reported per mode: TTFT p50/p99 (all requests; the coordinator's clock for disaggregated, the engine's for colocated),
 decode TPOT and ITL p50/p99 (the chat requests), the long prompts' mean TTFT, goodput under a TTFT + TPOT SLO, and for
@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from ..workload import percentiles, serve, summarize
-from .chunked_prefill import mixed_workload
+from minillm.bench.workload import percentiles, serve, summarize
+from minillm.bench.chunked_prefill import mixed_workload
 
 
 def _row(mode: str, outs, wall: float, n_decode: int, slo: tuple[float, float]) -> dict:
@@ -44,10 +44,10 @@ def measure(quick: bool, threads: int = 1, colocated_threads: int | None = None)
     """Run the three modes back to back; rows, ratios, targets, notes, series (and settings). colocated_threads
     (default 2 x threads: the same cores) can be lowered where other work occupies cores: with more torch threads
     than free cores a step can slow down many-fold (spin-waiting threads), which would flatter disaggregation."""
-    from ..disagg import DisaggregatedLLM
-    from ..engine import LLM
-    from ..loader import load_model
-    from .harness import load_average
+    from minillm.serving.disagg import DisaggregatedLLM
+    from minillm.engine import LLM
+    from minillm.gguf.loader import load_model
+    from minillm.bench.harness import load_average
 
     if quick:
         n_decode, decode_len, n_long, long_len, gap, first = 2, 24, 2, 200, 0.6, 0.3

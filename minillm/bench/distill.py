@@ -36,8 +36,8 @@ def budget(quick: bool) -> dict:
 
 def training_ids(teacher, tok, b: dict) -> tuple[torch.Tensor, dict]:
     """The pydoc training split, plus the teacher's own continuations of prompts from it (cached)."""
-    from minillm.distill import teacher_continuations, train_ids
-    from minillm.weights import cache_dir
+    from minillm.compress.distill import teacher_continuations, train_ids
+    from minillm.gguf.weights import cache_dir
 
     ids = train_ids(tok)
     info = {"pydoc_tokens": ids.numel(), "teacher_tokens": 0}
@@ -55,11 +55,11 @@ def training_ids(teacher, tok, b: dict) -> tuple[torch.Tensor, dict]:
 
 def run(quick: bool = False) -> BenchResult:
     from minillm import load_model
-    from minillm.distill import DistillConfig, distill, evaluate
-    from minillm.loader import save_model
+    from minillm.compress.distill import DistillConfig, distill, evaluate
+    from minillm.gguf.loader import save_model
     from minillm.model import model_bytes
-    from minillm.pruning import n_params, prune_structured
-    from minillm.quality import calibration_ids, eval_ids
+    from minillm.compress.pruning import n_params, prune_structured
+    from minillm.compress.quality import calibration_ids, eval_ids
 
     b = budget(quick)
     teacher, tok = load_model("smollm2-135m", dtype="float32")

@@ -38,7 +38,7 @@ _COMPILE_CHILD = """
 import sys, time, torch
 torch.set_num_threads(int(sys.argv[1]))
 from minillm import generate, load_model
-from minillm.fusion import fuse
+from minillm.compile.fusion import fuse
 model, _ = load_model("smollm2-135m", dtype="float32")
 fuse(model)
 t0 = time.perf_counter()
@@ -69,7 +69,7 @@ def ladder(base, ids: list[int], n_new: int, repeat: int, dtypes=(torch.float32,
     times every variant once, and the roofs (read probe, matvec ceiling per dtype) once, so a noisy moment of a shared
     machine lands on all of them; each keeps its best round. Returns table rows, greedy ids per variant, and the
     compile seconds (first compiled call, outside the timings). `compiled_dtypes` limits which dtypes compile."""
-    from minillm.fusion import count_ops, fuse
+    from minillm.compile.fusion import count_ops, fuse
     from minillm.kv_cache import KVCache
 
     compiled_dtypes = dtypes if compiled_dtypes is None else compiled_dtypes

@@ -1,6 +1,6 @@
 """Benchmark "gqa" (lesson 02): MHA vs GQA vs MQA on the real model, converted from its trained weights.
 
-SmolLM2-135M is GQA with 3 KV heads for 9 query heads. `minillm.gqa` turns it into MHA (9 KV heads, repeated: exact)
+SmolLM2-135M is GQA with 3 KV heads for 9 query heads. `minillm.compress.gqa` turns it into MHA (9 KV heads, repeated: exact)
 and MQA (1 KV head, mean-pooled: approximate). For each variant:
 - KV bytes per token (3 : 9 : 1) and the largest batch at a given context that fits a fixed KV budget;
 - decode tokens/s at batch 1 with a long context already in the cache (2048 tokens; quick mode 256). The cache is
@@ -24,7 +24,7 @@ BUDGET_BYTES = 1 << 30  # 1 GiB of KV cache
 
 def variants(model) -> dict:
     """name -> model: MHA (repeat), the original GQA, MQA (mean-pool)."""
-    from minillm.gqa import to_mha, to_mqa
+    from minillm.compress.gqa import to_mha, to_mqa
 
     n = model.config.n_kv_heads
     return {f"MHA ({model.config.n_heads} KV heads)": to_mha(model), f"GQA ({n} KV heads, original)": model,
@@ -50,7 +50,7 @@ def decode_step_seconds(model, context: int, steps: int = 8, repeat: int = 3) ->
 
 def run(quick: bool = False) -> BenchResult:
     from minillm import load_model
-    from minillm.quality import eval_ids, kl_to_reference, perplexity_of_ids
+    from minillm.compress.quality import eval_ids, kl_to_reference, perplexity_of_ids
 
     context = 256 if quick else 2048
     eval_tokens = 256 if quick else 1024

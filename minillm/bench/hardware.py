@@ -261,7 +261,7 @@ def _machine_key(dev: torch.device) -> str:
 
 
 def _bandwidth_file() -> Path:
-    from minillm.weights import cache_dir
+    from minillm.gguf.weights import cache_dir
 
     return cache_dir() / "hardware.json"
 

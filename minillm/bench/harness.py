@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .hardware import (  # noqa: F401  (re-exported: lessons and benches import them from the harness)
+from minillm.bench.hardware import (  # noqa: F401  (re-exported: lessons and benches import them from the harness)
     bandwidth,
     busy_warning,
     hardware_info,
@@ -38,7 +38,7 @@ from .hardware import (  # noqa: F401  (re-exported: lessons and benches import 
     peak_flops,
     threads_line,
 )
-from .metrics import (  # noqa: F401  (re-exported likewise)
+from minillm.bench.metrics import (  # noqa: F401  (re-exported likewise)
     decode_bytes_per_token,
     mbu,
     mfu,

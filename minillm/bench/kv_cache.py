@@ -32,7 +32,7 @@ PROMPT_LEN = 32
 
 def prompt_ids(tokenizer, n: int = PROMPT_LEN) -> list[int]:
     """A fixed n-token prompt: the start of the pydoc topics text (real English, not random ids)."""
-    from minillm.quality import eval_ids
+    from minillm.compress.quality import eval_ids
 
     return eval_ids(tokenizer, n)
 
@@ -59,7 +59,7 @@ def decode_seconds_per_token(times: list[float]) -> float:
 def hf_model(dtype: torch.dtype):
     import transformers
 
-    from minillm.weights import gguf_path
+    from minillm.gguf.weights import gguf_path
 
     transformers.logging.set_verbosity_error()
     path = gguf_path()

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .harness import BenchResult
+from minillm.bench.harness import BenchResult
 
 # the analytic model's links: (GB/s per GPU one way, microseconds per small all-reduce), rough public figures
 LINKS = {"NVLink 4 (H100 SXM)": (450.0, 8.0), "PCIe 4.0 x16": (25.0, 25.0)}
@@ -24,9 +24,9 @@ LINKS = {"NVLink 4 (H100 SXM)": (450.0, 8.0), "PCIe 4.0 x16": (25.0, 25.0)}
 
 def rank_bubble(rank: int, world_size: int, spec, prompt_ids: list[int], micro: list[int]) -> list[dict]:
     """Prefill the same prompt through a pipeline with each micro-batch count; the measured bubble of each."""
-    from ..distributed import Comm
-    from ..parallel import load_for_rank
-    from ..pipeline_parallel import PipelineStage, StageCache, measured_bubble, pipeline_prefill
+    from minillm.parallel.distributed import Comm
+    from minillm.parallel.launch import load_for_rank
+    from minillm.parallel.pipeline import PipelineStage, StageCache, measured_bubble, pipeline_prefill
 
     model = load_for_rank(spec)
     stage = PipelineStage(model, Comm(), len(prompt_ids))
@@ -61,9 +61,9 @@ def analytic_tp(cfg, name: str, tp: int = 8, batch: int = 1, context: int = 4096
 
 
 def single_process(spec, ids: list[int], n: int, threads: int) -> tuple[list[int], float]:
-    from ..generate import generate_ids
-    from ..parallel import load_for_rank
-    from ..sampling import SamplingParams
+    from minillm.generate import generate_ids
+    from minillm.parallel.launch import load_for_rank
+    from minillm.sampling import SamplingParams
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -81,11 +81,11 @@ def single_process(spec, ids: list[int], n: int, threads: int) -> tuple[list[int
 
 
 def run(quick: bool = False) -> BenchResult:
-    from ..config import LLAMA2_7B, LLAMA2_70B
-    from ..parallel import generate_parallel, load_for_rank
-    from ..pipeline_parallel import bubble_fraction
-    from ..sequence_parallel import residual_bytes
-    from ..tensor_parallel import TPPlan, tp_bytes_per_token
+    from minillm.config import LLAMA2_7B, LLAMA2_70B
+    from minillm.parallel.launch import generate_parallel, load_for_rank
+    from minillm.parallel.pipeline import bubble_fraction
+    from minillm.parallel.sequence import residual_bytes
+    from minillm.parallel.tensor import TPPlan, tp_bytes_per_token
 
     if quick:
         spec = {"tiny": {"n_layers": 6, "n_heads": 6, "n_kv_heads": 3, "dim": 96, "ffn_dim": 192, "vocab_size": 384,
@@ -127,7 +127,7 @@ def run(quick: bool = False) -> BenchResult:
         rows.append(row)
         print(f"  {row['config']:<12} {row['decode_tok_s']:6.1f} tok/s, comm {row['comm_share']:.0%}", flush=True)
 
-    from ..distributed import launch
+    from minillm.parallel.distributed import launch
 
     bubbles = []
     for p in ([2] if quick else [2, 3]):

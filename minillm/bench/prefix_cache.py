@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from ..workload import corpus_ids
-from .harness import BenchResult
+from minillm.bench.workload import corpus_ids
+from minillm.bench.harness import BenchResult
 
 
 def shared_prefix_prompts(tok, n: int, system_tokens: int) -> tuple[list[list[int]], int]:
@@ -39,10 +39,10 @@ def shared_prefix_prompts(tok, n: int, system_tokens: int) -> tuple[list[list[in
 def simulate_hit_rate(prompts: list[list[int]], num_blocks: int, block_size: int = 16) -> float:
     """The cache's bookkeeping alone, no model: admit each prompt in turn (as if computed at once), then free it.
     Returns the fraction of prompt tokens served from the cache. Hashes and LRU decide it, not the tensors."""
-    from ..engine.block_manager import BlockManager
-    from ..engine.sequence import Sequence
-    from ..prefix_cache import PrefixCachingAllocator
-    from ..sampling import SamplingParams
+    from minillm.engine.block_manager import BlockManager
+    from minillm.engine.sequence import Sequence
+    from minillm.cache.prefix_cache import PrefixCachingAllocator
+    from minillm.sampling import SamplingParams
 
     manager = BlockManager(PrefixCachingAllocator(num_blocks, block_size))
     for i, ids in enumerate(prompts):
@@ -63,10 +63,10 @@ def _mean(xs) -> float:
 
 
 def run(quick: bool = False, dtype: str = "float32") -> BenchResult:
-    from ..block_allocator import blocks_needed
-    from ..engine import LLM
-    from ..loader import load_model
-    from ..sampling import SamplingParams
+    from minillm.cache.block_allocator import blocks_needed
+    from minillm.engine import LLM
+    from minillm.gguf.loader import load_model
+    from minillm.sampling import SamplingParams
 
     # quick: a budget smaller than one prompt, so the burst shows what full mode does (the first request's prefill
     # spans steps; the requests admitted after its first chunk find the cache)

@@ -26,7 +26,7 @@ from minillm.bench.harness import BenchResult
 @torch.inference_mode()
 def quality(model, ref_logits: list[torch.Tensor], chunks: list[list[int]]) -> dict:
     """Perplexity, mean KL to the reference and top-1 agreement, over the same windows the reference saw."""
-    from minillm.quality import kl_divergence
+    from minillm.compress.quality import kl_divergence
 
     nll = kl = agree = 0.0
     n = 0
@@ -57,8 +57,8 @@ def _timed(fn) -> float:
 def variants(quick: bool, calib: list[int]):
     """name -> (builder, quality only?). Builders load a fresh model: quantization happens in place."""
     from minillm import load_model
-    from minillm.awq import apply_awq
-    from minillm.quant import fake_quantize_int4, quantize
+    from minillm.compress.awq import apply_awq
+    from minillm.compress.quant import fake_quantize_int4, quantize
 
     def fresh(dtype="bfloat16", **kw):
         return load_model("smollm2-135m", dtype=dtype, **kw)[0]
@@ -140,7 +140,7 @@ def kv_int8_capacity(quick: bool) -> tuple[list[dict], dict]:
 def run(quick: bool = False) -> BenchResult:
     from minillm import load_model
     from minillm.model import model_bytes
-    from minillm.quality import calibration_ids, eval_ids
+    from minillm.compress.quality import calibration_ids, eval_ids
 
     eval_len, window, n_new, repeat = (64, 64, 8, 1) if quick else (512, 256, 64, 3)
     ref, tok = load_model("smollm2-135m", dtype="float32")

@@ -4,7 +4,7 @@ SmolLM2-135M, float32, greedy, exactly `max_tokens` output tokens per request (i
 groups (think: apps), each with its own long system prompt (real English from CPython's pydoc topics, a different
 slice per group) and a short question of its own; the groups are interleaved in a seeded random order and arrive as
 a Poisson stream. Two replicas (processes, 1 torch thread each on this 2-core machine), each an engine with prefix
-caching, behind round-robin, least-outstanding-tokens or prefix-affinity routing (minillm/router.py). One pool runs
+caching, behind round-robin, least-outstanding-tokens or prefix-affinity routing (minillm/serving/router.py). One pool runs
 all three policies in turn; before each, every replica's engine is rebuilt (empty cache) and the router starts
 fresh, and the same requests arrive at the same times.
 
@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from ..workload import corpus_ids
+from minillm.bench.workload import corpus_ids
 
 POLICIES = ("round_robin", "least_tokens", "prefix_affinity")
 
@@ -65,11 +65,11 @@ def _pct(xs: list[float], q: float) -> float:
 
 def measure(quick: bool = False, threads: int = 1) -> dict:
     """Run the three policies; returns {"rows", "ratios", "targets", "notes", "series", "settings"}."""
-    from ..block_allocator import blocks_needed
-    from ..replicas import ReplicaPool
-    from ..sampling import SamplingParams
-    from ..tokenizer import Tokenizer
-    from ..weights import gguf_path, read_gguf_metadata
+    from minillm.cache.block_allocator import blocks_needed
+    from minillm.serving.replicas import ReplicaPool
+    from minillm.sampling import SamplingParams
+    from minillm.gguf.tokenizer import Tokenizer
+    from minillm.gguf.weights import gguf_path, read_gguf_metadata
 
     torch.set_num_threads(threads)
     n_groups, per_group, system_tokens, max_tokens, rate, max_seqs, budget = (

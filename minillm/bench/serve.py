@@ -1,4 +1,4 @@
-"""Benchmark "serve": the OpenAI-compatible server (minillm/server.py) under load, measured where users are: the client.
+"""Benchmark "serve": the OpenAI-compatible server (minillm/serving/server.py) under load, measured where users are: the client.
 
 An asyncio load generator streams requests (SSE, stream_options.include_usage) with Poisson arrivals at a given rate
 (or a fixed concurrency) and times every chunk as it arrives:
@@ -7,7 +7,7 @@ An asyncio load generator streams requests (SSE, stream_options.include_usage) w
 Every request must end with a finish_reason and [DONE]: `lost` = sent - completed (a 4xx/5xx is counted as well, by
 kind). Outputs have fixed lengths (vLLM's `ignore_eos` extra parameter), so runs at different rates do the same work.
 
-Workloads, all real English (CPython's pydoc text, minillm.workload.corpus_ids): short chats; chats that share one
+Workloads, all real English (CPython's pydoc text, minillm.bench.workload.corpus_ids): short chats; chats that share one
 long system prompt (what prefix caching serves); long documents to continue (prefill-heavy). Given no URL the bench
 starts its own `minillm serve` on a free 127.0.0.1 port (and always stops it), then measures the server's overhead:
 the same requests one at a time through HTTP and through `LLM.generate` in this process, alternated (the server sits
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from ..workload import corpus_ids, percentiles
-from .harness import BenchResult
+from minillm.bench.workload import corpus_ids, percentiles
+from minillm.bench.harness import BenchResult
 
 SLO = {"ttft_s": 2.0, "tpot_s": 0.5}
 WORKLOADS = ("short-chat", "shared-system", "long-doc")
@@ -242,8 +242,8 @@ def overhead(url: str, model, tok, requests, engine: dict) -> tuple[dict, dict]:
     """The same requests one at a time through HTTP (client-side timing) and through `LLM.generate` in this process
     (engine timestamps), alternating A B B A so that a machine that slows down or speeds up meanwhile hits both
     alike. The server is idle while the in-process engine runs: the two never compute at the same time."""
-    from ..engine import LLM
-    from ..sampling import SamplingParams
+    from minillm.engine import LLM
+    from minillm.sampling import SamplingParams
 
     llm = LLM.from_model(model, tok, **engine)
     prompts = [tok.encode_chat(b["messages"]) if "messages" in b else tok.encode(b["prompt"]) for _, b in requests]
@@ -274,9 +274,9 @@ def run(quick: bool = False, url: str | None = None, rate: float | list[float] |
     from concurrent.futures import ThreadPoolExecutor
     from contextlib import nullcontext
 
-    from ..loader import load_model
-    from ..tokenizer import Tokenizer
-    from ..weights import gguf_path, read_gguf_metadata
+    from minillm.gguf.loader import load_model
+    from minillm.gguf.tokenizer import Tokenizer
+    from minillm.gguf.weights import gguf_path, read_gguf_metadata
 
     threads = torch.get_num_threads()
     if quick:

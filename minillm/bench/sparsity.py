@@ -26,7 +26,7 @@ SHAPES = {"wq/wo": (576, 576), "wk/wv": (192, 576), "gate/up": (1536, 576), "dow
 
 def unstructured_rows(ref, calib, ref_logits, chunks, quick: bool) -> tuple[list[dict], dict]:
     """The rows, and the Wanda 2:4 model (run() checks its masks on every layer)."""
-    from minillm.sparsity import prune, sparsity_of
+    from minillm.compress.sparsity import prune, sparsity_of
 
     levels = [0.5] if quick else [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
     todo = [(m, "unstructured", s) for s in levels for m in ("magnitude", "wanda")]
@@ -52,7 +52,7 @@ def structured_variants(quick: bool) -> dict[str, dict]:
 
 
 def structured_rows(ref, calib, ref_logits, chunks, ids, quick: bool) -> list[dict]:
-    from minillm.pruning import n_params, prune_structured
+    from minillm.compress.pruning import n_params, prune_structured
 
     n_new, repeat = (8, 1) if quick else (64, 5)
     prompt = ids[:32]
@@ -79,7 +79,7 @@ def structured_rows(ref, calib, ref_logits, chunks, ids, quick: bool) -> list[di
 
 
 def semi_structured_bytes() -> list[dict]:
-    from minillm.sparsity import format_bytes
+    from minillm.compress.sparsity import format_bytes
 
     rows = []
     for name, shape in SHAPES.items():
@@ -94,7 +94,7 @@ def gpu_semi_structured(quick: bool) -> tuple[list[dict], dict]:
     from torch.sparse import to_sparse_semi_structured
     from triton.testing import do_bench
 
-    from minillm.sparsity import semi_structured_mask
+    from minillm.compress.sparsity import semi_structured_mask
 
     rows, ratios = [], {}
     for name, (n, k) in SHAPES.items():
@@ -114,8 +114,8 @@ def gpu_semi_structured(quick: bool) -> tuple[list[dict], dict]:
 
 def run(quick: bool = False) -> BenchResult:
     from minillm import load_model
-    from minillm.quality import calibration_ids, eval_ids
-    from minillm.sparsity import is_n_m_sparse
+    from minillm.compress.quality import calibration_ids, eval_ids
+    from minillm.compress.sparsity import is_n_m_sparse
 
     eval_len, window = (64, 64) if quick else (512, 256)
     ref, tok = load_model("smollm2-135m", dtype="float32")

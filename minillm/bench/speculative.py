@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .harness import BenchResult, time_fn
+from minillm.bench.harness import BenchResult, time_fn
 
 PASSAGES = [
     "The lighthouse on the northern cape was built in 1887 from granite quarried two miles inland. Its lamp, first "
@@ -59,7 +59,7 @@ def workloads(tok, b: dict) -> dict[str, list[tuple[list[int], bool]]]:
     out = {"grounded": [(tok.encode_chat([{"role": "user", "content": p}]), True) for p in grounded],
            "chat": [(tok.encode_chat([{"role": "user", "content": p}]), True) for p in CHAT[:b["n_chat"]]]}
     if b["n_text"]:
-        from ..quality import eval_ids
+        from minillm.compress.quality import eval_ids
 
         ids = list(eval_ids(tok, 512))  # lesson 09's held-apart evaluation text
         step = len(ids) // b["n_text"]
@@ -69,7 +69,7 @@ def workloads(tok, b: dict) -> dict[str, list[tuple[list[int], bool]]]:
 
 def verify_cost(model, q_lens: list[int], context: int = 128) -> list[dict]:
     """Milliseconds of one target forward over q new tokens after `context` cached ones (q = 1: a decode step)."""
-    from ..kv_cache import KVCache
+    from minillm.kv_cache import KVCache
 
     ids = torch.randint(0, model.config.vocab_size, (1, context + max(q_lens)), device=model.device)
     rows = []
@@ -88,8 +88,8 @@ def verify_cost(model, q_lens: list[int], context: int = 128) -> list[dict]:
 
 
 def timed(model, tok, ids: list[int], n: int, spec=None):
-    from ..generate import generate
-    from ..speculative import SpecStats
+    from minillm.generate import generate
+    from minillm.speculative.decoding import SpecStats
 
     stats = SpecStats()
     t0 = time.perf_counter()
@@ -98,8 +98,8 @@ def timed(model, tok, ids: list[int], n: int, spec=None):
 
 
 def engine_throughput(model, tok, prompts: list[list[int]], batch: int, n: int, spec) -> tuple[float, list]:
-    from ..engine import LLM
-    from ..sampling import SamplingParams
+    from minillm.engine import LLM
+    from minillm.sampling import SamplingParams
 
     llm = LLM.from_model(model, tok, max_num_seqs=batch, speculative=spec)
     reqs = [prompts[i % len(prompts)] for i in range(batch)]
@@ -111,8 +111,8 @@ def engine_throughput(model, tok, prompts: list[list[int]], batch: int, n: int, 
 
 
 def run(quick: bool = False) -> BenchResult:
-    from ..loader import load_model, saved_model_dir
-    from ..speculative import SpeculativeConfig, expected_tokens_per_step
+    from minillm.gguf.loader import load_model, saved_model_dir
+    from minillm.speculative.decoding import SpeculativeConfig, expected_tokens_per_step
 
     b = budget(quick)
     model, tok = load_model("smollm2-135m", dtype="float32", device="cpu")

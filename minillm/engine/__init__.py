@@ -7,7 +7,7 @@
     static.py        the static-batching baseline it is measured against
 """
 
-from .llm import LLM, RequestOutput, StreamEvent
-from .sequence import Sequence, SequenceStatus
+from minillm.engine.llm import LLM, RequestOutput, StreamEvent
+from minillm.engine.sequence import Sequence, SequenceStatus
 
 __all__ = ["LLM", "RequestOutput", "Sequence", "SequenceStatus", "StreamEvent"]

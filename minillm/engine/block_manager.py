@@ -1,6 +1,6 @@
 """The block manager: which KV blocks each sequence owns, in verbs that read like the scheduling algorithm.
 
-It sits on the paged cache's BlockAllocator (minillm/block_allocator.py, lesson 04) and works on plain block ids:
+It sits on the paged cache's BlockAllocator (minillm/cache/block_allocator.py, lesson 04) and works on plain block ids:
   can_allocate(seq) / allocate(seq)  - blocks for everything the sequence has so far (prompt, or prompt + output
                                        when a preempted sequence is recomputed), on admission;
   can_append(seq, n) / may_append(seq, n) - before a step that writes the sequence's last token and n - 1 more
@@ -14,7 +14,7 @@ A decode step writes the key/value of the sequence's last token (index num_token
 ceil(num_tokens / block_size) blocks: at most one more than before, and only every block_size tokens.
 That is paging's whole memory win: a sequence holds at most one partly filled block (lesson 04).
 
-With a PrefixCachingAllocator (minillm/prefix_cache.py) `allocate` first takes the cached blocks of the longest
+With a PrefixCachingAllocator (minillm/cache/prefix_cache.py) `allocate` first takes the cached blocks of the longest
 cached prefix of the sequence's tokens (never its last token: that one is always run, to sample from) and sets
 num_cached_tokens past them, so the scheduler only schedules the rest: prefix caching needs no change to the
 scheduling algorithm, only to what "allocate" finds.
@@ -22,9 +22,9 @@ scheduling algorithm, only to what "allocate" finds.
 
 from __future__ import annotations
 
-from ..block_allocator import BlockAllocator, blocks_needed
-from ..prefix_cache import block_hashes
-from .sequence import Sequence
+from minillm.cache.block_allocator import BlockAllocator, blocks_needed
+from minillm.cache.prefix_cache import block_hashes
+from minillm.engine.sequence import Sequence
 
 
 class BlockManager:

@@ -5,8 +5,8 @@
         decode_llm.add_prefilled(h)                # own blocks, unpack, straight into the running queue
 
 `LLM` inherits these methods (minillm/engine/llm.py); LLM.step calls `_pack_handoffs` after the forward and before
-the scheduler frees the finished requests' blocks. The KV itself is packed and unpacked by minillm/kv_transfer.py;
-processes and the wire are minillm/disagg.py's business. The scheduler never sees any of it: a prefilled request
+the scheduler frees the finished requests' blocks. The KV itself is packed and unpacked by minillm/cache/kv_transfer.py;
+processes and the wire are minillm/serving/disagg.py's business. The scheduler never sees any of it: a prefilled request
 enters the running queue as a decode.
 """
 
@@ -18,12 +18,12 @@ import time
 
 import torch
 
-from .. import kv_transfer
-from ..block_allocator import blocks_needed
-from ..kv_transfer import KVHandoff
-from ..request import finish_reason
-from ..sampling import SamplingParams
-from .sequence import Sequence, SequenceStatus
+from minillm.cache import kv_transfer
+from minillm.cache.block_allocator import blocks_needed
+from minillm.cache.kv_transfer import KVHandoff
+from minillm.request import finish_reason
+from minillm.sampling import SamplingParams
+from minillm.engine.sequence import Sequence, SequenceStatus
 
 
 class HandoffMixin:

@@ -32,18 +32,18 @@ from typing import NamedTuple
 
 import torch
 
-from ..block_allocator import blocks_needed
-from ..kv_pool import KVCacheSpec
-from ..kv_transfer import KVHandoff
-from ..paged import PagedKVCache
-from ..request import Request, RequestOutput, make_request, params_per_prompt
-from ..sampling import SamplingParams
-from ..speculative import SpecStats, SpeculativeConfig, make_drafter
-from .block_manager import BlockManager
-from .handoff import HandoffMixin
-from .model_runner import ModelRunner
-from .scheduler import Scheduler
-from .sequence import Sequence, SequenceStatus
+from minillm.cache.block_allocator import blocks_needed
+from minillm.cache.kv_pool import KVCacheSpec
+from minillm.cache.kv_transfer import KVHandoff
+from minillm.cache.paged import PagedKVCache
+from minillm.request import Request, RequestOutput, make_request, params_per_prompt
+from minillm.sampling import SamplingParams
+from minillm.speculative.decoding import SpecStats, SpeculativeConfig, make_drafter
+from minillm.engine.block_manager import BlockManager
+from minillm.engine.handoff import HandoffMixin
+from minillm.engine.model_runner import ModelRunner
+from minillm.engine.scheduler import Scheduler
+from minillm.engine.sequence import Sequence, SequenceStatus
 
 DEFAULT_KV_CACHE_BYTES = 256 << 20
 
@@ -62,7 +62,7 @@ class LLM(HandoffMixin):
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, attn_backend: str = "sdpa",
                  fuse: bool = False, kv_cache_dtype: str | None = None, weights: str = "dequantized",
                  speculative: SpeculativeConfig | None = None, enable_prefix_caching: bool = False):
-        from ..loader import load_model
+        from minillm.gguf.loader import load_model
 
         model, tokenizer = load_model(model_name, dtype=dtype, device=device, attn_backend=attn_backend, fuse=fuse,
                                       weights=weights)

@@ -3,7 +3,7 @@
 Continuous batching mixes sequences at different stages in one forward: a new prompt (prefill), the next chunk of a
 long one, a preempted sequence being recomputed, and decodes of one token each. Padding them to one length would
 waste most of the batch, so the runner *packs* them: every scheduled sequence's new tokens go into a single row
-input_ids (1, N_total) with their own positions, and AttentionMetadata (minillm/paged_attention.py) tells the paged
+input_ids (1, N_total) with their own positions, and AttentionMetadata (minillm/cache/paged_attention.py) tells the paged
 cache where each token's key/value goes (slot_mapping) and what each sequence attends over (block tables, context
 lengths, cu_seqlens of the queries). Only each sequence's last row reaches the LM head (`logits_at`): the
 49152-wide projection of every prompt token would be wasted work.
@@ -21,10 +21,10 @@ import os
 import torch
 from torch import Tensor
 
-from ..paged import AttentionMetadata, PagedKVCache
-from ..sampling import sample_batch
-from ..speculative import verify
-from .scheduler import Schedule
+from minillm.cache.paged import AttentionMetadata, PagedKVCache
+from minillm.sampling import sample_batch
+from minillm.speculative.decoding import verify
+from minillm.engine.scheduler import Schedule
 
 
 def debug_checks_enabled() -> bool:

@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
-from .sequence import Sequence, SequenceStatus
+from minillm.engine.block_manager import BlockManager
+from minillm.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

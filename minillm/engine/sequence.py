@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..request import Request, RequestOutput, finish_reason
-from ..sampling import SamplingParams
+from minillm.request import Request, RequestOutput, finish_reason
+from minillm.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

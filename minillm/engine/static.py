@@ -20,14 +20,14 @@ from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
-from ..block_allocator import blocks_needed
-from ..paged import PagedKVCache
-from ..request import RequestOutput, make_request
-from ..sampling import SamplingParams
-from .block_manager import BlockManager
-from .model_runner import ModelRunner
-from .scheduler import Schedule, ScheduledSeq, postprocess_step
-from .sequence import Sequence, SequenceStatus
+from minillm.cache.block_allocator import blocks_needed
+from minillm.cache.paged import PagedKVCache
+from minillm.request import RequestOutput, make_request
+from minillm.sampling import SamplingParams
+from minillm.engine.block_manager import BlockManager
+from minillm.engine.model_runner import ModelRunner
+from minillm.engine.scheduler import Schedule, ScheduledSeq, postprocess_step
+from minillm.engine.sequence import Sequence, SequenceStatus
 
 R = TypeVar("R")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from minillm.grading import all_markers
+from minillm.course.grading import all_markers
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 TARGET = os.environ.get("MINILLM_GRADE", "solutions")

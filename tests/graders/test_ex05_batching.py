@@ -12,7 +12,7 @@ from collections import deque
 
 import pytest
 
-from minillm.block_allocator import BlockAllocator
+from minillm.cache.block_allocator import BlockAllocator
 from minillm.engine.block_manager import BlockManager
 from minillm.engine.sequence import Sequence, SequenceStatus
 from minillm.sampling import SamplingParams
@@ -297,7 +297,7 @@ def test_your_scheduler_serves_smollm2(real_model):
     workload of 6 real-text requests on a 6-block pool (the reference preempts 3 times) comes out token for token as
     the reference engine serves it. Stands on exercises 00, 02, 03 and 04 (norm, RoPE, attention, block allocator,
     paged decode: yours where you wrote them, else minillm's)."""
-    from minillm.checkpoints import check_on_ladder
+    from minillm.course.ladder import check_on_ladder
     from tests.graders.real_model import reference_serve, same_tokens, serve, workload
 
     model, tok = real_model

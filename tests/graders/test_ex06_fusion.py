@@ -2,7 +2,7 @@
 
 `check_qkv` compares the fused weight with the q, k, v rows in that order and the split with the three separate
 projections, on MHA, GQA (SmolLM2's 9 query / 3 KV heads) and MQA shapes. `check_add_norm` compares with add then
-rms_norm in float32 and bfloat16. The real-model task fuses SmolLM2 with your functions (swapped into minillm.fusion)
+rms_norm in float32 and bfloat16. The real-model task fuses SmolLM2 with your functions (swapped into minillm.compile.fusion)
 and requires the unfused model's logits and greedy tokens. The `*_rejects_wrong_answers` tests run the checks on
 common mistakes (skipped when grading exercises/).
 """
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import minillm
-import minillm.fusion
+import minillm.compile.fusion
 from minillm.model import rms_norm
 from tests.graders.conftest import TARGET, forbid_calls, load_impl
 
@@ -92,9 +92,9 @@ def test_add_norm_equals_add_then_norm():
 def test_your_fusion_runs_smollm2(real_model, monkeypatch):
     """Your three functions fuse the real model: same logits (fp32) and the same greedy answer."""
     for name in ("fuse_qkv_weights", "split_qkv", "add_rms_norm"):
-        monkeypatch.setattr(minillm.fusion, name, getattr(impl, name))
+        monkeypatch.setattr(minillm.compile.fusion, name, getattr(impl, name))
     model, tok = real_model
-    fused = minillm.fusion.fuse(copy.deepcopy(model))
+    fused = minillm.compile.fusion.fuse(copy.deepcopy(model))
     ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     with torch.inference_mode():
         x = torch.tensor([ids])
@@ -134,8 +134,8 @@ def _norm_before_add(x, residual, weight, eps):
     ("ok", _equal_thirds),  # right only when n_heads == n_kv_heads (MHA)
 ])
 def test_qkv_rejects_wrong_answers(fuse_fn, split_fn):
-    fuse_fn = minillm.fusion.fuse_qkv_weights if fuse_fn == "ok" else fuse_fn
-    split_fn = minillm.fusion.split_qkv if split_fn == "ok" else split_fn
+    fuse_fn = minillm.compile.fusion.fuse_qkv_weights if fuse_fn == "ok" else fuse_fn
+    split_fn = minillm.compile.fusion.split_qkv if split_fn == "ok" else split_fn
     with pytest.raises(AssertionError):
         check_qkv(fuse_fn, split_fn)
 

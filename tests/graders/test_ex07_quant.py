@@ -23,8 +23,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import minillm
-import minillm.llm_int8
-import minillm.quant
+import minillm.compress.llm_int8
+import minillm.compress.quant
 from tests.graders.conftest import TARGET, forbid_calls, load_impl
 
 impl = load_impl("ex07_quant")
@@ -500,9 +500,9 @@ _ref: dict = {}
 def _swap_in(monkeypatch) -> None:
     """Your functions, where minillm's quantized layers call them (Int8Linear, Int4Linear, LLMInt8Linear)."""
     for name in ("quantize_int8", "dequantize_int8", "quantize_int4", "dequantize_int4", "pack_int4", "unpack_int4"):
-        monkeypatch.setattr(minillm.quant, name, getattr(impl, name))
+        monkeypatch.setattr(minillm.compress.quant, name, getattr(impl, name))
     for name in ("quantize_int8", "quantize_rows_int8", "int8_matmul_with_outliers"):
-        monkeypatch.setattr(minillm.llm_int8, name, getattr(impl, name))
+        monkeypatch.setattr(minillm.compress.llm_int8, name, getattr(impl, name))
 
 
 @pytest.mark.task_07_real_model
@@ -535,7 +535,7 @@ def test_your_quantized_smollm2(real_model, monkeypatch):
     functions: the int8 model still answers Paris; perplexity on 256 tokens within 2% (int8) and 10% (int4) of
     the unquantized model's."""
     from minillm.model import model_bytes
-    from minillm.quality import eval_ids, perplexity_of_ids
+    from minillm.compress.quality import eval_ids, perplexity_of_ids
     from tests.graders.real_model import N_TOKENS, chat_ids, one_thread
 
     model, tok = real_model
@@ -544,7 +544,7 @@ def test_your_quantized_smollm2(real_model, monkeypatch):
     @one_thread  # copying and quantizing too: two threads crawl when another process holds a core
     @torch.inference_mode()
     def run(scheme: str):
-        qm = minillm.quant.quantize(copy.deepcopy(model).to(torch.bfloat16), scheme, group_size=32)
+        qm = minillm.compress.quant.quantize(copy.deepcopy(model).to(torch.bfloat16), scheme, group_size=32)
         text = minillm.generate(qm, tok, chat_ids(tok), max_new_tokens=N_TOKENS).text
         return perplexity_of_ids(qm, ids), text, model_bytes(qm)
 

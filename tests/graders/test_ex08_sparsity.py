@@ -7,7 +7,7 @@ scores are often full of them. `check_wanda_scores` compares |W| * act_norm elem
 two float32 values is exact in float64, so the oracle is exact). `check_drop` runs a tiny model's kept blocks by hand
 and compares the logits, the block objects, the config, the state_dict keys and a dtype cast. Bad input must raise
 ValueError before anything changes. The real-model task prunes SmolLM2 with your functions swapped into
-minillm.sparsity: perplexity, the 2:4 pattern of every block weight, and generation after dropping 4 blocks.
+minillm.compress.sparsity: perplexity, the 2:4 pattern of every block weight, and generation after dropping 4 blocks.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import minillm
-import minillm.sparsity
+import minillm.compress.sparsity
 from minillm.config import ModelConfig
 from minillm.generate import generate_ids
 from minillm.model import Transformer
@@ -425,7 +425,7 @@ _ref: dict = {}
 
 
 def _dense_perplexity(model, tok) -> float:
-    from minillm.quality import perplexity
+    from minillm.compress.quality import perplexity
 
     if "ppl" not in _ref:
         _ref["ppl"] = one_thread(perplexity)(model, tok, max_tokens=_PPL_TOKENS, window=_PPL_TOKENS)
@@ -433,14 +433,14 @@ def _dense_perplexity(model, tok) -> float:
 
 
 def _pruned_copy(model, tok, sparsity_pattern: str):
-    """A deep copy of the session's model pruned by minillm.sparsity.prune (with whatever is swapped in), its
+    """A deep copy of the session's model pruned by minillm.compress.sparsity.prune (with whatever is swapped in), its
     perplexity, what it says, and prune's report."""
-    from minillm.quality import calibration_ids, perplexity
+    from minillm.compress.quality import calibration_ids, perplexity
 
     @one_thread
     def run():
         m = copy.deepcopy(model)
-        report = minillm.sparsity.prune(m, 0.5, "wanda", sparsity_pattern,
+        report = minillm.compress.sparsity.prune(m, 0.5, "wanda", sparsity_pattern,
                                         calib_ids=calibration_ids(tok, _CALIB_TOKENS), window=_CALIB_TOKENS)
         ppl = perplexity(m, tok, max_tokens=_PPL_TOKENS, window=_PPL_TOKENS)
         return m, report, ppl, minillm.generate(m, tok, _SAYS, max_new_tokens=8).text
@@ -453,8 +453,8 @@ def test_your_wanda_prunes_half_of_smollm2(real_model, monkeypatch):
     """prune(model, 0.5, 'wanda') with your wanda_scores and unstructured_mask: every block Linear half zeros, and
     perplexity on 256 tokens within 2x the dense model's."""
     model, tok = real_model
-    monkeypatch.setattr(minillm.sparsity, "wanda_scores", impl.wanda_scores)
-    monkeypatch.setattr(minillm.sparsity, "unstructured_mask", impl.unstructured_mask)
+    monkeypatch.setattr(minillm.compress.sparsity, "wanda_scores", impl.wanda_scores)
+    monkeypatch.setattr(minillm.compress.sparsity, "unstructured_mask", impl.unstructured_mask)
     pruned, report, ppl, text = _pruned_copy(model, tok, "unstructured")
     del pruned
     base = _dense_perplexity(model, tok)  # nothing swapped in reaches the untouched model
@@ -472,10 +472,10 @@ def test_your_wanda_prunes_half_of_smollm2(real_model, monkeypatch):
 def test_your_2to4_on_smollm2(real_model, monkeypatch):
     """prune(model, 0.5, 'wanda', '2:4') with your semi_structured_mask: every block Linear is 2:4 (at most 2
     nonzeros in every 4 consecutive weights of a row, half of them zero), perplexity within 7x the dense model's."""
-    from minillm.sparsity import is_n_m_sparse
+    from minillm.compress.sparsity import is_n_m_sparse
 
     model, tok = real_model
-    monkeypatch.setattr(minillm.sparsity, "semi_structured_mask", impl.semi_structured_mask)
+    monkeypatch.setattr(minillm.compress.sparsity, "semi_structured_mask", impl.semi_structured_mask)
     pruned, _, ppl, text = _pruned_copy(model, tok, "2:4")
     base = _dense_perplexity(model, tok)
     print(f"\ndense: perplexity {base:.2f}; your 2:4: perplexity {ppl:.2f} ({ppl / base:.2f}x). "
@@ -494,11 +494,11 @@ def test_your_2to4_on_smollm2(real_model, monkeypatch):
 
 @pytest.mark.task_08_real_model
 def test_your_drop_blocks_on_smollm2(real_model):
-    """The 4 least important blocks (minillm.pruning.block_importance) removed with your drop_blocks: 26 blocks
+    """The 4 least important blocks (minillm.compress.pruning.block_importance) removed with your drop_blocks: 26 blocks
     left, a config that says so, and the model still generates, in generate() and in the engine (same tokens)."""
     from minillm.engine.llm import LLM
-    from minillm.pruning import block_importance, least_important
-    from minillm.quality import calibration_ids
+    from minillm.compress.pruning import block_importance, least_important
+    from minillm.compress.quality import calibration_ids
 
     model, tok = real_model
     n = len(model.layers)

@@ -1,13 +1,13 @@
 """Grader for exercise 09: the distillation loss, the learning-rate schedule and one training step.
 
-Everything is compared with oracles written here, not with minillm.distill. `kd_oracle` writes the KL out in float64
+Everything is compared with oracles written here, not with minillm.compress.distill. `kd_oracle` writes the KL out in float64
 (log-softmax by subtracting the row max, p * (log p - log q) summed over the vocabulary, the mean over every
 position, times T^2); the loss's gradient is checked against its closed form T / N * (q - p). `lr_oracle` is the
 schedule step by step. `oracle_step` does a training step by hand on a copy of the student (the models' own stages
 with the teacher under no_grad, the terms written out, the clip as a formula) with an identical SGD optimizer:
 plain SGD makes the update a fixed multiple of the clipped gradient, so the parameters after one step, and after two
 with the same optimizer, must match closely. The teacher is hooked to see whether autograd is on while it runs. The
-real-model task distils SmolLM2 with your functions swapped into minillm.distill.
+real-model task distils SmolLM2 with your functions swapped into minillm.compress.distill.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import minillm
-import minillm.distill
+import minillm.compress.distill
 from minillm.config import ModelConfig
-from minillm.distill import DistillConfig
+from minillm.compress.distill import DistillConfig
 from minillm.model import Transformer
 from tests.graders.conftest import forbid_calls, load_impl
 from tests.graders.real_model import one_thread
@@ -593,10 +593,10 @@ _CFG = {"steps": 10, "batch_size": 2, "seq_len": 64, "warmup": 1, "eval_every": 
 @pytest.mark.task_09_real_model
 def test_your_distillation_heals_a_pruned_smollm2(real_model, monkeypatch):
     """SmolLM2 with its 10 least important blocks dropped, distilled for 10 steps (2 x 64 tokens each) by
-    minillm.distill.distill with your distillation_loss, lr_at and train_step swapped in: its KL to the teacher on
+    minillm.compress.distill.distill with your distillation_loss, lr_at and train_step swapped in: its KL to the teacher on
     128 held-apart tokens must fall by at least 10%, and the teacher's weights must not change."""
-    from minillm.pruning import block_importance, drop_blocks, least_important
-    from minillm.quality import calibration_ids, eval_ids
+    from minillm.compress.pruning import block_importance, drop_blocks, least_important
+    from minillm.compress.quality import calibration_ids, eval_ids
 
     teacher, tok = real_model
     teacher_before = _params(teacher)
@@ -608,14 +608,14 @@ def test_your_distillation_heals_a_pruned_smollm2(real_model, monkeypatch):
         drop = least_important(block_importance(teacher, calibration_ids(tok, _CALIB_TOKENS), window=_CALIB_TOKENS),
                                _DROP)
         student = drop_blocks(copy.deepcopy(teacher), drop)
-        before = minillm.distill.evaluate(student, teacher, held_apart)  # minillm's own, nothing swapped in yet
+        before = minillm.compress.distill.evaluate(student, teacher, held_apart)  # minillm's own, nothing swapped in yet
         said_before = minillm.generate(student, tok, _SAYS, max_new_tokens=8).text
         with monkeypatch.context() as m:
             for name in ("distillation_loss", "lr_at", "train_step"):
-                m.setattr(minillm.distill, name, getattr(impl, name))
-            history = minillm.distill.distill(student, teacher, minillm.distill.train_ids(tok), held_apart,
+                m.setattr(minillm.compress.distill, name, getattr(impl, name))
+            history = minillm.compress.distill.distill(student, teacher, minillm.compress.distill.train_ids(tok), held_apart,
                                               DistillConfig(**_CFG), progress=False)
-        after = minillm.distill.evaluate(student, teacher, held_apart)
+        after = minillm.compress.distill.evaluate(student, teacher, held_apart)
         return drop, before, after, history, said_before, minillm.generate(student, tok, _SAYS, max_new_tokens=8).text
 
     try:

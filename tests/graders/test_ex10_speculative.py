@@ -1,6 +1,6 @@
 """Grader for exercise 10: greedy verification, the exact rejection-sampling rule and n-gram prompt lookup.
 
-Everything is compared with oracles written here, not with minillm.speculative or minillm.drafters. `greedy_oracle`
+Everything is compared with oracles written here, not with minillm.speculative.decoding or minillm.speculative.drafters. `greedy_oracle`
 is the acceptance loop; `ngram_oracle` lists every earlier occurrence of every suffix and keeps the longest n's most
 recent one. Rejection sampling is graded on crafted p and q whose outcomes are certain (q = p: everything passes;
 disjoint supports: nothing does; a token q over-covers is never the replacement) and by its exact distribution:
@@ -8,7 +8,7 @@ disjoint supports: nothing does; a token q over-covers is never the replacement)
 et al. 2023) and gives each outcome (first token, second token, ...) its probability, and thousands of seeded calls
 must hit every outcome's probability within a Bernstein bound that a correct rule exceeds with probability < 1e-6
 (see `bernstein_tolerance`). The real-model task runs SmolLM2 with n-gram speculation and your three functions
-swapped into minillm.speculative and minillm.drafters.
+swapped into minillm.speculative.decoding and minillm.speculative.drafters.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import minillm
-import minillm.drafters
-import minillm.speculative
-from minillm.speculative import SpecStats, SpeculativeConfig
+import minillm.speculative.drafters
+import minillm.speculative.decoding
+from minillm.speculative.decoding import SpecStats, SpeculativeConfig
 from tests.graders.conftest import forbid_calls, load_impl
 from tests.graders.real_model import one_thread, same_tokens
 
@@ -605,7 +605,7 @@ def run_or_explain(broken: list[str], what: str, fn, *args, **kwargs):
 
 @pytest.mark.task_10_real_model
 def test_your_speculation_runs_smollm2(real_model, monkeypatch):
-    """Your verify_greedy, rejection_sample and propose_ngram swapped into minillm.speculative and minillm.drafters;
+    """Your verify_greedy, rejection_sample and propose_ngram swapped into minillm.speculative.decoding and minillm.speculative.drafters;
     minillm.generate(..., speculative=SpeculativeConfig("ngram", k=4)) on a prompt that asks SmolLM2 to repeat a
     paragraph. Greedy: exactly the target-only greedy tokens, at least half the drafts accepted, fewer target
     forwards than tokens. Sampled (temperature 0.8, seeded): it completes, and every verification keeps a prefix of
@@ -628,10 +628,10 @@ def test_your_speculation_runs_smollm2(real_model, monkeypatch):
             broken.append(f"propose_ngram returned {out!r} when asked for at most {k} tokens")
 
     with monkeypatch.context() as m:
-        m.setattr(minillm.speculative, "verify_greedy", counted(impl.verify_greedy, calls, "verify_greedy"))
-        m.setattr(minillm.speculative, "rejection_sample",
+        m.setattr(minillm.speculative.decoding, "verify_greedy", counted(impl.verify_greedy, calls, "verify_greedy"))
+        m.setattr(minillm.speculative.decoding, "rejection_sample",
                   counted(impl.rejection_sample, calls, "rejection_sample", check_verify))
-        m.setattr(minillm.drafters, "propose_ngram", counted(impl.propose_ngram, calls, "propose_ngram",
+        m.setattr(minillm.speculative.drafters, "propose_ngram", counted(impl.propose_ngram, calls, "propose_ngram",
                                                              check_proposal))
         stats = SpecStats()
         got = run_or_explain(broken, "greedy speculation", gen, model, tok, COPY_PROMPT, max_new_tokens=N_NEW,
@@ -640,7 +640,7 @@ def test_your_speculation_runs_smollm2(real_model, monkeypatch):
         want = gen(model, tok, COPY_PROMPT, max_new_tokens=N_NEW, chat=True).token_ids
         assert not broken, f"greedy speculation: {broken[0]}"
         assert calls["verify_greedy"] and calls["propose_ngram"], (
-            f"your functions were not called ({dict(calls)}): is minillm.speculative / minillm.drafters unchanged?")
+            f"your functions were not called ({dict(calls)}): is minillm.speculative.decoding / minillm.speculative.drafters unchanged?")
         same_tokens(got, want, tok, "greedy n-gram speculation (k = 4) with your functions")
         print(f"\ngreedy: {len(got)} tokens in {stats.steps} verification steps (+ the prefill), "
               f"{stats.accepted}/{stats.proposed} drafts accepted, acceptance rate {stats.acceptance_rate:.2f}, "

@@ -1,6 +1,6 @@
 """Grader for exercise 11: the column- and row-parallel slices of a linear layer and the GPipe grid.
 
-Everything is compared with oracles written here, not with minillm.tensor_parallel or minillm.pipeline_parallel.
+Everything is compared with oracles written here, not with minillm.parallel.tensor or minillm.parallel.pipeline.
 The shard tasks simulate the ranks in this process: rank r's output x @ W_r.T (column parallel) or its partial
 x_r @ W_r.T (row parallel), gathered by concatenation or by a plain sum (the all-reduce), against x @ W.T in float64,
 then each shard against the block it must hold (`block_oracle`), on random shapes, dtypes and degrees 1-3. The GPipe
@@ -9,8 +9,8 @@ soon as the previous stage has finished it and the stage itself is free), and it
 random sizes, so a wrong grid is named by the rule it breaks.
 
 The real-model task first runs your slices of SmolLM2's first block as three simulated ranks here (fast, with a
-precise message), then launches three real ranks (minillm.distributed.launch, gloo on CPU): each imports your module
-by name, puts your column_slice and row_slice into minillm.tensor_parallel, and runs minillm.parallel.rank_generate
+precise message), then launches three real ranks (minillm.parallel.distributed.launch, gloo on CPU): each imports your module
+by name, puts your column_slice and row_slice into minillm.parallel.tensor, and runs minillm.parallel.launch.rank_generate
 with tp=3. The ranks must decode the single-process model's 16 greedy tokens of "The capital of France is".
 """
 
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import minillm
-import minillm.tensor_parallel
+import minillm.parallel.tensor
 from tests.graders.conftest import TARGET, forbid_calls, load_impl
 from tests.graders.real_model import one_thread, same_tokens
 
@@ -353,11 +353,11 @@ _DEGREE = 3  # SmolLM2-135M: 9 query heads, 3 KV heads: attention splits too (at
 
 def _tp_rank(rank: int, world_size: int, target: str, prompt_ids: list[int], n_new: int) -> dict:
     """One rank of the real-model task (runs in a fresh process started by launch, which imports this module by
-    name): your column_slice and row_slice put into minillm.tensor_parallel, then the engine's rank loop."""
+    name): your column_slice and row_slice put into minillm.parallel.tensor, then the engine's rank loop."""
     import importlib
 
-    import minillm.tensor_parallel as tp
-    from minillm.parallel import ParallelConfig, rank_generate
+    import minillm.parallel.tensor as tp
+    from minillm.parallel.launch import ParallelConfig, rank_generate
 
     learner = importlib.import_module(f"{target}.ex11_parallel")
     calls = {"column_slice": 0, "row_slice": 0}
@@ -380,7 +380,7 @@ def _tp_rank(rank: int, world_size: int, target: str, prompt_ids: list[int], n_n
 def _simulated_block0(model, ids: list[int], degree: int) -> None:
     """SmolLM2's block 0, attention and MLP, as `degree` ranks in this process: the engine's own shards
     (column_shard, RowParallelLinear without its all-reduce) built from your slices, the partials summed here."""
-    from minillm.tensor_parallel import RowParallelLinear, column_shard
+    from minillm.parallel.tensor import RowParallelLinear, column_shard
 
     blk = model.layers[0]
     with torch.inference_mode():
@@ -425,14 +425,14 @@ def _simulated_block0(model, ids: list[int], degree: int) -> None:
 def test_your_slices_run_smollm2_on_three_ranks(request, monkeypatch):
     """Three real ranks shard SmolLM2 with your column_slice and row_slice and decode greedily: the tokens must be
     the single-process model's, Paris included."""
-    from minillm.distributed import launch
+    from minillm.parallel.distributed import launch
 
     impl.column_slice(torch.zeros(3, 2), 0, 3), impl.row_slice(torch.zeros(2, 3), 0, 3)  # a stub fails before the load
     model, tok = request.getfixturevalue("real_model")
     ids = tok.encode(_PROMPT)
     with monkeypatch.context() as m:
-        m.setattr(minillm.tensor_parallel, "column_slice", impl.column_slice)
-        m.setattr(minillm.tensor_parallel, "row_slice", impl.row_slice)
+        m.setattr(minillm.parallel.tensor, "column_slice", impl.column_slice)
+        m.setattr(minillm.parallel.tensor, "row_slice", impl.row_slice)
         one_thread(_simulated_block0)(model, ids, _DEGREE)
 
     want = one_thread(minillm.generate)(model, tok, ids, max_new_tokens=_NEW, ignore_eos=True).token_ids

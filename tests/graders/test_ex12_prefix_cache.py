@@ -1,6 +1,6 @@
 """Grader for exercise 12: the chained block hash, the longest cached prefix and LRU eviction of cached blocks.
 
-Everything is compared with oracles written here, not with minillm.prefix_cache. The names: `name_oracle` is SHA-256
+Everything is compared with oracles written here, not with minillm.cache.prefix_cache. The names: `name_oracle` is SHA-256
 over the parent's name and the ids as little-endian int32, `chain_oracle` chains it over the full blocks; before the
 exact bytes, each rule is checked on its own (32 bytes, the parent counts, the order counts, ids are not truncated,
 partial blocks have no name, `known` is continued, one changed token renames its block and every later one), so a
@@ -12,7 +12,7 @@ hypothesis runs random operation sequences against a model of the three block st
 unowned and named) and of the LRU order; the engine's BlockManager (given code) shows the sharing a request gets.
 
 The real-model task puts your block_hashes (and through it your hash_block) into minillm.engine.block_manager and
-your PrefixCachingAllocator into minillm.paged, and serves SmolLM2-135M chat requests that share a system prompt on a
+your PrefixCachingAllocator into minillm.cache.paged, and serves SmolLM2-135M chat requests that share a system prompt on a
 10-block pool, one phase after another (c0; c1 and c2 at once; b0 with another system prompt, which must evict; c0
 again). Each answer must be the greedy answer of the engine without prefix caching, each phase must hit as many
 prompt tokens and evict as many blocks as minillm's own prefix cache, and every block must be back at the end.
@@ -34,7 +34,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minillm
-from minillm.block_allocator import OutOfBlocksError
+from minillm.cache.block_allocator import OutOfBlocksError
 from minillm.sampling import SamplingParams
 from tests.graders.conftest import ROOT, TARGET, forbid_calls, load_impl
 from tests.graders.real_model import one_thread, same_tokens
@@ -332,7 +332,7 @@ def state(a) -> tuple:
 
 def check_class(methods: list[str]) -> None:
     cls = impl.PrefixCachingAllocator
-    assert importlib.import_module("minillm.prefix_cache").PrefixCachingAllocator not in cls.__mro__, (
+    assert importlib.import_module("minillm.cache.prefix_cache").PrefixCachingAllocator not in cls.__mro__, (
         "your PrefixCachingAllocator subclasses minillm's: write the methods yourself")
     for m in methods:
         assert m in vars(cls), f"PrefixCachingAllocator.{m} must be written in your class"
@@ -835,7 +835,7 @@ def test_your_prefix_cache_serves_smollm2(real_model, monkeypatch):
     as minillm's prefix cache; every block is back at the end."""
     model, tok = real_model
     block_manager = importlib.import_module("minillm.engine.block_manager")
-    paged = importlib.import_module("minillm.paged")
+    paged = importlib.import_module("minillm.cache.paged")
     calls = Counter()
 
     def your_block_hashes(*args, **kwargs):
@@ -847,7 +847,7 @@ def test_your_prefix_cache_serves_smollm2(real_model, monkeypatch):
         m.setattr(paged, "PrefixCachingAllocator", impl.PrefixCachingAllocator)
         got, llm = serve_phases(model, tok)
     assert isinstance(llm.cache.allocator, impl.PrefixCachingAllocator) and calls["block_hashes"], (
-        "your PrefixCachingAllocator / block_hashes were not used: is minillm.paged / minillm.engine.block_manager "
+        "your PrefixCachingAllocator / block_hashes were not used: is minillm.cache.paged / minillm.engine.block_manager "
         "unchanged?")
     want = reference_phases(model, tok)
     for i, (g, w) in enumerate(zip(got, want)):

@@ -1,6 +1,6 @@
 """Grader for exercise 13: the KV-block transfer of disaggregated serving, and routing requests across replicas.
 
-Everything is compared with oracles written here, not with minillm.kv_transfer or minillm.router. pack and unpack:
+Everything is compared with oracles written here, not with minillm.cache.kv_transfer or minillm.serving.router. pack and unpack:
 `oracle_pack` copies one pool block at a time (a Python loop over the table) and the receiver's expected state is
 built the same way; crafted pools (several layers, scattered and reversed tables, a partial last block, an int8 pool
 with its float16 scales, a receiver with other contents in every other block) say which rule a wrong answer breaks,
@@ -10,7 +10,7 @@ a prompt shorter than a block, both balance thresholds at their boundaries, the 
 against `OracleRouter`, a plain-list model of the memory and the rules.
 
 The real-model task runs SmolLM2-135M (float32) through your code in one process: your pack_kv_blocks and
-unpack_kv_blocks take the place of minillm.kv_transfer's while LLM.add_prefill runs on one engine and
+unpack_kv_blocks take the place of minillm.cache.kv_transfer's while LLM.add_prefill runs on one engine and
 LLM.add_prefilled on a second whose free blocks come in a scrambled order (so the KV lands in other, unsorted block
 ids): the greedy tokens of one engine, float32 and int8 KV. Then your PrefixAffinityRouter routes chat requests
 that share system prompts over two prefix-caching engines, in waves (loads in flight): the same replica choices and
@@ -30,9 +30,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minillm
-from minillm.kv_pool import KVBlockPool, KVCacheSpec
-from minillm.prefix_cache import block_hashes
-from minillm.router import ReplicaState, RequestLoad
+from minillm.cache.kv_pool import KVBlockPool, KVCacheSpec
+from minillm.cache.prefix_cache import block_hashes
+from minillm.serving.router import ReplicaState, RequestLoad
 from minillm.sampling import SamplingParams
 from tests.graders.conftest import forbid_calls, load_impl
 from tests.graders.real_model import one_thread, same_tokens
@@ -315,7 +315,7 @@ def test_least_loaded_crafted():
 
 def router(**kw):
     cls = impl.PrefixAffinityRouter
-    assert importlib.import_module("minillm.router").PrefixAffinityRouter not in cls.__mro__, (
+    assert importlib.import_module("minillm.serving.router").PrefixAffinityRouter not in cls.__mro__, (
         "your PrefixAffinityRouter subclasses minillm's: write the methods yourself")
     for m in ("matched_blocks", "is_imbalanced", "choose", "on_dispatch"):
         assert m in vars(cls), f"PrefixAffinityRouter.{m} must be written in your class"
@@ -668,8 +668,8 @@ def test_your_transfer_and_router_serve_smollm2(real_model, monkeypatch):
     greedy tokens of one engine. Your PrefixAffinityRouter routes chat requests sharing system prompts over two
     prefix-caching engines: minillm's router's choices and prefix hits."""
     model, tok = real_model
-    kv_transfer = importlib.import_module("minillm.kv_transfer")
-    router_module = importlib.import_module("minillm.router")
+    kv_transfer = importlib.import_module("minillm.cache.kv_transfer")
+    router_module = importlib.import_module("minillm.serving.router")
     want = {dt: reference(("single", id(model), dt), lambda dt=dt: single_engine(model, tok, dt))
             for dt in (None, "int8")}
     ref_route = reference(("route", id(model)), lambda: route_stream(model, tok, router_module.PrefixAffinityRouter))

@@ -1,0 +1,138 @@
+"""Operator fusion: fewer, larger ops per decode step, as transformations of a loaded model (lesson 06).
+
+A batch-1 decode step of SmolLM2-135M reads ~513 MB of fp32 weights but runs about a thousand small ops: 30 blocks
+x (3 q/k/v matmuls, 2 gate/up matmuls, 2 RMSNorms of ~7 ops each, RoPE on q and on k, rearranges, cache writes).
+Each op costs a dispatch (microseconds on a CPU, a kernel launch on a GPU) whatever its size, so at this model size
+the step is bound by op overhead, not by memory bandwidth: quantization (lesson 07) could halve the bytes and barely
+show. Fusion removes ops without changing the math:
+
+  fuse_qkv      q, k, v projections -> one Linear whose output is split (q: n_heads x head_dim, k and v: n_kv_heads x
+                head_dim each, the GQA sizes): one weight read pass, one matmul call instead of three;
+  fuse_gate_up  the SwiGLU gate and up projections -> one Linear, chunked in two;
+  fuse_norms    RMSNorm with the residual add folded in (`add_rms_norm`: the sum is computed once and handed on) and
+                RoPE applied to q and k in one call (they share cos/sin).
+
+Each returns the same model, modified in place; the fused weights are concatenations of the old ones, which are then
+dropped (moved, not kept twice). Logits equal the unfused model's (fp32: <= 1e-5). `torch.compile` (compile.py) goes
+further: it fuses the elementwise ops into generated kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from minillm.model import MLP, Attention, Block, apply_rope, rms_norm
+
+
+def fuse_qkv_weights(wq: Tensor, wk: Tensor, wv: Tensor) -> Tensor:
+    """(n_heads*hd, dim), (n_kv_heads*hd, dim) x2 -> (n_heads*hd + 2*n_kv_heads*hd, dim): q rows, then k, then v."""
+    return torch.cat([wq, wk, wv], dim=0)
+
+
+def split_qkv(qkv: Tensor, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused projection's output (..., (n_heads + 2*n_kv_heads) * head_dim) -> q, k, v, in the weights' order."""
+    return qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual stream and the next sublayer's input in one function, so
+    the sum is formed once (a compiler then fuses add, square, mean, rsqrt and scale into one kernel)."""
+    h = x + residual
+    return rms_norm(h, weight, eps), h
+
+
+class FusedQKVAttention(Attention):
+    """Attention whose q/k/v come from one matmul; RoPE rotates q and k together."""
+
+    def __init__(self, attn: Attention):
+        nn.Module.__init__(self)  # not Attention.__init__: the weights come from `attn`, nothing new is allocated
+        self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        w = fuse_qkv_weights(attn.wq.weight, attn.wk.weight, attn.wv.weight)
+        self.wqkv = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+        self.wqkv.weight = nn.Parameter(w, requires_grad=attn.wq.weight.requires_grad)
+        self.wo = attn.wo
+
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return split_qkv(self.wqkv(x), self.n_heads, self.n_kv_heads, self.head_dim)
+
+    def forward(self, x, cos, sin, attn, layer_id, kv_cache):
+        q, k, v = (rearrange(t, "b s (h d) -> b h s d", d=self.head_dim) for t in self.project_qkv(x))
+        qk = apply_rope(torch.cat([q, k], dim=1), cos, sin)  # one rotation for the n_heads + n_kv_heads heads
+        q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
+        out = attn(q, k, v, causal=True) if kv_cache is None else kv_cache.attend(layer_id, q, k, v, attn)
+        return self.wo(rearrange(out, "b h s d -> b s (h d)"))
+
+
+class FusedGateUpMLP(MLP):
+    """SwiGLU with gate and up in one matmul: (dim) -> (2 * ffn_dim), chunked."""
+
+    def __init__(self, mlp: MLP):
+        nn.Module.__init__(self)
+        w = torch.cat([mlp.gate.weight, mlp.up.weight], dim=0)
+        self.gate_up_proj = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+        self.gate_up_proj.weight = nn.Parameter(w, requires_grad=mlp.gate.weight.requires_grad)
+        self.down = mlp.down
+
+    def gate_up(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return gate, up
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x)
+        return self.down(F.silu(gate) * up)
+
+
+class FusedNormBlock(Block):
+    """A block whose second RMSNorm takes the attention output and the residual together (add_rms_norm)."""
+
+    def __init__(self, block: Block):
+        nn.Module.__init__(self)
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = block.attn_norm, block.attn, block.mlp_norm, block.mlp
+
+    def forward(self, x, cos, sin, attn, layer_id, kv_cache):
+        h, x = add_rms_norm(self.attn(self.attn_norm(x), cos, sin, attn, layer_id, kv_cache), x,
+                            self.mlp_norm.weight, self.mlp_norm.eps)
+        return x + self.mlp(h)
+
+
+def fuse_qkv(model: nn.Module) -> nn.Module:
+    for block in model.layers:
+        if not isinstance(block.attn, FusedQKVAttention):
+            block.attn = FusedQKVAttention(block.attn)
+    return model
+
+
+def fuse_gate_up(model: nn.Module) -> nn.Module:
+    for block in model.layers:
+        if not isinstance(block.mlp, FusedGateUpMLP):
+            block.mlp = FusedGateUpMLP(block.mlp)
+    return model
+
+
+def fuse_norms(model: nn.Module) -> nn.Module:
+    model.layers = nn.ModuleList(b if isinstance(b, FusedNormBlock) else FusedNormBlock(b) for b in model.layers)
+    return model
+
+
+def fuse(model: nn.Module) -> nn.Module:
+    """All three fusions (what `load_model(..., fuse=True)` and lesson 06's "fused" step apply)."""
+    return fuse_norms(fuse_gate_up(fuse_qkv(model)))
+
+
+def count_ops(model: nn.Module, input_ids: Tensor, kv_cache=None, positions: Tensor | None = None) -> int:
+    """How many aten ops one forward dispatches (the per-step overhead fusion and compilation remove)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode(), Counter():
+        model(input_ids, positions=positions, kv_cache=kv_cache, last_only=True)
+    return Counter.n

@@ -1,0 +1,104 @@
+"""LLM.int8() (Dettmers et al., 2022): int8 activations x int8 weights, with the outlier features kept in float.
+
+Weight-only int8 (quant.py) still multiplies in floating point. LLM.int8() also quantizes the activations, each
+token's row with its own scale ("vector-wise"), so the matmul itself runs on int8 with exact int32 accumulation
+(torch._int_mm): half the bytes of a bf16 GEMM and, on hardware with int8 dot-product units, twice the math rate.
+
+The catch the paper found: from ~6.7B parameters on, a few hidden-state feature columns carry values of magnitude
+20-100 in nearly every token. One such value sets the whole row's int8 scale and flattens every other entry of the
+row to 0 -- quality collapses. The fix is a decomposition: the columns where any |x| > threshold (6.0) are taken out
+and multiplied in float against the matching (dequantized) weight columns; the remaining >99.9% go through int8.
+
+`outlier_profile` measures, on the real model, how many columns of each Linear's input cross the threshold. At 135M
+parameters there are a few, mostly in a handful of layers -- the paper's scale effect, seen from below. The
+decomposition's float part is small, but on a CPU without int8 dot-product instructions (AVX-512 VNNI / AMX) the
+int8 matmul is slower than float: lesson 07 measures both the quality it keeps and the time it costs.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import Tensor, nn
+
+from minillm.compress.quant import Int8Linear, quantize_int8
+
+
+def quantize_rows_int8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x (tokens, in) -> (int8 (tokens, in), scale float32 (tokens,)): one symmetric scale per row (token)."""
+    amax = x.float().abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.round(x.float() / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def _int8_mm(a: Tensor, b_t: Tensor) -> Tensor:
+    """int8 (m, k) @ int8 (n, k).T -> int32 (m, n). CUDA's _int_mm needs m > 16 and multiples of 8: pad rows."""
+    m = a.shape[0]
+    if a.is_cuda and m <= 16:
+        a = torch.cat([a, a.new_zeros(17 - m, a.shape[1])])
+    return torch._int_mm(a, b_t.T)[:m]
+
+
+def int8_matmul_with_outliers(x: Tensor, q: Tensor, scale: Tensor, threshold: float = 6.0) -> tuple[Tensor, Tensor]:
+    """y ~= x @ (q * scale[:, None]).T with the LLM.int8() decomposition. Returns (y float32, outlier column mask).
+
+    x (tokens, in) float; q int8 (out, in), scale (out,) per output row (from quantize_int8).
+    Columns j with any |x[:, j]| > threshold are multiplied in float; the rest as int8 x int8 -> int32."""
+    x = x.float()
+    outliers = (x.abs() > threshold).any(dim=0)  # (in,)
+    regular = x.masked_fill(outliers, 0.0)
+    xq, xs = quantize_rows_int8(regular)
+    y = _int8_mm(xq, q).float() * xs[:, None] * scale.float()[None, :]
+    if outliers.any():
+        w_cols = q[:, outliers].float() * scale.float()[:, None]  # the weights stay int8 in memory
+        y = y + x[:, outliers] @ w_cols.T
+    return y, outliers
+
+
+class LLMInt8Linear(Int8Linear):
+    """Same int8 storage as Int8Linear (per-row scales); a different matmul: int8 activations + float outliers."""
+
+    def __init__(self, q: Tensor, scale: Tensor, threshold: float = 6.0):
+        super().__init__(q, scale)
+        self.threshold = threshold
+        self.outlier_counts: list[int] | None = None  # set to [] to record the outlier columns of every call
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, threshold: float = 6.0) -> LLMInt8Linear:
+        if linear.bias is not None:
+            raise ValueError("LLM.int8() here supports Linear layers without bias")
+        if threshold <= 0:
+            raise ValueError(f"threshold must be > 0 (the paper uses 6.0), got {threshold}")
+        return cls(*quantize_int8(linear.weight.detach()), threshold=threshold)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y, outliers = int8_matmul_with_outliers(x.reshape(-1, x.shape[-1]), self.weight, self.scale, self.threshold)
+        if self.outlier_counts is not None:
+            self.outlier_counts.append(int(outliers.sum()))
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+@torch.inference_mode()
+def outlier_profile(model: nn.Module, ids: list[int], threshold: float = 6.0, window: int = 256) -> dict[str, dict]:
+    """For every Linear of a float model: how many input feature columns exceed `threshold` on `ids`, and the
+    largest |activation| seen. Returns {name: {"outlier_columns": n, "in_features": k, "max_abs": v}}."""
+    cols: dict[str, Tensor] = {}
+    peak: dict[str, float] = defaultdict(float)
+    hooks = []
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Linear, Int8Linear)):
+            def hook(mod, args, name=name):
+                x = args[0].reshape(-1, args[0].shape[-1]).float().abs()
+                hit = (x > threshold).any(dim=0)
+                cols[name] = cols[name] | hit if name in cols else hit
+                peak[name] = max(peak[name], float(x.max()))
+            hooks.append(m.register_forward_pre_hook(hook))
+    try:
+        for i in range(0, len(ids) - 1, window):
+            model(torch.tensor([ids[i:i + window]], device=model.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: {"outlier_columns": int(c.sum()), "in_features": c.numel(), "max_abs": peak[n]}
+            for n, c in cols.items()}

@@ -1,0 +1,230 @@
+"""Structured pruning: remove whole blocks, KV groups of heads and FFN channels — a smaller dense model (lesson 08).
+
+Zeros inside a dense matrix save nothing (sparsity.py); removing rows and columns does, on any hardware: a model
+with 22 blocks instead of 30 reads ~26% fewer bytes per decode step and runs every path (generate, the engine, the
+paged cache) unchanged, because its config says what it now is. Three granularities, each with an importance
+measured on calibration text (the tail of the pydoc topics; evaluation uses the head):
+
+- blocks: how little a block changes its input. 1 - cos(h_in, h_out) averaged over tokens (ShortGPT's "block
+  influence"): a block whose output points where its input did adds little, and the residual stream survives
+  without it.
+- KV groups: with GQA a KV head is shared by group_size query heads, so the unit to remove is the whole group (the
+  KV head and its query heads); removing single query heads would break the grouping. Importance: the mean norm of
+  the group's contribution to the attention output (its heads' slice of o @ Wo.T).
+- FFN channels: channel j of SwiGLU contributes a_j * Wdown[:, j], a_j = silu(gate_j) * up_j. Importance:
+  mean |a_j| * ||Wdown[:, j]||_2 (the activation-times-weight idea of Wanda, per channel).
+
+The same count is removed from every block (KV groups, channels) so that one ModelConfig still describes every
+block. Importance is measured once, on the unpruned model. A large perplexity cost is expected before any training:
+recovering it is lesson 09 (distillation), which starts from `save_model`'s output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from minillm.model import Transformer
+
+
+def _check_float_unfused(model: Transformer) -> None:
+    block = model.layers[0]
+    if not (hasattr(block.attn, "wq") and hasattr(block.mlp, "gate")):
+        raise ValueError("structured pruning slices wq/wk/wv/wo and gate/up/down: prune an unfused model "
+                         "(load_model(..., fuse=False)), then fuse it")
+    if not all(isinstance(m, nn.Linear) for m in (block.attn.wq, block.mlp.down)):
+        raise ValueError("prune a float model, then quantize it: quantized layers cannot be sliced")
+
+
+def _check_importance(importance: Tensor, what: str) -> None:
+    if not torch.isfinite(importance).all():
+        raise ValueError(f"{what} importance contains NaN or inf: the calibration forward overflowed or produced "
+                         "NaN (run it in float32, and check the model's output on the calibration text)")
+
+
+def calib_batch(model, ids: list[int], window: int) -> Tensor:
+    """Calibration ids cut into equal windows of `window` tokens, one batch (a short last window is dropped)."""
+    windows = [ids[i:i + window] for i in range(0, len(ids), window)]
+    windows = [w for w in windows if len(w) == len(windows[0])]
+    if not windows or len(windows[0]) < 2:
+        raise ValueError("calibration needs at least 2 token ids")
+    return torch.tensor(windows, device=model.device)
+
+
+def n_params(model: nn.Module) -> int:
+    """Parameters, each storage once (the tied LM head is the embedding)."""
+    return sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values())
+
+
+# ------------------------------------------------------------------------------------------------- blocks
+
+
+@torch.inference_mode()
+def block_importance(model: Transformer, calib_ids: list[int], window: int = 256) -> Tensor:
+    """(n_layers,): 1 - mean cosine similarity between each block's input and output hidden states."""
+    x = calib_batch(model, calib_ids, window)
+    outs: list[Tensor] = []
+    h0 = model.embed_tokens(x)
+    model.run_layers(h0, torch.arange(x.shape[1], device=x.device).expand_as(x), hidden_states=outs)
+    ins = [h0] + outs[:-1]
+    cos = torch.stack([torch.cosine_similarity(a.float(), b.float(), dim=-1).mean() for a, b in zip(ins, outs)])
+    importance = 1 - cos
+    _check_importance(importance, "block")
+    return importance
+
+
+def drop_blocks(model: Transformer, drop: list[int]) -> Transformer:
+    """Remove blocks `drop` (indices into model.layers) in place; the config's n_layers follows."""
+    n = len(model.layers)
+    bad = [i for i in drop if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
+    if bad:
+        raise ValueError(f"block indices must be in 0..{n - 1}, got {bad}")
+    if len(set(drop)) != len(drop):
+        raise ValueError(f"duplicate block indices in {sorted(drop)}")
+    if len(drop) >= n:
+        raise ValueError(f"cannot drop all {n} blocks: keep at least one")
+    model.layers = nn.ModuleList(b for i, b in enumerate(model.layers) if i not in set(drop))
+    model.config = model.config.with_(n_layers=len(model.layers))
+    return model
+
+
+def least_important(importance: Tensor, k: int) -> list[int]:
+    """The k indices of lowest importance, in ascending index order."""
+    if not 0 <= k <= importance.numel():
+        raise ValueError(f"cannot pick {k} of {importance.numel()}")
+    return sorted(torch.argsort(importance, stable=True)[:k].tolist())
+
+
+# --------------------------------------------------------------------------------------- heads (KV groups)
+
+
+@torch.inference_mode()
+def kv_group_importance(model: Transformer, calib_ids: list[int], window: int = 256) -> Tensor:
+    """(n_layers, n_kv_heads): mean L2 norm per token of each KV group's contribution to the attention output."""
+    _check_float_unfused(model)
+    cfg = model.config
+    hd, per_group = cfg.head_dim, cfg.group_size
+    scores = torch.zeros(len(model.layers), cfg.n_kv_heads)
+    hooks = []
+    for i, block in enumerate(model.layers):
+        def hook(mod, args, i=i):
+            o = args[0].float().reshape(-1, cfg.n_heads, hd)  # (tokens, heads, head_dim)
+            w = mod.weight.float().reshape(mod.weight.shape[0], cfg.n_heads, hd)  # (dim, heads, head_dim)
+            contrib = torch.einsum("thd,ohd->tho", o, w)  # each head's share of the output
+            group = contrib.reshape(o.shape[0], cfg.n_kv_heads, per_group, -1).sum(2)  # (tokens, groups, dim)
+            scores[i] += group.norm(dim=-1).mean(0).cpu()
+        hooks.append(block.attn.wo.register_forward_pre_hook(hook))
+    try:
+        model(calib_batch(model, calib_ids, window))
+    finally:
+        for h in hooks:
+            h.remove()
+    _check_importance(scores, "KV group")
+    return scores
+
+
+def _sliced(lin: nn.Linear, rows: Tensor | None = None, cols: Tensor | None = None) -> nn.Linear:
+    w = lin.weight.detach()
+    if rows is not None:
+        w = w[rows]
+    if cols is not None:
+        w = w[:, cols]
+    new = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    new.weight = nn.Parameter(w.contiguous(), requires_grad=False)
+    return new
+
+
+def prune_kv_groups(model: Transformer, keep: int, importance: Tensor) -> Transformer:
+    """Keep the `keep` most important KV groups of every block (a KV head and its query heads), in place."""
+    _check_float_unfused(model)
+    cfg = model.config
+    if not isinstance(keep, int) or not 1 <= keep <= cfg.n_kv_heads:
+        raise ValueError(f"keep must be a whole number of KV groups in 1..{cfg.n_kv_heads} (each group is one KV "
+                         f"head and its {cfg.group_size} query heads), got {keep!r}")
+    if importance.shape != (len(model.layers), cfg.n_kv_heads):
+        raise ValueError(f"importance must be (n_layers, n_kv_heads) = ({len(model.layers)}, {cfg.n_kv_heads}), "
+                         f"got {tuple(importance.shape)}")
+    _check_importance(importance, "KV group")
+    hd, g = cfg.head_dim, cfg.group_size
+    for block, imp in zip(model.layers, importance):
+        groups = torch.sort(torch.argsort(imp, descending=True, stable=True)[:keep]).values
+        kv_rows = (groups[:, None] * hd + torch.arange(hd)).flatten()
+        q_heads = (groups[:, None] * g + torch.arange(g)).flatten()  # query head h reads KV head h // g
+        q_rows = (q_heads[:, None] * hd + torch.arange(hd)).flatten()
+        a = block.attn
+        a.wq, a.wk, a.wv = _sliced(a.wq, q_rows), _sliced(a.wk, kv_rows), _sliced(a.wv, kv_rows)
+        a.wo = _sliced(a.wo, cols=q_rows)
+        a.n_heads, a.n_kv_heads = keep * g, keep
+    model.config = cfg.with_(n_heads=keep * g, n_kv_heads=keep, head_dim=hd)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------- FFN channels
+
+
+@torch.inference_mode()
+def ffn_channel_importance(model: Transformer, calib_ids: list[int], window: int = 256) -> Tensor:
+    """(n_layers, ffn_dim): mean |silu(gate) * up| per channel times the norm of down's column for it."""
+    _check_float_unfused(model)
+    scores = torch.zeros(len(model.layers), model.config.ffn_dim)
+    counts = [0] * len(model.layers)
+    hooks = []
+    for i, block in enumerate(model.layers):
+        def hook(mod, args, i=i):
+            a = args[0].float().reshape(-1, args[0].shape[-1])
+            scores[i] += a.abs().sum(0).cpu()
+            counts[i] += a.shape[0]
+        hooks.append(block.mlp.down.register_forward_pre_hook(hook))
+    try:
+        model(calib_batch(model, calib_ids, window))
+    finally:
+        for h in hooks:
+            h.remove()
+    col_norm = torch.stack([b.mlp.down.weight.float().norm(dim=0).cpu() for b in model.layers])
+    scores = scores / torch.tensor(counts)[:, None] * col_norm
+    _check_importance(scores, "FFN channel")
+    return scores
+
+
+def prune_ffn_channels(model: Transformer, keep: int, importance: Tensor) -> Transformer:
+    """Keep the `keep` most important SwiGLU channels of every block, in place; config.ffn_dim = keep."""
+    _check_float_unfused(model)
+    cfg = model.config
+    if not isinstance(keep, int) or not 1 <= keep <= cfg.ffn_dim:
+        raise ValueError(f"keep must be a number of FFN channels in 1..{cfg.ffn_dim}, got {keep!r}")
+    if importance.shape != (len(model.layers), cfg.ffn_dim):
+        raise ValueError(f"importance must be (n_layers, ffn_dim) = ({len(model.layers)}, {cfg.ffn_dim}), "
+                         f"got {tuple(importance.shape)}")
+    _check_importance(importance, "FFN channel")
+    for block, imp in zip(model.layers, importance):
+        ch = torch.sort(torch.argsort(imp, descending=True, stable=True)[:keep]).values
+        m = block.mlp
+        m.gate, m.up, m.down = _sliced(m.gate, ch), _sliced(m.up, ch), _sliced(m.down, cols=ch)
+    model.config = cfg.with_(ffn_dim=keep)
+    return model
+
+
+# ------------------------------------------------------------------------------------------------- all three
+
+
+def prune_structured(model: Transformer, calib_ids: list[int], drop_n_blocks: int = 0, kv_groups: int | None = None,
+                     ffn_dim: int | None = None, window: int = 256) -> dict:
+    """Drop the `drop_n_blocks` least important blocks, then keep `kv_groups` KV groups and `ffn_dim` channels per
+    block (None: leave as is). Importances are measured on the model as it stands before each step. In place;
+    returns a report: what was removed and the parameter counts."""
+    before = n_params(model)
+    report: dict = {"params_before": before}
+    if drop_n_blocks:
+        imp = block_importance(model, calib_ids, window)
+        report["dropped_blocks"] = least_important(imp, drop_n_blocks)
+        report["block_importance"] = [round(float(v), 5) for v in imp]
+        drop_blocks(model, report["dropped_blocks"])
+    if kv_groups is not None and kv_groups != model.config.n_kv_heads:
+        prune_kv_groups(model, kv_groups, kv_group_importance(model, calib_ids, window))
+        report["kv_groups"] = kv_groups
+    if ffn_dim is not None and ffn_dim != model.config.ffn_dim:
+        prune_ffn_channels(model, ffn_dim, ffn_channel_importance(model, calib_ids, window))
+        report["ffn_dim"] = ffn_dim
+    report["params_after"] = n_params(model)
+    report["params_removed"] = 1 - report["params_after"] / before
+    return report

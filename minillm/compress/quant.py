@@ -1,0 +1,311 @@
+"""Weight-only quantization: store 8 or 4 bits per weight, dequantize inside the matmul (lesson 07).
+
+A batch-1 decode step multiplies one token's activations by every weight of the model: it does ~2 flops per byte
+of bf16 weight read, far below what any CPU or GPU can compute per byte, so the step is memory-bound and its time is
+roughly `weight bytes / memory bandwidth`. Storing int8 halves those bytes, int4 quarters them; the matmul kernel
+reads the small integers and multiplies by a scale in registers, so the full-precision weight never crosses memory.
+
+Two formats, both real storage (the bytes are counted from the tensors, `minillm.model.model_bytes`):
+
+- int8, per output channel, symmetric: w[n, :] ~= q[n, :] * scale[n], q in [-127, 127]. One scale per row costs
+  nothing; symmetric keeps zero exact. CPU kernel: torch._weight_int8pack_mm (fast with bf16 activations);
+  GPU: the Triton kernel in kernels/quant_matmul.py.
+- int4, group-wise, asymmetric, two codes per byte: w[n, k] ~= code * scale[n, g] + minimum[n, g] for the group
+  g = k // group_size, code in [0, 15]. Small groups follow local ranges (better quality, more scale bytes): with
+  groups of 32 and fp16 scale/minimum this is exactly GGUF's Q4_1, the format the model file ships in, and
+  `load_model(weights="q4")` fills these layers with the file's own bytes. CPU kernel: torch's int4 pack matmul
+  (bf16 activations); GPU: Triton.
+
+`quantize(model, scheme)` swaps every nn.Linear (and the tied LM head with its embedding) for a quantized layer,
+gpt-fast style: the model code does not change. LLM.int8() (outlier decomposition) is in llm_int8.py, AWQ in awq.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from minillm.model import replace_linears
+
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+# ------------------------------------------------------------------------------------------ the number formats
+
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w (out, in) -> (q int8 (out, in), scale float32 (out,)): symmetric per row, w ~= q * scale[:, None]."""
+    w = w.float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))  # an all-zero row: any scale is exact
+    # clamp to +-127, not -128: a symmetric range keeps -q representable and zero exactly zero
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
+    """q int8 (out, in), scale (out,) -> float32 (out, in): q * scale per row."""
+    return q.float() * scale.float()[:, None]
+
+
+def quantize_int4(w: Tensor, group_size: int, bits: int = 4) -> tuple[Tensor, Tensor, Tensor]:
+    """w (out, in) -> (codes uint8 (out, in) in [0, 2**bits - 1], scale (out, in // g), minimum (out, in // g)).
+
+    Asymmetric round-to-nearest per group of `group_size` inputs, as GGUF's Q4_1: scale = (max - min) / 15
+    (2**bits - 1 levels), code = floor((w - min) / scale + 0.5). scale and minimum are returned in float16 (what is stored); codes are
+    computed before that rounding, as llama.cpp does. `bits` < 4 is for quality experiments (3-bit codes)."""
+    out, n_in = w.shape
+    check_group_size(n_in, group_size)
+    groups = w.float().reshape(out, n_in // group_size, group_size)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    levels = 2 ** bits - 1
+    scale = (hi - lo) / levels
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))  # a constant group: every code 0, w == minimum
+    codes = torch.floor((groups - lo[..., None]) * inv[..., None] + 0.5).clamp(0, levels).to(torch.uint8)
+    return codes.reshape(out, n_in), scale.half(), lo.half()
+
+
+def dequantize_int4(codes: Tensor, scale: Tensor, minimum: Tensor, group_size: int) -> Tensor:
+    """codes (out, in), scale/minimum (out, in // g) -> float32 (out, in): code * scale + minimum, per group."""
+    out, n_in = codes.shape
+    groups = codes.float().reshape(out, n_in // group_size, group_size)
+    return (groups * scale.float()[..., None] + minimum.float()[..., None]).reshape(out, n_in)
+
+
+def pack_int4(codes: Tensor) -> Tensor:
+    """codes uint8 (..., n) in [0, 15], n even -> uint8 (..., n // 2): column 2j in the low nibble, 2j+1 high."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_int4 needs an even number of columns, got {codes.shape[-1]}")
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """The inverse of pack_int4: uint8 (..., n // 2) -> codes uint8 (..., n)."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
+
+
+def check_group_size(n_in: int, group_size: int) -> None:
+    if group_size <= 0 or n_in % group_size or group_size % 2:
+        raise ValueError(f"group_size {group_size} must be even and divide the input dim {n_in}; "
+                         f"try one of {[g for g in INT4_GROUP_SIZES if n_in % g == 0]}")
+
+
+# ------------------------------------------------------------------------------------------ quantized layers
+
+def _cuda_kernels():
+    try:
+        import minillm_kernels.quant_matmul as kernels
+    except ImportError:  # triton not installed: dequantize-then-matmul still gives the right answer
+        return None
+    return kernels
+
+
+class QuantizedLinear(nn.Module):
+    """Common checks: a quantized layer holds integer buffers, so loading float weights into it is refused."""
+
+    in_features: int
+    out_features: int
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        w = state_dict.get(prefix + "weight")
+        if w is not None and w.is_floating_point():
+            raise TypeError(f"{prefix}weight is a float tensor but this layer is {type(self).__name__}: load the "
+                            "float checkpoint into the float model, then quantize(model, scheme)")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        # .to(bfloat16) on the model must move the scales, never re-round them: keep their dtype, follow the device
+        kept = {name: getattr(self, name) for name in ("scale", "minimum") if hasattr(self, name)}
+        super()._apply(fn, recurse)
+        for name, t in kept.items():
+            setattr(self, name, t.to(self.weight_storage.device))
+        return self
+
+    @property
+    def weight_storage(self) -> Tensor:
+        raise NotImplementedError
+
+    def dequantize(self) -> Tensor:
+        raise NotImplementedError
+
+    def embedding(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """Rows `ids` of the dequantized weight: the tied embedding reads the LM head's storage."""
+        raise NotImplementedError
+
+
+class Int8Linear(QuantizedLinear):
+    def __init__(self, q: Tensor, scale: Tensor):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("weight", q.contiguous())
+        self.register_buffer("scale", scale.float())
+
+    @property
+    def weight_storage(self) -> Tensor:
+        return self.weight
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        if linear.bias is not None:
+            raise ValueError("int8 weight-only quantization here supports Linear layers without bias")
+        return cls(*quantize_int8(linear.weight.detach()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.is_cuda and (kernels := _cuda_kernels()) is not None:
+            return kernels.int8_weight_matmul(x, self.weight, self.scale.to(x.dtype))
+        if x.is_cuda:
+            return F.linear(x, self.weight.to(x.dtype) * self.scale[:, None].to(x.dtype))
+        # torch's CPU kernel is fast with bf16 activations only (FACTS): an fp32 input is rounded to bf16 for this
+        # matmul, an error far below the int8 weights' own
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        y = torch._weight_int8pack_mm(x2, self.weight, self.scale.to(torch.bfloat16))
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize(self) -> Tensor:
+        return dequantize_int8(self.weight, self.scale)
+
+    def embedding(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        return self.weight[ids].to(dtype) * self.scale[ids, None].to(dtype)
+
+
+class Int4Linear(QuantizedLinear):
+    """Packed 4-bit codes + fp16 scale/minimum per group: exactly the bytes GGUF's Q4_1 stores when group_size=32.
+
+    On CPU the matmul is torch's int4 kernel, which wants its own nibble layout and a bf16 (scale, zero) table: that
+    copy is built on the first CPU call (same size as the packed codes) and is not part of the state dict."""
+
+    def __init__(self, codes: Tensor, scale: Tensor, minimum: Tensor, group_size: int):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        check_group_size(self.in_features, group_size)
+        if scale.shape != (self.out_features, self.in_features // group_size) or minimum.shape != scale.shape:
+            raise ValueError(f"scale and minimum must be (out, in // group_size) = "
+                             f"{(self.out_features, self.in_features // group_size)}, got {tuple(scale.shape)}, "
+                             f"{tuple(minimum.shape)}")
+        self.group_size = group_size
+        self.register_buffer("qweight", pack_int4(codes))
+        self.register_buffer("scale", scale.half())
+        self.register_buffer("minimum", minimum.half())
+        self._cpu_pack: tuple[Tensor, Tensor] | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 32) -> Int4Linear:
+        if linear.bias is not None:
+            raise ValueError("int4 quantization here supports Linear layers without bias")
+        w = linear.weight.detach()
+        return cls(*quantize_int4(w, group_size), group_size=group_size)
+
+    @property
+    def weight_storage(self) -> Tensor:
+        return self.qweight
+
+    def codes(self) -> Tensor:
+        return unpack_int4(self.qweight)
+
+    def dequantize(self) -> Tensor:
+        return dequantize_int4(self.codes(), self.scale, self.minimum, self.group_size)
+
+    def embedding(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        rows = ids.reshape(-1)
+        w = dequantize_int4(unpack_int4(self.qweight[rows]), self.scale[rows], self.minimum[rows], self.group_size)
+        return w.to(dtype).reshape(*ids.shape, self.in_features)
+
+    def _torch_cpu_pack(self) -> tuple[Tensor, Tensor]:
+        # torch computes (code - 8) * scale + zero, so zero = minimum + 8 * scale (exact in fp32; bf16 rounds it)
+        if self._cpu_pack is None:
+            packed = torch._convert_weight_to_int4pack_for_cpu(self.codes().to(torch.int32), 1)
+            s, m = self.scale.float().T, self.minimum.float().T  # (groups, out)
+            zeros = torch.stack([s, m + 8 * s], dim=-1).to(torch.bfloat16).contiguous()
+            self._cpu_pack = (packed, zeros)
+        return self._cpu_pack
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.is_cuda and (kernels := _cuda_kernels()) is not None:
+            return kernels.int4_group_matmul(x, self.qweight, self.scale, self.minimum, self.group_size)
+        if x.is_cuda or self.out_features % 16 or self.group_size not in (32, 64, 128, 256):
+            # torch's CPU kernel packs 16 rows at a time and knows these group sizes only
+            return F.linear(x, self.dequantize().to(x.dtype))
+        packed, zeros = self._torch_cpu_pack()
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # fast in bf16 only, as for int8
+        y = torch._weight_int4pack_mm_for_cpu(x2, packed, self.group_size, zeros)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _apply(self, fn, recurse=True):
+        self._cpu_pack = None  # moved: rebuild torch's copy from the buffers on the next CPU call
+        return super()._apply(fn, recurse)
+
+
+class QuantizedEmbedding(nn.Module):
+    """The tied embedding after quantization: it looks rows up in the quantized LM head (one storage, as before)."""
+
+    def __init__(self, head: QuantizedLinear, dtype: torch.dtype):
+        super().__init__()
+        self.head, self.dtype = [head], dtype  # a list: not a second submodule (the head is counted once)
+        self.embedding_dim = head.in_features
+
+    @property
+    def weight(self) -> Tensor:  # Transformer.device / .dtype read embed.weight
+        return torch.empty(0, dtype=self.dtype, device=self.head[0].scale.device)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head[0].embedding(ids, self.dtype)
+
+
+# ------------------------------------------------------------------------------------------ the transformation
+
+SCHEMES = {
+    "int8": "int8 weight-only, per output channel (symmetric)",
+    "int4": "int4 weight-only, group-wise asymmetric round-to-nearest (group_size 32/64/128)",
+    "llm.int8": "LLM.int8(): int8 x int8 matmul with outlier activation columns kept in float (llm_int8.py)",
+}
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, QuantizedLinear) for m in model.modules())
+
+
+def quantize(model: nn.Module, scheme: str, group_size: int = 32, include_head: bool = True,
+             threshold: float = 6.0) -> nn.Module:
+    """Replace the model's Linear layers (in place) by quantized ones; returns the model.
+
+    include_head also quantizes the LM head, and the embedding tied to it reads the same quantized storage.
+    For AWQ, run awq.apply_awq(model, ...) first (it rescales weights), then quantize(model, "int4")."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {list(SCHEMES)}")
+    if is_quantized(model):
+        raise ValueError("this model is already quantized: quantizing twice would re-round rounded weights. "
+                         "Load a fresh model and quantize it once.")
+    if scheme == "int4":
+        for name, m in model.named_modules():
+            if isinstance(m, nn.Linear):
+                check_group_size(m.in_features, group_size)
+
+    def make(name: str, linear: nn.Linear) -> nn.Module:
+        if scheme == "int8":
+            return Int8Linear.from_linear(linear)
+        if scheme == "int4":
+            return Int4Linear.from_linear(linear, group_size)
+        from minillm.compress.llm_int8 import LLMInt8Linear
+
+        return LLMInt8Linear.from_linear(linear, threshold)
+
+    dtype = model.dtype
+    replace_linears(model, make)
+    if include_head and isinstance(getattr(model, "lm_head", None), nn.Linear):
+        tied = getattr(model.config, "tie_embeddings", False)
+        model.lm_head = make("lm_head", model.lm_head)
+        if tied:
+            model.embed = QuantizedEmbedding(model.lm_head, dtype)
+    model.quant_scheme = scheme
+    return model
+
+
+def fake_quantize_int4(model: nn.Module, group_size: int = 128, bits: int = 4) -> nn.Module:
+    """Round every Linear weight to `bits`-bit groups and back, in place, keeping float storage: the quality of a
+    format without a kernel for it (3-bit here). Returns the model."""
+    for _, m in model.named_modules():
+        if isinstance(m, nn.Linear) and m is not getattr(model, "lm_head", None):
+            codes, scale, minimum = quantize_int4(m.weight.detach(), group_size, bits)
+            m.weight.data.copy_(dequantize_int4(codes, scale, minimum, group_size).to(m.weight.dtype))
+    return model

@@ -1,0 +1,200 @@
+"""The checkpoint ladder: run the real model (SmolLM2-135M) on the learner's own exercise code.
+
+    with use_exercises(model, exercises.ex00_decoder):   # your rms_norm, apply_rope, naive_attention, sampler
+        print(minillm.chat(model, tok, "What is the capital of France?", max_new_tokens=12).text)
+
+Each exercise module plugs into the seam the engine already has, never into an `if learner:` branch:
+
+| exercise        | what is swapped in                                                    | where                          |
+|-----------------|-----------------------------------------------------------------------|--------------------------------|
+| ex00_decoder    | rms_norm, apply_rope; naive_attention as the dense attention backend; sample_from_logits | minillm.model, registry, generate |
+| ex01_kv_cache   | a KVCache that writes with append_kv and decodes with decode_attention | minillm.kv_cache.KVCache       |
+| ex02_gqa        | grouped_attention as the dense attention backend                      | registry                       |
+| ex03_flash      | flash_attention (16 x 16 tiles) as the dense attention backend        | registry                       |
+| ex04_paged      | BlockAllocator in every paged cache; slot_mapping, context_slots in each step's metadata | minillm.cache.paged, minillm.cache.paged_attention |
+| ex05_batching   | schedule_step and postprocess_step of the engine's Scheduler          | minillm.engine.scheduler       |
+
+`skip_stubs=True` leaves out the pieces the learner has not written yet (their body is still the stub's
+`raise NotImplementedError`): the reference fills in for them. The graders' real-model tasks (task_NN_real_model in
+tests/graders/) put the exercise under test on top of the learner's earlier ones (`STANDS_ON`), and name an earlier
+exercise when it, not this one, is what breaks the model (`check_on_ladder`).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import inspect
+import textwrap
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from types import ModuleType
+
+# the order lessons build the engine in
+LADDER = ["ex00_decoder", "ex01_kv_cache", "ex02_gqa", "ex03_flash", "ex04_paged", "ex05_batching"]
+# what each real-model task runs underneath its own exercise: the earlier pieces on its path. ex02/ex03 leave ex01's
+# cache out so that their attention serves the decode steps too (ex01's decode_attention would take those over); the
+# contiguous cache is not on the paged path of ex04/ex05, whose prefill (and equal-length decode) runs the model's dense
+# backend: of the dense attentions the latest one written serves.
+STANDS_ON: dict[str, list[str]] = {
+    "ex00_decoder": [],
+    "ex01_kv_cache": ["ex00_decoder"],
+    "ex02_gqa": ["ex00_decoder"],
+    "ex03_flash": ["ex00_decoder"],
+    "ex04_paged": ["ex00_decoder", "ex02_gqa", "ex03_flash"],
+    "ex05_batching": ["ex00_decoder", "ex02_gqa", "ex03_flash", "ex04_paged"],
+}
+DENSE_ATTENTION = {"naive_attention", "grouped_attention", "flash_attention"}
+
+# exercise module -> the names it plugs in (a class counts as one piece)
+PIECES: dict[str, list[str]] = {
+    "ex00_decoder": ["rms_norm", "apply_rope", "naive_attention", "sample_from_logits"],
+    "ex01_kv_cache": ["append_kv", "decode_attention"],
+    "ex02_gqa": ["grouped_attention"],
+    "ex03_flash": ["flash_attention"],
+    "ex04_paged": ["BlockAllocator", "slot_mapping", "context_slots"],
+    "ex05_batching": ["schedule_step", "postprocess_step"],
+}
+
+
+def _is_stub_function(fn) -> bool:
+    """True if fn's body (after its docstring) is only `raise NotImplementedError(...)`."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    if not tree.body or not isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False  # a lambda, a partial: written by someone
+    body = tree.body[0].body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body = body[1:]
+    return len(body) == 1 and isinstance(body[0], ast.Raise) and "NotImplementedError" in ast.unparse(body[0])
+
+
+def implemented(obj) -> bool:
+    """Has the learner written this piece? A class counts as written when none of its methods is still a stub."""
+    if inspect.isclass(obj):
+        return not any(_is_stub_function(f) for f in vars(obj).values() if inspect.isfunction(f))
+    return not _is_stub_function(obj)
+
+
+def module_key(module: ModuleType) -> str:
+    key = module.__name__.rsplit(".", 1)[-1]
+    if key not in PIECES:
+        raise ValueError(f"{module.__name__} is not an exercise module of the ladder ({', '.join(PIECES)})")
+    return key
+
+
+def pieces(module: ModuleType, skip_stubs: bool = False) -> list[str]:
+    """The names `module` plugs in (only the written ones with skip_stubs)."""
+    names = PIECES[module_key(module)]
+    return [n for n in names if not skip_stubs or implemented(getattr(module, n))]
+
+
+@contextmanager
+def use_exercises(model, *modules: ModuleType, skip_stubs: bool = False, only: set[str] | None = None
+                  ) -> Iterator[list[str]]:
+    """Route `model` (and the caches and engines built while the block runs) through the exercise modules' functions.
+
+    Yields the pieces swapped in, as "exNN_topic.name". Everything is restored on exit, the model's attention backend
+    included. Later modules win where two plug into the same seam (the dense attention backend). `only` limits the
+    swap to those names (one piece at a time, to find which one breaks the model)."""
+    # by module path: the package re-exports functions named like some of its modules (minillm.generate)
+    attention, generate, kv_cache, model_mod, paged, paged_attention, sampling, scheduler = (
+        importlib.import_module(f"minillm.{m}")
+        for m in ("attention", "generate", "kv_cache", "model", "paged", "paged_attention", "sampling",
+                  "engine.scheduler"))
+
+    used: list[str] = []
+    with ExitStack() as stack:
+        def patch(owner, name: str, value) -> None:
+            old = getattr(owner, name)
+            setattr(owner, name, value)
+            stack.callback(setattr, owner, name, old)
+
+        def attention_backend(name: str, fn: Callable, kind: str = "dense") -> None:
+            attention.register_attention(name, fn, kind=kind, doc="the learner's exercise (minillm.course.ladder)")
+            stack.callback(attention._REGISTRY.pop, name, None)
+            if kind == "dense":
+                old = model.attn_backend
+                model.attn_backend = name
+                stack.callback(setattr, model, "attn_backend", old)
+
+        for module in modules:
+            key = module_key(module)
+            for name in pieces(module, skip_stubs):
+                if only is not None and name not in only:
+                    continue
+                fn = getattr(module, name)
+                used.append(f"{key}.{name}")
+                if name in ("rms_norm", "apply_rope"):
+                    patch(model_mod, name, fn)  # Transformer's blocks call the module-level functions
+                elif name == "sample_from_logits":
+                    patch(generate, name, fn)  # generate() imported the name
+                    patch(sampling, name, fn)
+                elif name in ("naive_attention", "grouped_attention"):
+                    attention_backend(f"exercise_{key}", fn)
+                elif name == "flash_attention":  # small tiles, so a short prompt still spans several of them
+                    attention_backend(f"exercise_{key}", functools.partial(fn, block_q=16, block_k=16))
+                elif name == "append_kv":
+                    patch(kv_cache, name, fn)  # KVCache.attend writes through the module-level function
+                elif name == "decode_attention":
+                    patch(kv_cache, "KVCache", _cache_with_decode(kv_cache.KVCache, fn))
+                elif name == "BlockAllocator":
+                    patch(paged, name, fn)  # every PagedKVCache (generate's and the engine's) builds one
+                elif name in ("slot_mapping", "context_slots"):
+                    # AttentionMetadata.build (write slots) and StepPlan.build (read slots) call the module globals
+                    patch(paged_attention, name, fn)
+                elif name in ("schedule_step", "postprocess_step"):
+                    patch(scheduler, name, fn)  # Scheduler.schedule / postprocess call the module-level functions
+        yield used
+
+
+def _cache_with_decode(base: type, decode_attention: Callable) -> type:
+    """A KVCache class whose decode steps (one new token) attend with `decode_attention` over the filled cache."""
+
+    class ExerciseKVCache(base):
+        def attend(self, layer_id, q, k, v, attn):
+            if q.shape[2] != 1:
+                return super().attend(layer_id, q, k, v, attn)  # prefill: the model's dense backend
+            kv_cache = importlib.import_module("minillm.kv_cache")
+            end = kv_cache.append_kv(self.k[layer_id], self.v[layer_id], k, v, self.start)
+            return decode_attention(q, self.k[layer_id], self.v[layer_id], end)
+
+    return ExerciseKVCache
+
+
+def earlier_modules(key: str, package: str) -> list[ModuleType]:
+    """The exercise modules `key` stands on (STANDS_ON), imported from `package` (exercises or solutions)."""
+    return [importlib.import_module(f"{package}.{k}") for k in STANDS_ON[key]]
+
+
+def _in_effect(under: list[str], own: list[str]) -> list[str]:
+    """The earlier pieces that actually run: a dense attention backend is replaced by any later one."""
+    dense = [p for p in under + own if p.split(".")[1] in DENSE_ATTENTION]
+    return [p for p in under if p.split(".")[1] not in DENSE_ATTENTION or p == dense[-1]]
+
+
+def check_on_ladder(model, module: ModuleType, check: Callable[[], None]) -> list[str]:
+    """Run `check()` with `module`'s pieces (stubs included: a stub fails) on top of the written pieces of the
+    exercises before it, from the same package. If that fails only because of an earlier exercise (the same check
+    passes with the reference underneath), the failure names that exercise. Returns the pieces the passing run used."""
+    package = module.__name__.rsplit(".", 1)[0]
+    below = earlier_modules(module_key(module), package)
+    under: list[str] = []
+    try:
+        with use_exercises(model, *below, skip_stubs=True) as under, use_exercises(model, module) as own:
+            under = _in_effect(under, own)
+            check()
+            return under + own
+    except Exception as ladder_error:  # (a stub's NotImplementedError, a wrong answer, a crash)
+        if not under:
+            raise
+        with use_exercises(model, module) as own:
+            check()  # raises: this exercise's own code is what breaks the model
+        culprits = sorted({p.split(".")[0] for p in under})
+        raise AssertionError(
+            f"your {module_key(module)} code runs the real model correctly on the reference, but not on top of your "
+            f"earlier pieces ({', '.join(under)}): {type(ladder_error).__name__}: {str(ladder_error)[:300]}. "
+            f"Fix those first: {'; '.join(f'minillm grade {c[2:4]}' for c in culprits)}") from ladder_error

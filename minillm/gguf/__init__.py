@@ -1,0 +1,1 @@
+"""The model file: download and verify the GGUF, read its tensors and tokenizer, build the model."""

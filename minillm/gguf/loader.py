@@ -1,0 +1,212 @@
+"""load_model: GGUF file -> (Transformer, Tokenizer), with an explicit map from GGUF names to our parameters."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from minillm.config import ModelConfig
+from minillm.model import Transformer
+from minillm.gguf.weights import cache_dir, gguf_path, model_source, read_gguf, read_gguf_metadata
+
+# saved models the course makes, and how (load_model names them in its error when they are missing)
+HOW_TO_MAKE = {
+    "smollm2-pruned-20": "run lesson 08 (lessons/08_sparsity_pruning.py), which saves it",
+    "smollm2-135m-student": "train it with `minillm bench distill` (a few minutes quick, ~30 full) or lesson 09",
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use one of {list(DTYPES)}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {list(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA GPU; use device='cpu'")
+    return device
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter permutation of q/k rows, back to the 'rotate half' (HF) layout.
+
+    The converter reorders each head's rows so that llama.cpp can rotate adjacent pairs (2i, 2i+1). We rotate the
+    pairs (i, i + head_dim/2) instead, so we put the rows back. Skipping this still runs, but perplexity goes ~6x
+    worse: tests/test_model.py checks it.
+    """
+    out, inp = w.shape
+    return w.reshape(n_heads, out // n_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+def gguf_state_dict(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Our parameter names -> arrays. Every GGUF tensor must be used exactly once."""
+    sd = {"embed.weight": tensors["token_embd.weight"], "norm.weight": tensors["output_norm.weight"]}
+    if "output.weight" in tensors:
+        sd["lm_head.weight"] = tensors["output.weight"]
+    names = {
+        "attn_norm": "attn_norm.weight", "ffn_norm": "mlp_norm.weight",
+        "attn_q": "attn.wq.weight", "attn_k": "attn.wk.weight", "attn_v": "attn.wv.weight",
+        "attn_output": "attn.wo.weight",
+        "ffn_gate": "mlp.gate.weight", "ffn_up": "mlp.up.weight", "ffn_down": "mlp.down.weight",
+    }
+    for i in range(cfg.n_layers):
+        for g, ours in names.items():
+            w = tensors[f"blk.{i}.{g}.weight"]
+            if g == "attn_q":
+                w = unpermute_qk(w, cfg.n_heads)
+            elif g == "attn_k":
+                w = unpermute_qk(w, cfg.n_kv_heads)
+            sd[f"layers.{i}.{ours}"] = w
+    return sd
+
+
+WEIGHTS = {
+    "dequantized": "every tensor expanded to `dtype` at load (the reference model of every lesson)",
+    "q4": "the file's Q4_1 tensors kept as 4-bit Int4Linear layers, bit for bit (lesson 07); the rest in `dtype`",
+}
+
+
+def _int4_from_q4_1(sd: dict) -> dict:
+    """Our names -> Int4Linear for every Q4_1 tensor (removed from sd): the file's codes, d and m."""
+    from minillm.compress.quant import Int4Linear
+    from minillm.gguf.weights import q4_1_blocks
+
+    layers = {}
+    for ours, arr in list(sd.items()):
+        if arr.dtype != np.uint8:
+            continue
+        codes, d, m = q4_1_blocks(arr)  # q/k rows were already unpermuted: a row permutation keeps blocks whole
+        layers[ours.removesuffix(".weight")] = Int4Linear(
+            torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(np.ascontiguousarray(d)),
+            torch.from_numpy(np.ascontiguousarray(m)), group_size=32)
+        del sd[ours]
+    return layers
+
+
+def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str | None = "cpu",
+               attn_backend: str = "sdpa", fuse: bool = False, weights: str = "dequantized"):
+    """Load a known model: returns (model, tokenizer). Downloads and verifies the weights on first use.
+    fuse=True applies lesson 06's fusions (minillm.compile.fusion.fuse): same logits, fewer ops per step.
+    weights="q4" keeps the file's 4-bit layers packed (see WEIGHTS); the tied Q8_0 embedding is expanded.
+    A name saved with save_model (a pruned or distilled model: lessons 08-09) loads from the cache dir."""
+    from minillm.gguf.tokenizer import Tokenizer
+    from minillm.gguf.weights import KNOWN_MODELS
+
+    if name not in KNOWN_MODELS:
+        if name and "/" not in name and (saved_model_dir(name) / "config.json").exists():
+            if fuse or weights != "dequantized":
+                raise ValueError(f"{name!r} is a saved float model: load it, then fuse or quantize it")
+            return load_saved(name, dtype, device)
+        if name in HOW_TO_MAKE:
+            raise ValueError(f"{name!r} has not been made on this machine yet: {HOW_TO_MAKE[name]}")
+    model_source(name)  # unknown names fail here, before any download
+    if weights not in WEIGHTS:
+        raise ValueError(f"unknown weights={weights!r}; choose one of {list(WEIGHTS)}")
+    if weights == "q4" and fuse:
+        raise ValueError("fuse=True rewrites float Linear layers; with weights='q4' they are already 4-bit. "
+                         "Use one or the other.")
+    torch_dtype, dev = resolve_dtype(dtype), resolve_device(device)
+    t0 = time.perf_counter()
+    path = gguf_path(name)
+    meta, tensors = read_gguf(path, keep_q4_1=weights == "q4")
+    cfg = ModelConfig.from_gguf_metadata(meta)
+    with torch.device("meta"):
+        model = Transformer(cfg, attn_backend=attn_backend)
+    model = model.to_empty(device=dev)
+    sd = gguf_state_dict(tensors, cfg)
+    packed = _int4_from_q4_1(sd) if weights == "q4" else {}
+    sd = {k: torch.from_numpy(v) for k, v in sd.items()}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")
+               and m.removesuffix(".weight") not in packed]
+    if missing or unexpected:
+        raise RuntimeError(f"weight map mismatch: missing {missing}, unexpected {unexpected}")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model = model.to(torch_dtype).eval().requires_grad_(False)  # RoPE tables stay float32 (Transformer._apply)
+    for full, layer in packed.items():
+        parent, child = full.rsplit(".", 1)
+        setattr(model.get_submodule(parent), child, layer.to(dev))
+    if packed:
+        model.quant_scheme = "q4_1 (from the file)"
+    if fuse:
+        from minillm.compile.fusion import fuse as fuse_model
+
+        fuse_model(model)
+    model.load_seconds = time.perf_counter() - t0
+    return model, Tokenizer.from_gguf_metadata(meta)
+
+
+
+# ------------------------------------------------------------------------------- transformed models on disk
+
+
+def saved_model_dir(name: str) -> Path:
+    """Where save_model(model, name) writes: <cache dir>/saved/<name> ($MINILLM_CACHE or ~/.cache/minillm)."""
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"a saved model's name is one plain folder name (e.g. 'smollm2-pruned-22'), got {name!r}")
+    return cache_dir() / "saved" / name
+
+
+def save_model(model: Transformer, name: str, base: str = "smollm2-135m", info: dict | None = None) -> Path:
+    """Save a transformed float model (pruned, distilled: lessons 08-09) as config.json + model.pt under
+    saved_model_dir(name). The config says what the model now is; `base` names the model whose tokenizer it uses;
+    `info` is kept as-is (what was done to it). The state dict's SHA-256 is recorded and checked on load."""
+    model_source(base)
+    if any(type(m).__name__.endswith("Linear") and not isinstance(m, torch.nn.Linear) for m in model.modules()):
+        raise ValueError("save_model stores float weights: save before quantizing (quantize again after loading)")
+    folder = saved_model_dir(name)
+    folder.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
+          if not (model.config.tie_embeddings and k == "lm_head.weight")}
+    tmp = folder / "model.pt.tmp"
+    torch.save(sd, tmp)
+    digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+    tmp.replace(folder / "model.pt")  # a crash mid-write never leaves a half file under the real name
+    meta = {"config": dataclasses.asdict(model.config), "base": base, "dtype": str(model.dtype).removeprefix("torch."),
+            "sha256": digest, "info": info or {}}
+    (folder / "config.json").write_text(json.dumps(meta, indent=1))
+    return folder
+
+
+def load_saved(name: str, dtype: str | torch.dtype | None = None, device: str | None = "cpu"):
+    """(model, tokenizer) from save_model's folder; weights round-trip exactly (dtype=None keeps the saved one)."""
+    from minillm.gguf.tokenizer import Tokenizer
+
+    folder = saved_model_dir(name)
+    if not (folder / "config.json").exists() or not (folder / "model.pt").exists():
+        raise FileNotFoundError(f"no saved model {name!r} in {folder}: save one first with "
+                                f"minillm.gguf.loader.save_model(model, {name!r})")
+    meta = json.loads((folder / "config.json").read_text())
+    raw = (folder / "model.pt").read_bytes()
+    if hashlib.sha256(raw).hexdigest() != meta["sha256"]:
+        raise RuntimeError(f"{folder / 'model.pt'} does not match the checksum in its config.json (corrupted or "
+                           f"overwritten): delete {folder} and save the model again")
+    cfg = ModelConfig(**meta["config"])
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=resolve_device(device))
+    sd = torch.load(folder / "model.pt", weights_only=True, map_location=model.device)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"{folder} does not match its config: missing {missing}, unexpected {unexpected}")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model = model.to(resolve_dtype(dtype or meta["dtype"])).eval().requires_grad_(False)
+    model.saved_info = meta["info"]
+    return model, Tokenizer.from_gguf_metadata(read_gguf_metadata(gguf_path(meta["base"])))

@@ -1,0 +1,217 @@
+"""The OpenAI wire format minillm's server speaks: request models that refuse what they don't understand, the
+response and chunk objects, and OpenAI-style errors.
+
+Why strict: a client that sends a field the server ignores (`logit_bias`, a penalty, `best_of`) would get a silently
+different answer than it asked for. So every model forbids unknown fields and validates types strictly (no "5" for
+5), and the error names the field, the way OpenAI's own API answers. Fields OpenAI has but this server cannot honour
+are declared and refused with a reason (`n` > 1, `logprobs`, penalties), instead of being dropped.
+
+Beyond OpenAI, two of vLLM's extra sampling parameters are accepted (send them with the openai client's
+`extra_body={...}`): `top_k` and `ignore_eos` (generate exactly max_tokens tokens, for benchmarks with fixed output
+lengths). See minillm/serving/server.py for the endpoints.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from minillm.sampling import SamplingParams
+
+
+class ApiError(Exception):
+    """An error the client gets as OpenAI's {"error": {message, type, param, code}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def from_validation_error(e: ValidationError) -> ApiError:
+    """The first problem pydantic found, said the way a client can act on it, with the field as `param`."""
+    err = e.errors()[0]
+    # a union member's name ("str", "list[int]") trails the location: keep the field path only
+    loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in ("str", "int")))]
+    param = ".".join(loc) or None
+    if err["type"] == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON: {err['msg']}")
+    if err["type"] == "extra_forbidden":
+        return ApiError(400, f"unknown field {param!r}: this server does not support it", param=param)
+    if err["type"] == "missing":
+        return ApiError(400, f"{param!r} is required", param=param)
+    return ApiError(400, f"{param or 'body'}: {err['msg']}" + (f", got {err['input']!r}" if loc else ""),
+                    param=param)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    """The sampling fields completions and chat share."""
+
+    model: str | None = None  # None: the served model
+    temperature: float = Field(1.0, ge=0, le=2)  # OpenAI's default; 0 = greedy
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = 1
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None  # OpenAI takes up to 4
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0  # accepted only at their neutral value
+    frequency_penalty: float = 0.0
+    user: str | None = None  # an end-user tag; nothing to do with sampling
+    # vLLM's extra parameters
+    top_k: int | None = None  # None, 0 or -1: off
+    ignore_eos: bool = False
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stops):
+            raise ApiError(400, "stop strings must be non-empty", param="stop")
+        return stops
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # None: as many as the context and the KV pool leave
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+# ------------------------------------------------------------------------------------------------- requests in
+
+
+async def read_request(request, model: type[_Strict], max_bytes: int):
+    """The body of a starlette Request as `model`: at most max_bytes (413, counted as it arrives: a client may send
+    no Content-Length), UTF-8, JSON, valid (400 naming the field)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"the body has {declared} bytes; the limit is {max_bytes}")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:
+            raise ApiError(413, f"the body is over the limit of {max_bytes} bytes")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the body is not UTF-8 text: {e}") from None
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def sampling_params(req: _Common, served: str, max_tokens: int | None, n_prompt: int, max_model_len: int,
+                    pool_tokens: int) -> SamplingParams:
+    """OpenAI's fields -> SamplingParams, refusing what this server cannot do (never ignoring it). max_tokens None:
+    as many as the context window and the KV pool leave room for."""
+    if req.model is not None and req.model != served:
+        raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {served!r}", param="model",
+                       code="model_not_found")
+    if req.n != 1:
+        raise ApiError(400, f"n must be 1 (one choice per request), got {req.n}", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise ApiError(400, f"{name} is not supported: leave it at 0", param=name)
+    if req.logprobs not in (None, False) or getattr(req, "top_logprobs", None):
+        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
+    room = min(max_model_len - n_prompt, pool_tokens - n_prompt + 1)  # the engine's own limits (LLM._prepare)
+    if max_tokens is not None and not 1 <= max_tokens <= room:
+        raise ApiError(400, f"max_tokens must be in [1, {room}] for this prompt of {n_prompt} tokens (context "
+                       f"window {max_model_len}, KV pool {pool_tokens} tokens), got {max_tokens}",
+                       param="max_tokens", code="context_length_exceeded")
+    try:
+        return SamplingParams(max_tokens=max(room, 1) if max_tokens is None else max_tokens,
+                              temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                              top_k=None if req.top_k in (None, 0, -1) else req.top_k, ignore_eos=req.ignore_eos)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+
+class StopMatcher:
+    """Cuts streamed text at the first stop string, holding back a tail that could still grow into one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.buf = stops, ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        self.buf += text
+        hits = [i for s in self.stops if (i := self.buf.find(s)) >= 0]
+        if hits:
+            return self.buf[:min(hits)], True
+        keep = max((k for s in self.stops for k in range(1, len(s)) if self.buf.endswith(s[:k])), default=0)
+        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------- responses
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(rid: str, model: str, text: str, finish: str, usage_: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": usage_}
+
+
+def chat_body(rid: str, model: str, text: str, finish: str, usage_: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish}], "usage": usage_}
+
+
+def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None, usage_: dict | None = None,
+          role: bool = False, with_usage: bool = False) -> dict:
+    """One SSE chunk. text None: no choice (the usage chunk). with_usage: stream_options.include_usage, where every
+    chunk carries "usage" (null but in the last one), as OpenAI's stream does."""
+    if text is None:
+        choices = []
+    elif chat:
+        delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    else:
+        choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+    out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+           "model": model, "choices": choices}
+    if with_usage:
+        out["usage"] = usage_
+    return out
