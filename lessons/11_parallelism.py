@@ -40,8 +40,9 @@ import torch
 import minillm
 from minillm.bench import run_entry
 from minillm.course.lesson import QUICK, hardware_line, pick
-from minillm.generate import generate_ids
-from minillm.parallel.launch import generate_parallel, load_for_rank
+from minillm.api import generate_ids
+from minillm.gguf.loader import load_spec
+from minillm.parallel.launch import generate_parallel
 from minillm.sampling import SamplingParams
 from minillm.parallel.pipeline import bubble_fraction, gpipe_schedule
 from minillm.parallel.sequence import residual_bytes
@@ -102,7 +103,7 @@ n_new = pick(24, 8)
 if QUICK:  # CI: a small random model through the same code path (3 ranks loading SmolLM2 take a minute there)
     spec = {"tiny": {"n_layers": 4, "n_heads": 6, "n_kv_heads": 3, "dim": 96, "ffn_dim": 192, "vocab_size": 384},
             "seed": 0}
-    ref_model, ids = load_for_rank(spec), list(range(1, 13))
+    ref_model, ids = load_spec(spec)[0], list(range(1, 13))
 else:
     spec, ref_model, ids = "smollm2-135m", model, tok.encode(prompt)
 single = list(generate_ids(ref_model, ids, SamplingParams(max_tokens=n_new, ignore_eos=True)))

@@ -8,10 +8,9 @@ import os as _os
 
 import torch as _torch
 
+from minillm.api import chat, generate, load_model
 from minillm.config import ModelConfig
-from minillm.generate import GenerationResult, chat, generate
 from minillm.kv_cache import KVCache, kv_bytes, kv_bytes_per_token
-from minillm.gguf.loader import load_model
 from minillm.request import RequestOutput
 from minillm.sampling import SamplingParams
 from minillm.speculative.decoding import SpecStats, SpeculativeConfig
@@ -23,7 +22,6 @@ if not _torch.cuda.is_available():
 
 __all__ = [
     "LLM",
-    "GenerationResult",
     "KVCache",
     "ModelConfig",
     "RequestOutput",

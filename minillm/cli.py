@@ -44,7 +44,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from minillm.attention import backend_names
-    from minillm.generate import CACHE_KINDS
+    from minillm.api import CACHE_KINDS
     from minillm.gguf.loader import DTYPES
 
     parser = _Parser(prog="minillm", description="LLM inference, one technique at a time, on SmolLM2-135M.",
@@ -196,7 +196,7 @@ def cmd_generate(args) -> int:
         stats.append(f"speculative {args.speculative} k={args.k}: acceptance {spec_stats.acceptance_rate:.2f}, "
                      f"{spec_stats.tokens_per_step:.2f} tokens per target forward")
     stats.append(f"{machine} at start")
-    stats.append(f"stop: {res.stop_reason}")
+    stats.append(f"stop: {res.finish_reason}")
     print("--- " + " | ".join(stats))
     return 0
 

@@ -123,11 +123,6 @@ class RequestOutput:
         n = len(self.token_times) - 1
         return n / self.decode_s if n > 0 and self.decode_s > 0 else float("nan")
 
-    @property
-    def stop_reason(self) -> str | None:
-        """generate()'s older name for finish_reason: "stop_token" | "max_tokens" | "abort"."""
-        return {"stop": "stop_token", "length": "max_tokens"}.get(self.finish_reason, self.finish_reason)
-
 
 def finish_reason(output_ids: list[int], stop_ids: frozenset[int], max_tokens: int, num_tokens: int,
                   max_model_len: int) -> str | None:

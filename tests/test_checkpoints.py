@@ -12,6 +12,8 @@ import torch
 
 import minillm.attention
 import minillm.engine.scheduler
+import minillm.api
+import minillm.decode_loop
 import minillm.kv_cache
 import minillm.model
 import minillm.cache.paged
@@ -20,13 +22,12 @@ from minillm.course.ladder import STANDS_ON, check_on_ladder, implemented, piece
 from minillm.kv_cache import KVCache
 from tests.conftest import tiny_model
 
-generate_module = importlib.import_module("minillm.generate")  # minillm.generate is also the function
 sol = {k: importlib.import_module(f"solutions.{k}") for k in STANDS_ON}
 
 
 def _originals():
-    return (minillm.model.rms_norm, minillm.model.apply_rope, generate_module.sample_from_logits,
-            minillm.kv_cache.append_kv, minillm.kv_cache.KVCache, minillm.cache.paged.BlockAllocator,
+    return (minillm.model.rms_norm, minillm.model.apply_rope, minillm.decode_loop.sample_from_logits,
+            minillm.kv_cache.append_kv, minillm.kv_cache.KVCache, minillm.api.KVCache, minillm.cache.paged.BlockAllocator,
             minillm.cache.paged_attention.slot_mapping, minillm.cache.paged_attention.context_slots,
             minillm.cache.paged.PagedKVCache.__init__, minillm.engine.scheduler.schedule_step,
             minillm.engine.scheduler.postprocess_step, set(minillm.attention._REGISTRY))

@@ -18,12 +18,12 @@ from minillm.cache import kv_transfer
 from minillm.engine import LLM
 from minillm.cache.kv_pool import KVBlockPool, KVCacheSpec
 from minillm.cache.kv_transfer import kv_checksum, pack_kv_blocks, stored_tensors, unpack_kv_blocks
-from minillm.parallel.launch import load_for_rank
+from minillm.gguf.loader import load_spec
 from minillm.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SPEC = {"tiny": {}, "seed": 3}  # what the workers rebuild; load_for_rank(SPEC) here is the same model
+SPEC = {"tiny": {}, "seed": 3}  # what the workers rebuild; load_spec(SPEC) here is the same model
 GREEDY = SamplingParams(max_tokens=7, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=7, temperature=1.0, top_k=50, seed=11, ignore_eos=True)
 
@@ -202,7 +202,7 @@ LENGTHS = (1, 3, 4, 5, 8, 16, 17, 33)
 
 
 def test_disaggregated_greedy_and_seeded_equal_colocated(disagg):
-    model = load_for_rank(SPEC)
+    model = load_spec(SPEC)[0]
     prompts = [ids(n, n) for n in LENGTHS] + [ids(8, 8) + [7, 7]]  # the last shares a cached prefix
     for params in (GREEDY, SEEDED):
         outs = disagg.generate(prompts, params)
@@ -233,7 +233,7 @@ def test_int8_kv_and_a_corrupted_transfer():
     and the next request is served."""
     from minillm.serving.disagg import DisaggregatedLLM
 
-    model = load_for_rank(SPEC)
+    model = load_spec(SPEC)[0]
     kw = dict(block_size=4, num_blocks=64, kv_cache_dtype="int8")
     with DisaggregatedLLM(SPEC, prefill=kw, decode=kw, timeout_s=60, _fault=("corrupt", 1)) as d:
         first = d.generate([ids(13)], GREEDY)[0]

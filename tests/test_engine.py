@@ -12,7 +12,7 @@ import torch
 from minillm.config import ModelConfig
 from minillm.engine import LLM
 from minillm.engine.static import StaticBatchEngine, continuous_batching_loop, static_batching_loop
-from minillm.generate import generate_ids
+from minillm.api import generate_ids
 from minillm.model import Transformer
 from minillm.sampling import SamplingParams
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm.attention import repeat_kv
-from minillm.generate import generate_ids
+from minillm.api import generate_ids
 from minillm.compress.gqa import (
     grouped_attention,
     kv_heads_for,

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from minillm.attention import sdpa_attention
 from minillm.config import LLAMA2_7B, LLAMA2_70B, SMOLLM2_135M
-from minillm.generate import generate
+from minillm.api import generate
 from minillm.kv_cache import (
     CacheFullError,
     KVCache,

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm.config import ModelConfig
-from minillm.generate import generate_ids
+from minillm.api import generate_ids
 from minillm.model import Transformer
 from minillm.sampling import SamplingParams
 

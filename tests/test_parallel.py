@@ -33,10 +33,11 @@ from hypothesis import strategies as st
 
 from minillm.config import SMOLLM2_135M, ModelConfig
 from minillm.parallel.distributed import Comm, check_same_weights, free_port, init_group, launch, weights_checksum
-from minillm.generate import generate_ids
+from minillm.api import generate_ids
 from minillm.kv_cache import KVCache
 from minillm.model import Transformer
-from minillm.parallel.launch import ParallelConfig, generate_parallel, load_for_rank, validate
+from minillm.gguf.loader import load_spec
+from minillm.parallel.launch import ParallelConfig, generate_parallel, validate
 from minillm.parallel.pipeline import (PipelineStage, bubble_fraction, gpipe_schedule, measured_bubble,
                                        pipeline_prefill, stage_bounds)
 from minillm.sampling import SamplingParams
@@ -44,7 +45,7 @@ from minillm.parallel.sequence import enable_sequence_parallel, prefill_sp, resi
 from minillm.parallel.tensor import (RowParallelLinear, TPPlan, VocabParallelEmbedding, column_shard, column_slice,
                                      row_slice, shard_tensor_parallel, tp_bytes_per_token)
 
-_load_for_rank = load_for_rank  # the original: the ranks below patch minillm.parallel.launch.load_for_rank
+_load_spec = load_spec  # the original: the ranks below patch minillm.parallel.launch.load_spec
 
 # 6 query heads / 3 KV heads: attention splits at tp=3, is replicated at tp=2 (SmolLM2's 9/3 in miniature);
 # ffn 96 and vocab 384 divide by 2 and 3; 4 blocks make pp=3 uneven (2, 1, 1)
@@ -57,13 +58,13 @@ F32 = 4
 
 
 def _load_lively(spec, dtype: str = "float32", device="cpu"):
-    """load_for_rank plus two test-only keys: block_scale (see LIVELY) and seed_per_rank (rank r uses seed + r:
+    """load_spec plus two test-only keys: block_scale (see LIVELY) and seed_per_rank (rank r uses seed + r:
     ranks holding different weights)."""
     spec = dict(spec)
     if spec.pop("seed_per_rank", False):
         spec["seed"] = spec.get("seed", 0) + dist.get_rank()
     scale = spec.pop("block_scale", 1.0)
-    model = _load_for_rank(spec, dtype, device)
+    model, tok = _load_spec(spec, dtype, device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.startswith("layers.") and p.dim() == 2:
@@ -595,7 +596,7 @@ def test_one_rank_comm_counts_and_refusals(solo_group):
     assert comm.stats() == {} and comm.seconds == 0
 
     from minillm.compile.fusion import fuse, fuse_gate_up, fuse_norms, fuse_qkv
-    from minillm.compress.quant import quantize
+    from minillm.compress.quantize import quantize
 
     for rewrite in (fuse_qkv, fuse_gate_up, fuse_norms, fuse, lambda m: quantize(m, "int8")):
         with pytest.raises(ValueError, match="plain"):
@@ -639,7 +640,7 @@ def _suite(rank, world_size, cases, prompt, n_new):
     cases: (name, spec, ParallelConfig, expect_error); an expected RuntimeError is returned as its message."""
     import minillm.parallel.launch as par
 
-    par.load_for_rank = _load_lively
+    par.load_spec = lambda *a, **k: (_load_lively(*a, **k), None)
     out = {}
     for name, spec, cfg, expect_error in cases:
         if expect_error:

@@ -18,7 +18,7 @@ from minillm.config import ModelConfig
 from minillm.engine import LLM
 from minillm.engine.block_manager import BlockManager
 from minillm.engine.sequence import Sequence
-from minillm.generate import generate_ids
+from minillm.api import generate_ids
 from minillm.model import Transformer
 from minillm.cache.prefix_cache import ROOT_HASH, PrefixCachingAllocator, block_hashes, hash_block
 from minillm.sampling import SamplingParams

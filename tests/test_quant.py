@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from minillm.config import ModelConfig
-from minillm.kv_cache import KVCache
+from minillm.kv_cache import Int8KVCache, KVCache
 from minillm.compress.llm_int8 import LLMInt8Linear, int8_matmul_with_outliers
 from minillm.model import Transformer, model_bytes
-from minillm.compress.quant import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, fake_quantize_int4, pack_int4,
-                           quantize, quantize_int4, quantize_int8, unpack_int4)
+from minillm.compress.quant import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, fake_quantize_int4,
+                                    pack_int4, quantize_int4, quantize_int8, unpack_int4)
+from minillm.compress.quantize import quantize
 
 TINY = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
 
@@ -165,7 +166,7 @@ def test_fake_quantize_3_bit_is_worse_than_4_bit():
 
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
 def test_int8_kv_cache_decodes_close_to_the_float_cache(cache):
-    from minillm.generate import make_cache
+    from minillm.api import make_cache
 
     m = tiny_model()
     ids = torch.randint(0, TINY.vocab_size, (1, 20), generator=torch.Generator().manual_seed(2))
@@ -179,6 +180,8 @@ def test_int8_kv_cache_decodes_close_to_the_float_cache(cache):
     assert 0 < rel < 0.02
     with pytest.raises(ValueError, match="int8"):
         KVCache(TINY, 1, 8, kv_dtype=torch.float16)
+    with pytest.raises(ValueError, match="int8"):
+        KVCache(TINY, 1, 8, kv_dtype=torch.int8)  # int8 storage is its own class: Int8KVCache
 
 
 def test_int8_kv_cache_holds_about_twice_the_tokens():
@@ -187,13 +190,13 @@ def test_int8_kv_cache_holds_about_twice_the_tokens():
     fp = KVCacheSpec(30, 3, 64, 1, 16, torch.bfloat16).bytes_per_block()
     i8 = KVCacheSpec(30, 3, 64, 1, 16, torch.bfloat16, torch.int8).bytes_per_block()
     assert fp / i8 > 1.9
-    assert KVCache(TINY, 1, 8, kv_dtype=torch.int8).nbytes() < KVCache(TINY, 1, 8, torch.bfloat16).nbytes() * 0.6
+    assert Int8KVCache(TINY, 1, 8).nbytes() < KVCache(TINY, 1, 8, torch.bfloat16).nbytes() * 0.6
 
 
 @pytest.mark.slow
 def test_native_q4_model_is_the_files_bytes():
     """weights="q4": every Q4_1 layer dequantizes to exactly the fp32 model's weight (same file, nothing rounded)."""
-    from minillm.gguf.loader import load_model
+    from minillm.api import load_model
 
     q4, _ = load_model(weights="q4")
     fp, _ = load_model()

@@ -207,9 +207,9 @@ def workload(n: int, seed: int = 0) -> list[list[int]]:
 
 def reference(prompts, params) -> list[list[int]]:
     from minillm.engine import LLM
-    from minillm.parallel.launch import load_for_rank
+    from minillm.gguf.loader import load_spec
 
-    return [o.token_ids for o in LLM.from_model(load_for_rank(SPEC), **ENGINE).generate(prompts, params)]
+    return [o.token_ids for o in LLM.from_model(load_spec(SPEC)[0], **ENGINE).generate(prompts, params)]
 
 
 @pytest.fixture(scope="module")

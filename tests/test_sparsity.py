@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from minillm.config import ModelConfig
-from minillm.generate import generate_ids
+from minillm.api import generate_ids
 from minillm.model import Transformer
 from minillm.compress.pruning import (
     block_importance,
@@ -179,7 +179,7 @@ def test_prune_bad_input():
         prune(m, 0.3, "magnitude", "2:4")
     with pytest.raises(ValueError, match="unknown method"):
         prune(m, 0.5, "random")
-    from minillm.compress.quant import quantize
+    from minillm.compress.quantize import quantize
 
     with pytest.raises(ValueError, match="float model"):
         prune(quantize(tiny_model(), "int8"), 0.5, "magnitude")

@@ -31,7 +31,7 @@ from minillm.engine import LLM
 from minillm.engine.block_manager import BlockManager
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.sequence import Sequence
-from minillm.generate import generate, generate_ids
+from minillm.api import generate, generate_ids
 from minillm.kv_cache import KVCache
 from minillm.model import Transformer
 from minillm.cache.paged import PagedSequenceCache

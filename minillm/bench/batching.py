@@ -46,7 +46,7 @@ def hf_padded_generate(requests, max_batch: int, dtype: str) -> tuple[float, int
 def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> BenchResult:
     from minillm.engine import LLM
     from minillm.engine.static import StaticBatchEngine
-    from minillm.gguf.loader import load_model
+    from minillm.api import load_model
 
     n, prompt_len, output_len, max_batch = (8, (16, 32), (4, 32), 4) if quick else (64, (16, 128), (8, 256), 16)
     model, tok = load_model("smollm2-135m", dtype=dtype, device="cpu")

@@ -57,7 +57,7 @@ def _row(label: str, signal: str, p: dict) -> dict:
 
 def measure(quick: bool = False, threads: int = 1) -> dict:
     from minillm.serving.cascade import SIGNALS, Cascade, Outcome, answer_kl, escalates, load_small, outcomes, sweep
-    from minillm.gguf.loader import load_model
+    from minillm.api import load_model
     from minillm.sampling import SamplingParams
 
     torch.set_num_threads(threads)

@@ -34,7 +34,7 @@ def mixed_workload(tok, n_decode: int, decode_len: int, n_long: int, long_len: i
 
 def run(quick: bool = False, dtype: str = "float32") -> BenchResult:
     from minillm.engine import LLM
-    from minillm.gguf.loader import load_model
+    from minillm.api import load_model
 
     if quick:
         n_decode, decode_len, n_long, long_len, gap, first, budgets = 2, 12, 2, 160, 0.5, 0.2, (256, 32)

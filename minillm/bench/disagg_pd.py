@@ -46,7 +46,7 @@ def measure(quick: bool, threads: int = 1, colocated_threads: int | None = None)
     than free cores a step can slow down many-fold (spin-waiting threads), which would flatter disaggregation."""
     from minillm.serving.disagg import DisaggregatedLLM
     from minillm.engine import LLM
-    from minillm.gguf.loader import load_model
+    from minillm.api import load_model
     from minillm.bench.harness import load_average
 
     if quick:

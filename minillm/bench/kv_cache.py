@@ -24,7 +24,7 @@ from minillm.bench.harness import (
     time_fn,
     weight_bytes,
 )
-from minillm.generate import generate_ids
+from minillm.api import generate_ids
 from minillm.sampling import SamplingParams
 
 PROMPT_LEN = 32

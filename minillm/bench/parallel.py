@@ -25,10 +25,10 @@ LINKS = {"NVLink 4 (H100 SXM)": (450.0, 8.0), "PCIe 4.0 x16": (25.0, 25.0)}
 def rank_bubble(rank: int, world_size: int, spec, prompt_ids: list[int], micro: list[int]) -> list[dict]:
     """Prefill the same prompt through a pipeline with each micro-batch count; the measured bubble of each."""
     from minillm.parallel.distributed import Comm
-    from minillm.parallel.launch import load_for_rank
+    from minillm.gguf.loader import load_spec
     from minillm.parallel.pipeline import PipelineStage, StageCache, measured_bubble, pipeline_prefill
 
-    model = load_for_rank(spec)
+    model = load_spec(spec)[0]
     stage = PipelineStage(model, Comm(), len(prompt_ids))
     ids = torch.tensor([prompt_ids])
     out = []
@@ -61,14 +61,14 @@ def analytic_tp(cfg, name: str, tp: int = 8, batch: int = 1, context: int = 4096
 
 
 def single_process(spec, ids: list[int], n: int, threads: int) -> tuple[list[int], float]:
-    from minillm.generate import generate_ids
-    from minillm.parallel.launch import load_for_rank
+    from minillm.api import generate_ids
+    from minillm.gguf.loader import load_spec
     from minillm.sampling import SamplingParams
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        model = load_for_rank(spec)
+        model = load_spec(spec)[0]
         params = SamplingParams(max_tokens=n, ignore_eos=True)
         list(generate_ids(model, ids[:8], SamplingParams(max_tokens=2)))  # warm-up
         t0, times, out = time.perf_counter(), [], []
@@ -82,7 +82,8 @@ def single_process(spec, ids: list[int], n: int, threads: int) -> tuple[list[int
 
 def run(quick: bool = False) -> BenchResult:
     from minillm.config import LLAMA2_7B, LLAMA2_70B
-    from minillm.parallel.launch import generate_parallel, load_for_rank
+    from minillm.gguf.loader import load_spec
+    from minillm.parallel.launch import generate_parallel
     from minillm.parallel.pipeline import bubble_fraction
     from minillm.parallel.sequence import residual_bytes
     from minillm.parallel.tensor import TPPlan, tp_bytes_per_token
@@ -94,7 +95,7 @@ def run(quick: bool = False) -> BenchResult:
     else:
         spec, configs, n, prompt_len, micro = "smollm2-135m", [{"tp": 2}, {"tp": 3}, {"tp": 3, "sp": True},
                                                                {"pp": 2}, {"pp": 3}], 64, 96, [1, 2, 4, 8]
-    cfg = load_for_rank(spec).config
+    cfg = load_spec(spec)[0].config
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (256,), generator=gen).tolist()
     prompt = ids[:prompt_len]

@@ -65,7 +65,7 @@ def _mean(xs) -> float:
 def run(quick: bool = False, dtype: str = "float32") -> BenchResult:
     from minillm.cache.block_allocator import blocks_needed
     from minillm.engine import LLM
-    from minillm.gguf.loader import load_model
+    from minillm.api import load_model
     from minillm.sampling import SamplingParams
 
     # quick: a budget smaller than one prompt, so the burst shows what full mode does (the first request's prefill

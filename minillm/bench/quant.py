@@ -58,7 +58,8 @@ def variants(quick: bool, calib: list[int]):
     """name -> (builder, quality only?). Builders load a fresh model: quantization happens in place."""
     from minillm import load_model
     from minillm.compress.awq import apply_awq
-    from minillm.compress.quant import fake_quantize_int4, quantize
+    from minillm.compress.quant import fake_quantize_int4
+    from minillm.compress.quantize import quantize
 
     def fresh(dtype="bfloat16", **kw):
         return load_model("smollm2-135m", dtype=dtype, **kw)[0]

@@ -274,7 +274,7 @@ def run(quick: bool = False, url: str | None = None, rate: float | list[float] |
     from concurrent.futures import ThreadPoolExecutor
     from contextlib import nullcontext
 
-    from minillm.gguf.loader import load_model
+    from minillm.api import load_model
     from minillm.gguf.tokenizer import Tokenizer
     from minillm.gguf.weights import gguf_path, read_gguf_metadata
 

@@ -88,7 +88,7 @@ def verify_cost(model, q_lens: list[int], context: int = 128) -> list[dict]:
 
 
 def timed(model, tok, ids: list[int], n: int, spec=None):
-    from minillm.generate import generate
+    from minillm.api import generate
     from minillm.speculative.decoding import SpecStats
 
     stats = SpecStats()
@@ -111,7 +111,8 @@ def engine_throughput(model, tok, prompts: list[list[int]], batch: int, n: int, 
 
 
 def run(quick: bool = False) -> BenchResult:
-    from minillm.gguf.loader import load_model, saved_model_dir
+    from minillm.api import load_model
+    from minillm.gguf.loader import saved_model_dir
     from minillm.speculative.decoding import SpeculativeConfig, expected_tokens_per_step
 
     b = budget(quick)

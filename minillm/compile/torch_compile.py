@@ -15,6 +15,7 @@ the positions written so far. Every decode step then has the same shapes: one co
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 import shutil
 
 import torch
@@ -23,6 +24,8 @@ from torch import Tensor
 
 from minillm.attention import AttentionFn
 from minillm.kv_cache import CacheFullError
+from minillm.request import Request
+from minillm.sampling import sample_from_logits
 
 
 
@@ -109,3 +112,27 @@ def compiled_decode(model, mode: str | None = None):
         torch._inductor.config.fx_graph_cache = True
         cached[key] = (id(model), torch.compile(model.forward, mode=key, fullgraph=True, dynamic=False))
     return cached[key][1]
+
+
+@torch.inference_mode()
+def decode_tokens_compiled(model, req: Request) -> Iterator[int]:
+    """decode_tokens (minillm/decode_loop.py) with every decode step through the compiled forward: the prompt prefills
+    eagerly into a StaticKVCache, then each step has the same shapes (position as a tensor, the host counts). The
+    first call compiles (seconds); later calls with the same cache length reuse it."""
+    params, ids = req.params, req.prompt_ids
+    kv = StaticKVCache.for_model(model, 1, min(static_length(len(ids) + params.max_tokens), model.config.max_seq_len))
+    step = compiled_decode(model)
+    step_input = torch.tensor([ids], dtype=torch.long, device=model.device)
+    for i in range(params.max_tokens):
+        if i == 0:
+            logits = model(step_input, kv_cache=kv, last_only=True)[:, -1]
+        else:
+            positions = torch.tensor([kv.seq_len], device=model.device)
+            logits = step(step_input, positions=positions, kv_cache=kv, last_only=True)[:, -1]
+            kv.seq_len += 1
+        token = sample_from_logits(logits, params.temperature, params.top_k, params.top_p, req.generator)  # (1,)
+        tok = int(token)
+        yield tok
+        if tok in req.stop_ids:
+            return
+        step_input = token[:, None]

@@ -16,7 +16,7 @@ Two formats, both real storage (the bytes are counted from the tensors, `minillm
   `load_model(weights="q4")` fills these layers with the file's own bytes. CPU kernel: torch's int4 pack matmul
   (bf16 activations); GPU: Triton.
 
-`quantize(model, scheme)` swaps every nn.Linear (and the tied LM head with its embedding) for a quantized layer,
+`quantize(model, scheme)` (minillm/compress/quantize.py) swaps every nn.Linear (and the tied LM head with its embedding) for a quantized layer,
 gpt-fast style: the model code does not change. LLM.int8() (outlier decomposition) is in llm_int8.py, AWQ in awq.py.
 """
 
@@ -254,51 +254,8 @@ class QuantizedEmbedding(nn.Module):
 
 # ------------------------------------------------------------------------------------------ the transformation
 
-SCHEMES = {
-    "int8": "int8 weight-only, per output channel (symmetric)",
-    "int4": "int4 weight-only, group-wise asymmetric round-to-nearest (group_size 32/64/128)",
-    "llm.int8": "LLM.int8(): int8 x int8 matmul with outlier activation columns kept in float (llm_int8.py)",
-}
-
-
 def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, QuantizedLinear) for m in model.modules())
-
-
-def quantize(model: nn.Module, scheme: str, group_size: int = 32, include_head: bool = True,
-             threshold: float = 6.0) -> nn.Module:
-    """Replace the model's Linear layers (in place) by quantized ones; returns the model.
-
-    include_head also quantizes the LM head, and the embedding tied to it reads the same quantized storage.
-    For AWQ, run awq.apply_awq(model, ...) first (it rescales weights), then quantize(model, "int4")."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {list(SCHEMES)}")
-    if is_quantized(model):
-        raise ValueError("this model is already quantized: quantizing twice would re-round rounded weights. "
-                         "Load a fresh model and quantize it once.")
-    if scheme == "int4":
-        for name, m in model.named_modules():
-            if isinstance(m, nn.Linear):
-                check_group_size(m.in_features, group_size)
-
-    def make(name: str, linear: nn.Linear) -> nn.Module:
-        if scheme == "int8":
-            return Int8Linear.from_linear(linear)
-        if scheme == "int4":
-            return Int4Linear.from_linear(linear, group_size)
-        from minillm.compress.llm_int8 import LLMInt8Linear
-
-        return LLMInt8Linear.from_linear(linear, threshold)
-
-    dtype = model.dtype
-    replace_linears(model, make)
-    if include_head and isinstance(getattr(model, "lm_head", None), nn.Linear):
-        tied = getattr(model.config, "tie_embeddings", False)
-        model.lm_head = make("lm_head", model.lm_head)
-        if tied:
-            model.embed = QuantizedEmbedding(model.lm_head, dtype)
-    model.quant_scheme = scheme
-    return model
 
 
 def fake_quantize_int4(model: nn.Module, group_size: int = 128, bits: int = 4) -> nn.Module:

@@ -100,7 +100,7 @@ TASKS: dict[str, list[tuple[str, str]]] = {
     ],
 }
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: minillm/course/grading.py
 
 
 class GradingSetupError(RuntimeError):

@@ -103,7 +103,7 @@ HINTS: dict[str, tuple[str, str]] = {
                          "Outliers: columns with any |x| > threshold (strictly). Zero them, quantize each token row "
                          "with its own scale, int8 x int8 -> int32 (_int8_mm), times the token's and the weight "
                          "row's scales; add x[:, outliers] @ the dequantized weight columns in float."),
-    "task_07_real_model": ("Nothing new to write: minillm.compress.quant.quantize builds SmolLM2's int8 and int4 layers with "
+    "task_07_real_model": ("Nothing new to write: minillm.compress.quantize.quantize builds SmolLM2's int8 and int4 layers with "
                            "your functions.",
                            "The file's weights are Q4_1 already, so your int4 must give them back to float32 "
                            "rounding; the int8 model must answer Paris, and perplexity may rise at most 2% (int8) "
@@ -279,7 +279,7 @@ RECIPES["task_06_real_model"] = (
 RECIPES["task_07_real_model"] = (
     "MINILLM_GRADE=exercises python -m pytest tests/graders/test_ex07_quant.py -m task_07_real_model -x -rP shows "
     "the failing case and the perplexities; by hand: set minillm.compress.quant's quantize_int8 ... unpack_int4 to yours, "
-    "quantize a bfloat16 copy of the model with minillm.compress.quant.quantize(copy, 'int8') and compare "
+    "quantize a bfloat16 copy of the model with minillm.compress.quantize.quantize(copy, 'int8') and compare "
     "minillm.compress.quality.perplexity with the float model's.")
 RECIPES["task_08_real_model"] = (
     "MINILLM_GRADE=exercises python -m pytest tests/graders/test_ex08_sparsity.py -m task_08_real_model -x -rP shows "

@@ -31,6 +31,16 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from types import ModuleType
 
+import minillm.api as api
+import minillm.attention as attention
+import minillm.cache.paged as paged
+import minillm.cache.paged_attention as paged_attention
+import minillm.decode_loop as decode_loop
+import minillm.engine.scheduler as scheduler
+import minillm.kv_cache as kv_cache
+import minillm.model as model_mod
+import minillm.sampling as sampling
+
 # the order lessons build the engine in
 LADDER = ["ex00_decoder", "ex01_kv_cache", "ex02_gqa", "ex03_flash", "ex04_paged", "ex05_batching"]
 # what each real-model task runs underneath its own exercise: the earlier pieces on its path. ex02/ex03 leave ex01's
@@ -55,6 +65,23 @@ PIECES: dict[str, list[str]] = {
     "ex03_flash": ["flash_attention"],
     "ex04_paged": ["BlockAllocator", "slot_mapping", "context_slots"],
     "ex05_batching": ["schedule_step", "postprocess_step"],
+}
+
+
+# piece -> the module globals it replaces: the engine calls these names through their modules, so patching the
+# global swaps the learner's function in everywhere. Real imports: a moved module breaks this table loudly.
+SEAMS: dict[str, list[tuple[ModuleType, str]]] = {
+    "rms_norm": [(model_mod, "rms_norm")],  # Transformer's blocks call the module-level functions
+    "apply_rope": [(model_mod, "apply_rope")],
+    "sample_from_logits": [(decode_loop, "sample_from_logits"), (sampling, "sample_from_logits")],
+    "append_kv": [(kv_cache, "append_kv")],  # KVCache.attend writes through the module-level function
+    "BlockAllocator": [(paged, "BlockAllocator")],  # every PagedKVCache (generate's and the engine's) builds one
+    # AttentionMetadata.build (write slots) and StepPlan.build (read slots) call the module globals
+    "slot_mapping": [(paged_attention, "slot_mapping")],
+    "context_slots": [(paged_attention, "context_slots")],
+    # Scheduler.schedule / postprocess call the module-level functions
+    "schedule_step": [(scheduler, "schedule_step")],
+    "postprocess_step": [(scheduler, "postprocess_step")],
 }
 
 
@@ -100,12 +127,6 @@ def use_exercises(model, *modules: ModuleType, skip_stubs: bool = False, only: s
     Yields the pieces swapped in, as "exNN_topic.name". Everything is restored on exit, the model's attention backend
     included. Later modules win where two plug into the same seam (the dense attention backend). `only` limits the
     swap to those names (one piece at a time, to find which one breaks the model)."""
-    # by module path: the package re-exports functions named like some of its modules (minillm.generate)
-    attention, generate, kv_cache, model_mod, paged, paged_attention, sampling, scheduler = (
-        importlib.import_module(f"minillm.{m}")
-        for m in ("attention", "generate", "kv_cache", "model", "paged", "paged_attention", "sampling",
-                  "engine.scheduler"))
-
     used: list[str] = []
     with ExitStack() as stack:
         def patch(owner, name: str, value) -> None:
@@ -128,26 +149,17 @@ def use_exercises(model, *modules: ModuleType, skip_stubs: bool = False, only: s
                     continue
                 fn = getattr(module, name)
                 used.append(f"{key}.{name}")
-                if name in ("rms_norm", "apply_rope"):
-                    patch(model_mod, name, fn)  # Transformer's blocks call the module-level functions
-                elif name == "sample_from_logits":
-                    patch(generate, name, fn)  # generate() imported the name
-                    patch(sampling, name, fn)
+                if name in SEAMS:
+                    for owner, attr in SEAMS[name]:
+                        patch(owner, attr, fn)
                 elif name in ("naive_attention", "grouped_attention"):
                     attention_backend(f"exercise_{key}", fn)
                 elif name == "flash_attention":  # small tiles, so a short prompt still spans several of them
                     attention_backend(f"exercise_{key}", functools.partial(fn, block_q=16, block_k=16))
-                elif name == "append_kv":
-                    patch(kv_cache, name, fn)  # KVCache.attend writes through the module-level function
-                elif name == "decode_attention":
-                    patch(kv_cache, "KVCache", _cache_with_decode(kv_cache.KVCache, fn))
-                elif name == "BlockAllocator":
-                    patch(paged, name, fn)  # every PagedKVCache (generate's and the engine's) builds one
-                elif name in ("slot_mapping", "context_slots"):
-                    # AttentionMetadata.build (write slots) and StepPlan.build (read slots) call the module globals
-                    patch(paged_attention, name, fn)
-                elif name in ("schedule_step", "postprocess_step"):
-                    patch(scheduler, name, fn)  # Scheduler.schedule / postprocess call the module-level functions
+                elif name == "decode_attention":  # the class the front door's make_cache builds
+                    cls = _cache_with_decode(kv_cache.KVCache, fn)
+                    patch(kv_cache, "KVCache", cls)
+                    patch(api, "KVCache", cls)
         yield used
 
 
@@ -158,7 +170,6 @@ def _cache_with_decode(base: type, decode_attention: Callable) -> type:
         def attend(self, layer_id, q, k, v, attn):
             if q.shape[2] != 1:
                 return super().attend(layer_id, q, k, v, attn)  # prefill: the model's dense backend
-            kv_cache = importlib.import_module("minillm.kv_cache")
             end = kv_cache.append_kv(self.k[layer_id], self.v[layer_id], k, v, self.start)
             return decode_attention(q, self.k[layer_id], self.v[layer_id], end)
 

@@ -62,7 +62,7 @@ class LLM(HandoffMixin):
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, attn_backend: str = "sdpa",
                  fuse: bool = False, kv_cache_dtype: str | None = None, weights: str = "dequantized",
                  speculative: SpeculativeConfig | None = None, enable_prefix_caching: bool = False):
-        from minillm.gguf.loader import load_model
+        from minillm.api import load_model
 
         model, tokenizer = load_model(model_name, dtype=dtype, device=device, attn_backend=attn_backend, fuse=fuse,
                                       weights=weights)

@@ -1,4 +1,6 @@
-"""load_model: GGUF file -> (Transformer, Tokenizer), with an explicit map from GGUF names to our parameters."""
+"""The model file -> (Transformer, Tokenizer), with an explicit map from GGUF names to our parameters.
+
+Plain loading only: minillm.api.load_model adds the techniques a caller asks for (fuse=True, weights="q4")."""
 
 from __future__ import annotations
 
@@ -74,15 +76,8 @@ def gguf_state_dict(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[st
     return sd
 
 
-WEIGHTS = {
-    "dequantized": "every tensor expanded to `dtype` at load (the reference model of every lesson)",
-    "q4": "the file's Q4_1 tensors kept as 4-bit Int4Linear layers, bit for bit (lesson 07); the rest in `dtype`",
-}
-
-
-def _int4_from_q4_1(sd: dict) -> dict:
-    """Our names -> Int4Linear for every Q4_1 tensor (removed from sd): the file's codes, d and m."""
-    from minillm.compress.quant import Int4Linear
+def _q4_1_layers(sd: dict, make_layer) -> dict:
+    """Our names -> make_layer(codes, d, m) for every Q4_1 tensor (removed from sd): the file's own codes, d and m."""
     from minillm.gguf.weights import q4_1_blocks
 
     layers = {}
@@ -90,45 +85,39 @@ def _int4_from_q4_1(sd: dict) -> dict:
         if arr.dtype != np.uint8:
             continue
         codes, d, m = q4_1_blocks(arr)  # q/k rows were already unpermuted: a row permutation keeps blocks whole
-        layers[ours.removesuffix(".weight")] = Int4Linear(
+        layers[ours.removesuffix(".weight")] = make_layer(
             torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(np.ascontiguousarray(d)),
-            torch.from_numpy(np.ascontiguousarray(m)), group_size=32)
+            torch.from_numpy(np.ascontiguousarray(m)))
         del sd[ours]
     return layers
 
 
-def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str | None = "cpu",
-               attn_backend: str = "sdpa", fuse: bool = False, weights: str = "dequantized"):
-    """Load a known model: returns (model, tokenizer). Downloads and verifies the weights on first use.
-    fuse=True applies lesson 06's fusions (minillm.compile.fusion.fuse): same logits, fewer ops per step.
-    weights="q4" keeps the file's 4-bit layers packed (see WEIGHTS); the tied Q8_0 embedding is expanded.
-    A name saved with save_model (a pruned or distilled model: lessons 08-09) loads from the cache dir."""
+def load_from_file(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str | None = "cpu",
+                   attn_backend: str = "sdpa", q4_1_layer=None):
+    """(model, tokenizer) of a known model, every tensor in `dtype`; downloads and verifies the file on first use.
+    q4_1_layer(codes, d, m) -> nn.Module keeps each Q4_1 tensor packed in the layer it builds (the caller chooses
+    the layer type: minillm/api.py passes lesson 07's Int4Linear). A name saved with save_model loads from disk."""
     from minillm.gguf.tokenizer import Tokenizer
     from minillm.gguf.weights import KNOWN_MODELS
 
     if name not in KNOWN_MODELS:
-        if name and "/" not in name and (saved_model_dir(name) / "config.json").exists():
-            if fuse or weights != "dequantized":
-                raise ValueError(f"{name!r} is a saved float model: load it, then fuse or quantize it")
+        if saved_model_exists(name):
+            if q4_1_layer is not None:
+                raise ValueError(f"{name!r} is a saved float model: load it, then quantize it")
             return load_saved(name, dtype, device)
         if name in HOW_TO_MAKE:
             raise ValueError(f"{name!r} has not been made on this machine yet: {HOW_TO_MAKE[name]}")
     model_source(name)  # unknown names fail here, before any download
-    if weights not in WEIGHTS:
-        raise ValueError(f"unknown weights={weights!r}; choose one of {list(WEIGHTS)}")
-    if weights == "q4" and fuse:
-        raise ValueError("fuse=True rewrites float Linear layers; with weights='q4' they are already 4-bit. "
-                         "Use one or the other.")
     torch_dtype, dev = resolve_dtype(dtype), resolve_device(device)
     t0 = time.perf_counter()
     path = gguf_path(name)
-    meta, tensors = read_gguf(path, keep_q4_1=weights == "q4")
+    meta, tensors = read_gguf(path, keep_q4_1=q4_1_layer is not None)
     cfg = ModelConfig.from_gguf_metadata(meta)
     with torch.device("meta"):
         model = Transformer(cfg, attn_backend=attn_backend)
     model = model.to_empty(device=dev)
     sd = gguf_state_dict(tensors, cfg)
-    packed = _int4_from_q4_1(sd) if weights == "q4" else {}
+    packed = _q4_1_layers(sd, q4_1_layer) if q4_1_layer is not None else {}
     sd = {k: torch.from_numpy(v) for k, v in sd.items()}
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")
@@ -143,16 +132,28 @@ def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
         setattr(model.get_submodule(parent), child, layer.to(dev))
     if packed:
         model.quant_scheme = "q4_1 (from the file)"
-    if fuse:
-        from minillm.compile.fusion import fuse as fuse_model
-
-        fuse_model(model)
     model.load_seconds = time.perf_counter() - t0
     return model, Tokenizer.from_gguf_metadata(meta)
 
 
+def load_spec(spec, dtype: str = "float32", device: torch.device | str = "cpu"):
+    """(model, tokenizer) for a spec any process can rebuild the same: a registered/saved name, or {"tiny":
+    overrides, "seed": s} (a random model, tokenizer None: prompts are token ids). Worker processes load with it."""
+    if isinstance(spec, dict):
+        torch.manual_seed(spec.get("seed", 0))
+        return Transformer(ModelConfig.tiny(**spec.get("tiny", {}))).to(getattr(torch, dtype)).to(device).eval(), None
+    return load_from_file(spec, dtype=dtype, device=str(device))
+
 
 # ------------------------------------------------------------------------------- transformed models on disk
+
+
+def saved_model_exists(name: str) -> bool:
+    """Is `name` a model save_model wrote (and not one of the known model files)?"""
+    from minillm.gguf.weights import KNOWN_MODELS
+
+    return name not in KNOWN_MODELS and bool(name) and "/" not in name and (
+        saved_model_dir(name) / "config.json").exists()
 
 
 def saved_model_dir(name: str) -> Path:

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from minillm.gguf.loader import load_spec
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -46,25 +48,6 @@ class ParallelConfig:
         return self.tp * self.pp
 
 
-def load_for_rank(spec, dtype: str = "float32", device: torch.device | str = "cpu"):
-    """The model every rank loads: a registered/saved name, or {"tiny": overrides, "seed": s} (a random model)."""
-    return load_spec(spec, dtype, device)[0]
-
-
-def load_spec(spec, dtype: str = "float32", device: torch.device | str = "cpu"):
-    """(model, tokenizer) for a spec any process can rebuild the same: a registered/saved name, or {"tiny":
-    overrides, "seed": s} (a random model, tokenizer None: prompts are token ids)."""
-    if isinstance(spec, dict):
-        from minillm.config import ModelConfig
-        from minillm.model import Transformer
-
-        torch.manual_seed(spec.get("seed", 0))
-        return Transformer(ModelConfig.tiny(**spec.get("tiny", {}))).to(getattr(torch, dtype)).to(device).eval(), None
-    from minillm.gguf.loader import load_model
-
-    return load_model(spec, dtype=dtype, device=str(device))
-
-
 def validate(model_config, cfg: ParallelConfig) -> None:
     """Every refusal that can be decided from the config, before any process starts or any collective runs."""
     if cfg.tp > 1:
@@ -87,7 +70,7 @@ def rank_generate(rank: int, world_size: int, spec, prompt_ids: list[int], max_n
     from minillm.kv_cache import KVCache
 
     device = rank_device()  # its own GPU under NCCL, the CPU under gloo
-    model = load_for_rank(spec, dtype, device)
+    model = load_spec(spec, dtype, device)[0]
     validate(model.config, cfg)
     comm = Comm()
     check_same_weights(model, comm)
@@ -158,9 +141,7 @@ def generate_parallel(model: str | dict = "smollm2-135m", prompt: str | list[int
             raise ValueError("a tiny random model has no tokenizer: give the prompt as token ids")
         ids = prompt
     else:
-        from minillm.gguf.loader import load_model
-
-        m, tok = load_model(model, dtype=dtype)  # validates the name and the file once, in this process
+        m, tok = load_spec(model, dtype=dtype)  # validates the name and the file once, in this process
         model_config = m.config
         del m
         ids = prompt if isinstance(prompt, list) else (
@@ -183,4 +164,4 @@ def generate_parallel(model: str | dict = "smollm2-135m", prompt: str | list[int
     return res
 
 
-__all__ = ["ParallelConfig", "generate_parallel", "load_for_rank", "rank_generate", "validate"]
+__all__ = ["ParallelConfig", "generate_parallel", "rank_generate", "validate"]

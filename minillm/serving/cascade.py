@@ -191,7 +191,7 @@ def early_exit_model(target, n_layers: int):
 def load_small(target, name: str = STUDENT, exit_layers: int = 16) -> tuple[object, str]:
     """The distilled student of lesson 09 when it has been saved on this machine, else the early-exit stand-in.
     Returns (model, description): say which one the numbers belong to."""
-    from minillm.gguf.loader import load_model
+    from minillm.gguf.loader import load_from_file as load_model
 
     try:
         model, _ = load_model(name, dtype=str(target.dtype).removeprefix("torch."), device=str(target.device))

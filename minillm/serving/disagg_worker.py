@@ -69,7 +69,7 @@ def _worker_main(rank: int, spec, dtype: str, threads: int, engine_kwargs: dict,
     try:
         from minillm.parallel.distributed import init_group, weights_checksum
         from minillm.engine import LLM
-        from minillm.parallel.launch import load_spec
+        from minillm.gguf.loader import load_spec
 
         dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if device == "cuda" else "cpu")
         model, tok = load_spec(spec, dtype, dev)

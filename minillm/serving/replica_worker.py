@@ -1,7 +1,7 @@
 """Inside one replica process of a ReplicaPool (lesson 13): load the model, build the engine, serve the pipes.
 
 minillm/serving/replicas.py starts one process per replica with `_replica_main`. It loads the model (a name or a
-minillm.parallel.launch.load_for_rank spec), reports its weights' checksum, builds LLM.from_model(...,
+minillm.gguf.loader.load_spec spec), reports its weights' checksum, builds LLM.from_model(...,
 enable_prefix_caching=True) and runs server.py's EngineThread, which steps the engine while requests are unfinished.
 Commands come in on one pipe (add, abort, reset, stop); events go out on another, one per token (the last one of a
 request carries the replica's prefix-cache stats). `Fault` makes a replica slow or crash, for tests and drills.
@@ -77,7 +77,7 @@ def _replica_main(replica_id: int, spec, dtype: str, engine_kwargs: dict, thread
                 pass
 
     try:
-        from minillm.parallel.launch import load_spec
+        from minillm.gguf.loader import load_spec
 
         model, tok = load_spec(spec, dtype)
         llm = _build_engine(model, tok, engine_kwargs, fault)

@@ -6,7 +6,7 @@
 
 Data parallelism for serving: one engine's throughput is bounded by its hardware, so copies of it run side by side
 and a router (minillm/serving/router.py) decides where each request goes. Each replica is a spawned process that loads the
-model (a name, or a minillm.parallel.launch.load_for_rank spec {"tiny": {...}, "seed": s}), builds
+model (a name, or a minillm.gguf.loader.load_spec spec {"tiny": {...}, "seed": s}), builds
 LLM.from_model(..., enable_prefix_caching=True) and runs server.py's EngineThread: it steps the engine while requests
 are unfinished and takes commands between steps (minillm/serving/replica_worker.py: the replica's side; this file is the
 pool's). The pool talks to each replica over two pipes: commands in (add, abort, reset, stop), events out (one per
@@ -69,7 +69,7 @@ class _Job:
 
 
 class ReplicaPool:
-    """N engine replicas (processes) behind a router. `model`: a name or a load_for_rank spec (or a list, one per
+    """N engine replicas (processes) behind a router. `model`: a name or a load_spec spec (or a list, one per
     replica); `policy`: "round_robin" | "least_tokens" | "prefix_affinity" | a Router; `engine_kwargs`: for
     LLM.from_model (num_blocks, block_size, max_num_seqs, ...); `timeout`: seconds a request may take from arrival
     (also the startup limit); `faults`: {replica: Fault} for tests."""

@@ -78,7 +78,7 @@ def make_drafter(config: SpeculativeConfig, target, num_blocks: int = 1024, bloc
     else:
         draft = config.draft_model
         if isinstance(draft, str):
-            from minillm.gguf.loader import load_model
+            from minillm.gguf.loader import load_from_file as load_model
 
             draft, _ = load_model(draft, dtype=str(target.dtype).removeprefix("torch."), device=str(target.device))
         drafter = ModelDrafter(draft, None, num_blocks, block_size)
@@ -179,18 +179,15 @@ def check_budget(k: int, prompt_len: int, max_seq_len: int) -> None:
 
 
 @torch.inference_mode()
-def generate_speculative(model, req: Request, drafter, k: int, cache: str = "contiguous",
-                         stats: SpecStats | None = None) -> Iterator[int]:
-    """Yield the new token ids of one request, several per target forward; the same tokens as target-only greedy
-    decoding, and the target's distribution when sampling."""
-    from minillm.generate import make_cache  # generate.py imports this module
-
-    if cache == "none":
+def generate_speculative(model, req: Request, drafter, k: int, kv, stats: SpecStats | None = None) -> Iterator[int]:
+    """Yield the new token ids of one request, several per target forward, over `kv` (an empty cache with room for
+    prompt + max_tokens + k): the same tokens as target-only greedy decoding, the target's distribution when
+    sampling."""
+    if kv is None:
         raise ValueError("speculative decoding verifies drafts over a KV cache: use cache='contiguous' or 'paged'")
     params, ids = req.params, list(req.prompt_ids)
     max_len = model.config.max_seq_len
     check_budget(k, len(ids), max_len)
-    kv = make_cache(cache, model, min(len(ids) + params.max_tokens + k, max_len))
     logits = model(torch.tensor([ids], device=model.device), kv_cache=kv, last_only=True)[0]  # prefill
     new = verify(logits, [], None, params, req.generator)  # no drafts yet: one ordinary sample
     n_out = 0

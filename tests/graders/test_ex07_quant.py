@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import minillm
 import minillm.compress.llm_int8
 import minillm.compress.quant
+import minillm.compress.quantize
 from tests.graders.conftest import TARGET, forbid_calls, load_impl
 
 impl = load_impl("ex07_quant")
@@ -544,7 +545,7 @@ def test_your_quantized_smollm2(real_model, monkeypatch):
     @one_thread  # copying and quantizing too: two threads crawl when another process holds a core
     @torch.inference_mode()
     def run(scheme: str):
-        qm = minillm.compress.quant.quantize(copy.deepcopy(model).to(torch.bfloat16), scheme, group_size=32)
+        qm = minillm.compress.quantize.quantize(copy.deepcopy(model).to(torch.bfloat16), scheme, group_size=32)
         text = minillm.generate(qm, tok, chat_ids(tok), max_new_tokens=N_TOKENS).text
         return perplexity_of_ids(qm, ids), text, model_bytes(qm)
 

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 import minillm
 import minillm.compress.sparsity
 from minillm.config import ModelConfig
-from minillm.generate import generate_ids
+from minillm.api import generate_ids
 from minillm.model import Transformer
 from minillm.sampling import SamplingParams
 from tests.graders.conftest import forbid_calls, load_impl

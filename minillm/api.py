@@ -1,0 +1,147 @@
+"""The front door: `load_model`, `generate` and `chat` with every option the lessons add.
+
+The core loop (minillm/decode_loop.py) knows a model, a cache and a sampler. This file picks what it runs: which
+cache (none: lesson 00; contiguous: 01; int8: 07; paged: 04), the compiled step (06) or the speculative loop (10),
+and which layers the model file is loaded into (fused: 06; the file's own 4-bit blocks: 07).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from minillm.cache.block_allocator import blocks_needed
+from minillm.cache.paged import PagedSequenceCache
+from minillm.compile.fusion import fuse as fuse_model
+from minillm.compile.torch_compile import decode_tokens_compiled
+from minillm.compress.quant import Int4Linear
+from minillm.decode_loop import decode_tokens
+from minillm.gguf.loader import load_from_file, saved_model_exists
+from minillm.kv_cache import Int8KVCache, KVCache
+from minillm.request import Request, RequestOutput, finish_reason, make_request
+from minillm.sampling import SamplingParams
+from minillm.speculative.decoding import SpeculativeConfig, check_budget, generate_speculative, make_drafter
+
+CACHE_KINDS = ("none", "contiguous", "paged")
+WEIGHTS = {
+    "dequantized": "every tensor expanded to `dtype` at load (the reference model of every lesson)",
+    "q4": "the file's Q4_1 tensors kept as 4-bit Int4Linear layers, bit for bit (lesson 07); the rest in `dtype`",
+}
+
+
+def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str | None = "cpu",
+               attn_backend: str = "sdpa", fuse: bool = False, weights: str = "dequantized"):
+    """(model, tokenizer) of a known or saved model; downloads and verifies the weights on first use.
+    fuse=True applies lesson 06's fusions (same logits, fewer ops per step); weights="q4" keeps the file's 4-bit
+    layers packed (see WEIGHTS; the tied Q8_0 embedding is expanded)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"unknown weights={weights!r}; choose one of {list(WEIGHTS)}")
+    if weights == "q4" and fuse:
+        raise ValueError("fuse=True rewrites float Linear layers; with weights='q4' they are already 4-bit. "
+                         "Use one or the other.")
+    if fuse and saved_model_exists(name):
+        raise ValueError(f"{name!r} is a saved float model: load it, then fuse or quantize it")
+    q4_1_layer = (lambda codes, d, m: Int4Linear(codes, d, m, group_size=32)) if weights == "q4" else None
+    model, tokenizer = load_from_file(name, dtype, device, attn_backend, q4_1_layer=q4_1_layer)
+    if fuse:
+        fuse_model(model)
+    return model, tokenizer
+
+
+def make_cache(kind: str, model, max_len: int, batch_size: int = 1, kv_dtype: torch.dtype | None = None):
+    """The cache a decode loop writes: None (recompute), contiguous (KVCache; Int8KVCache when kv_dtype=torch.int8,
+    lesson 07) or paged (blocks on demand, lesson 04)."""
+    if kind == "none":
+        return None
+    if kind == "contiguous":
+        cls = Int8KVCache if kv_dtype == torch.int8 else KVCache
+        return cls.for_model(model, batch_size, max_len, kv_dtype=kv_dtype)
+    if kind == "paged":
+        return PagedSequenceCache.for_model(model, batch_size, max_len, kv_dtype=kv_dtype)
+    raise ValueError(f"unknown cache {kind!r}; choose one of {CACHE_KINDS}")
+
+
+def generate_request(model, req: Request, cache: str = "contiguous", compile: bool = False,
+                     speculative: SpeculativeConfig | None = None, spec_stats=None) -> Iterator[int]:
+    """Yield the new token ids of one validated request through the loop the options choose: compile=True runs
+    decode steps through torch.compile (lesson 06); speculative=SpeculativeConfig(...) drafts and verifies several
+    tokens per target forward (lesson 10), counting drafted/accepted tokens into spec_stats (a SpecStats) if given."""
+    if cache not in CACHE_KINDS:
+        raise ValueError(f"unknown cache {cache!r}; choose one of {CACHE_KINDS}")
+    n_total = len(req.prompt_ids) + req.params.max_tokens
+    if speculative is not None:
+        if compile:
+            raise ValueError("compile=True and speculative decoding do not combine here: choose one")
+        if not isinstance(speculative, SpeculativeConfig):
+            raise TypeError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}")
+        if cache == "none":
+            raise ValueError("speculative decoding verifies drafts over a KV cache: use cache='contiguous' or 'paged'")
+        k = speculative.k
+        check_budget(k, len(req.prompt_ids), model.config.max_seq_len)
+        kv = make_cache(cache, model, min(n_total + k, model.config.max_seq_len))
+        drafter = make_drafter(speculative, model, num_blocks=blocks_needed(n_total + k, 16))
+        try:
+            yield from generate_speculative(model, req, drafter, k, kv, spec_stats)
+        finally:
+            drafter.release(req.request_id)
+    elif compile:
+        if cache != "contiguous":
+            raise ValueError(f"compile=True decodes with a static contiguous cache; cache={cache!r} cannot be compiled")
+        yield from decode_tokens_compiled(model, req)
+    else:
+        yield from decode_tokens(model, req, make_cache(cache, model, n_total))
+
+
+def generate_ids(model, prompt_ids: list[int], params: SamplingParams, stop_ids: set[int] = frozenset(),
+                 cache: str = "contiguous") -> Iterator[int]:
+    """Yield new token ids one at a time. Stops after a token in `stop_ids | params.stop_ids` (which is yielded)."""
+    req = make_request(list(prompt_ids), params, None, model.config, model.device, clip_to_context=True,
+                       eos_ids=frozenset(stop_ids))
+    return generate_request(model, req, cache)
+
+
+def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float = 1.0, seed: int | None = None, stop_ids: set[int] | None = None,
+             cache: str = "contiguous", chat: bool = False, ignore_eos: bool = False,
+             on_text: Callable[[str], None] | None = None, compile: bool = False,
+             speculative: SpeculativeConfig | None = None, spec_stats=None) -> RequestOutput:
+    """Continue a raw text prompt or a list of token ids (vLLM's convention; `chat()` answers messages instead, and
+    chat=True wraps a text prompt as one user message). `on_text` receives decoded text as it is produced
+    (streaming); compile and speculative as in generate_request. Returns a RequestOutput: text, ids,
+    finish_reason and per-token times."""
+    if cache not in CACHE_KINDS:
+        raise ValueError(f"unknown cache {cache!r}; choose one of {CACHE_KINDS}")
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                            stop_ids=stop_ids or set(), ignore_eos=ignore_eos)
+    req = make_request(prompt, params, tokenizer, model.config, model.device, chat=chat, clip_to_context=True)
+    out: list[int] = []
+    times: list[float] = []
+    stream = tokenizer.stream_decoder() if on_text else None
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    for tok in generate_request(model, req, cache, compile, speculative, spec_stats):
+        sync()
+        times.append(time.perf_counter() - t0)
+        out.append(tok)
+        if stream is not None and tok not in req.stop_ids:
+            piece = stream.push(tok)
+            if piece:
+                on_text(piece)
+    if stream is not None:
+        tail = stream.flush()
+        if tail:
+            on_text(tail)
+    reason = finish_reason(out, req.stop_ids, req.params.max_tokens, len(req.prompt_ids) + len(out),
+                           model.config.max_seq_len) or "length"
+    text = tokenizer.decode([t for t in out if t not in req.stop_ids]) if tokenizer is not None else ""
+    return RequestOutput(req.request_id, req.prompt_ids, out, text, reason, token_times=times)
+
+
+def chat(model, tokenizer, messages: str | list[dict], **kwargs) -> RequestOutput:
+    """Answer a conversation: messages [{"role": "user", "content": ...}, ...] (a str is one user message) go through
+    the model's chat template, their contents encoded as plain text. Takes generate()'s keyword arguments."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    return generate(model, tokenizer, tokenizer.encode_chat(messages), **kwargs)
