@@ -1,0 +1,135 @@
+"""The house's layering, read from the import graph with `ast` (every import, at module level or inside a function).
+
+minillm is a ladder: the core every lesson stands on, then a folder per technique, then the engine that composes
+them, then serving, then the benches and the course, then the entry points. An arrow may only point down the
+ladder (or sideways, to a folder on the same rung); the import graph has no cycle; the core stays small enough to
+read in an afternoon. A new module must be placed in LAYERS: an unplaced one fails, so this table stays the map.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "minillm"
+
+# rung -> the modules (or folders: every module under them) on it; a module may import its own rung and below
+LAYERS: list[tuple[str, list[str]]] = [
+    ("core", ["minillm.config", "minillm.model", "minillm.sampling", "minillm.kv_cache", "minillm.request",
+              "minillm.decode_loop", "minillm.attention"]),  # the package minillm.attention: the registry
+    ("model file", ["minillm.gguf"]),
+    ("techniques", ["minillm.attention.flash", "minillm.cache", "minillm.compile", "minillm.compress"]),
+    ("techniques over the cache", ["minillm.speculative", "minillm.parallel"]),
+    ("one-request front door", ["minillm.api"]),
+    ("engine", ["minillm.engine"]),
+    ("serving", ["minillm.serving"]),
+    ("benches", ["minillm.bench"]),
+    ("course", ["minillm.course"]),
+    ("entry points", ["minillm", "minillm.__main__", "minillm.cli"]),
+]
+CORE_MAX_LINES = 1200
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The minillm modules `name` imports (relative imports resolved; `from pkg import mod` counts as pkg.mod)."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in known and t != name)
+    return found
+
+
+def rung(name: str) -> int:
+    """The rung of a module: the most specific entry of LAYERS that contains it."""
+    best, best_len = None, -1
+    for i, (_, entries) in enumerate(LAYERS):
+        for entry in entries:
+            inside = name == entry or (name.startswith(entry + ".") and entry != "minillm")
+            if inside and len(entry) > best_len:
+                best, best_len = i, len(entry)
+    if best is None:
+        raise AssertionError(f"{name} is on no rung: add it (or its folder) to LAYERS in tests/test_layering.py")
+    return best
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+
+
+def test_every_module_is_on_a_rung(graph):
+    for name in graph:
+        rung(name)
+
+
+def test_arrows_point_down_the_ladder(graph):
+    upward = [f"{a} ({LAYERS[rung(a)][0]}) imports {b} ({LAYERS[rung(b)][0]})"
+              for a, targets in sorted(graph.items()) for b in sorted(targets) if rung(b) > rung(a)]
+    assert not upward, "imports that point up the ladder:\n" + "\n".join(upward)
+
+
+def test_no_import_cycles(graph):
+    """Tarjan's strongly connected components: any component of more than one module is a cycle."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_core_is_small(graph):
+    core = [name for name in graph if rung(name) == 0]
+    lines = {name: len(modules()[name].read_text().splitlines()) for name in core}
+    assert sum(lines.values()) <= CORE_MAX_LINES, f"the core has grown to {sum(lines.values())} lines: {lines}"
+
+
+def test_the_checker_sees_a_violation(tmp_path):
+    """The graph reader is not vacuous: an upward import and a cycle in a made-up package are found."""
+    known = {"minillm.model", "minillm.engine.llm"}
+    src = tmp_path / "model.py"
+    src.write_text("def f():\n    from .engine import llm\n")
+    assert imports_of("minillm.model", src, known) == {"minillm.engine.llm"}
+    assert rung("minillm.engine.llm") > rung("minillm.model")
