@@ -1,15 +1,10 @@
-"""The contiguous KV cache: keep every past key and value so a decode step computes one token, not the whole prefix.
+"""The contiguous KV cache: keep past keys and values so a decode step computes one token, not the prefix.
 
-Without a cache, step t of generation re-runs the model over all t tokens: O(t) work per token, O(T^2) in total.
-With it, step t projects only the new token, appends its key/value, and attends over the stored ones: O(1) matmul
-work per token (attention still reads all t keys, but that is a small part at this model's sizes).
-
-The price is memory. This cache preallocates, per sequence, room for `max_len` tokens up front: simple, and exactly
-the over-reservation that paged attention (lesson 04) removes. `kv_bytes_per_token` is the formula lesson 00
-introduces: 2 (K and V) x layers x kv_heads x head_dim x bytes per value.
-
-Lesson 01 measures what the cache buys; exercise 01 implements `append_kv` and `decode_attention` (the attention
-of one decode step over the filled cache, written out; the model itself calls its attention backend).
+`KVCache` preallocates `max_len` slots per sequence up front: simple, and exactly the over-reservation paged
+attention removes (lesson 04). `kv_bytes_per_token` is 2 (K and V) x layers x kv_heads x head_dim x bytes per
+value; `Int8KVCache` stores int8 with a scale per token and head (lesson 07). Lesson 01; exercise 01
+implements `append_kv` and `decode_attention` (the written-out reference; the model calls its attention
+backend).
 """
 
 from __future__ import annotations

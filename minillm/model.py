@@ -1,22 +1,11 @@
-"""A Llama-style decoder in plain torch, readable top to bottom (lesson 00 dissects it).
+"""A Llama-style decoder in plain torch, readable top to bottom; lesson 00 dissects it.
 
     tokens -> embedding -> n_layers x [RMSNorm -> attention (RoPE, GQA) -> + ; RMSNorm -> SwiGLU MLP -> +]
            -> RMSNorm -> LM head (tied to the embedding) -> logits
 
-`forward` is three stages that later lessons call one by one: `embed_tokens` (ids -> hidden states), `run_layers`
-(any slice of the blocks: pipeline stages, early-exit drafts, a pruned stack) and `logits` (the LM head on the rows
-that need it). The block loop passes each block its index into the KV cache, so dropping or reordering blocks never
-breaks the cache.
-
-The seam for KV caches is `Attention.forward`: after projecting and rotating q/k/v it either runs plain causal
-attention over the tokens it was given (no cache: the baseline), or hands q/k/v to a cache object, which stores the
-new keys/values wherever it keeps them (a contiguous buffer, lesson 01; paged blocks, lesson 04) and returns the
-attention over everything cached. Before layer 0 the cache is told where this forward's tokens go
-(`begin_forward`): positions are always explicit. The model never knows about requests, batches or schedules.
-
-The attention kernel is a name resolved once (`set_attention`, see attention.py). Techniques that rewrite weights
-(fusion, quantization, pruning, tensor parallelism) are transformations of a loaded model (`replace_linears`), not
-branches in this file.
+`forward` = `embed_tokens` -> `run_layers` (any slice of the blocks) -> `logits`, stages later lessons call
+one by one. `Attention.forward` is the KV-cache seam (`KVCacheLike`, lessons 01, 04); the attention kernel is
+a registry name (`set_attention`); weight rewrites use `replace_linears`. No requests or batches here.
 """
 
 from __future__ import annotations

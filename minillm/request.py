@@ -1,12 +1,10 @@
-"""One request layer for every front end: prompt -> token ids, stop set, seeded generator, validated once; and the
-one output type they all return.
+"""One request layer for every front end: prompt -> a validated `Request` (token ids, stop set, seeded
+generator), and the one output type they all return, `RequestOutput`.
 
-`minillm.generate` (one request, lesson 01), `minillm.LLM` (the continuous-batching engine, lesson 05) and the
-static-batching baseline take requests the same way and answer with the same `RequestOutput`, so a technique that
-changes how tokens are produced (speculative decoding, a server) changes nothing here.
-
-Conventions (vLLM's): a prompt is raw text or a list of token ids, continued as is; `chat` wraps a text prompt as one
-user message in the model's chat template, whose content is encoded as plain text (tokenizer.encode_chat).
+`minillm.generate` (lesson 01), the continuous-batching `minillm.LLM` (lesson 05) and the static-batching
+baseline take and answer requests the same way, so speculative decoding or a server changes nothing here.
+Conventions are vLLM's: a prompt is raw text or a list of token ids (continued as is); `chat` wraps text as
+one user message in the model's chat template (`prompt_to_ids`, `make_request`).
 """
 
 from __future__ import annotations

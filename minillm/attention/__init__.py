@@ -1,31 +1,11 @@
-"""Attention backends behind one signature, in one registry, selectable by name.
+"""Attention backends behind one signature, in one registry, selectable by name (lesson 03).
 
-Every backend computes softmax(q k^T / sqrt(d)) v with the same conventions:
-  q: (batch, n_heads, q_len, head_dim)      k, v: (batch, n_kv_heads, kv_len, head_dim)
-  n_kv_heads divides n_heads (GQA): query head h reads KV head h // (n_heads // n_kv_heads).
-  causal=True aligns the mask bottom-right: the q_len queries are the *last* q_len positions of the kv_len keys,
-  so query i may see keys j <= i + (kv_len - q_len). That one rule covers prefill (q_len == kv_len), decode
-  (q_len == 1 sees everything) and chunked prefill over a cache.
-  return_lse=True (only where `Backend.supports_lse`) also returns the log-sum-exp of each query row's scores,
-  (batch, n_heads, q_len) float32: what merging attention over split key sets needs (split-KV decode, ring /
-  sequence parallelism; minillm.attention.flash.merge_partials).
-
-Two kinds of backend live in the registry:
-  "dense"        fn(q, k, v, causal=True[, return_lse]) over contiguous k/v (the model's attention, prefill);
-  "paged_decode" fn(q, k_pool_layer, v_pool_layer, block_tables, context_lens) -> one query per sequence over
-                 its blocks (minillm.cache.paged_attention, kernels/paged_decode.py). The paged cache's CPU fast path
-                 (gathered_decode_attention over slots planned once per step) is its own "auto" choice, not an entry.
-`naive` is the reference (it materialises the q_len x kv_len score matrix, lesson 03 measures that cost), `sdpa`
-is torch's fused kernel and serves as the outside oracle. Optional backends (triton) are named as "module:function"
-and imported on first use, so this file imports none of them; a model resolves its backend once, at construction
-(`Transformer.set_attention`), never per forward.
-
-Which function runs where (the hot path map):
-  generate() on CPU/GPU ........ the model's dense backend (default sdpa) over the contiguous cache;
-  engine, CPU, decode rows ..... gathered_decode_attention (one index_select per layer, masked SDPA);
-  engine, GPU, decode rows ..... "triton" paged decode kernel (kernels/paged_decode.py);
-  engine, prompt chunks ........ the model's dense backend over each sequence's gathered context;
-  teaching references .......... naive_attention, flash_attention (torch), paged_attention (torch), decode_attention.
+Every backend computes softmax(q k^T / sqrt(d)) v on (batch, heads, len, head_dim) tensors, with GQA and a
+causal mask aligned bottom-right (the contract is spelt out above `AttentionFn`). "dense" backends take
+contiguous k/v: `naive` materialises the score matrix (the reference), `sdpa` is torch's fused kernel (the
+default and the oracle), `flash` and `triton` tile it; "paged_decode" backends read a paged cache's blocks
+(lesson 04). `register_attention`, `get_attention`; optional backends are "module:function" strings imported
+on first use, and a model resolves its backend once (`Transformer.set_attention`), never per forward.
 """
 
 from __future__ import annotations
@@ -38,6 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# The contract every backend keeps:
+#   q (batch, n_heads, q_len, head_dim); k, v (batch, n_kv_heads, kv_len, head_dim); n_kv_heads divides
+#   n_heads (GQA) and query head h reads KV head h // (n_heads // n_kv_heads).
+#   causal=True aligns the mask bottom-right: the q_len queries are the *last* q_len of the kv_len positions,
+#   so query i sees keys j <= i + (kv_len - q_len). One rule for prefill (q_len == kv_len), decode
+#   (q_len == 1) and a prompt chunk over a cache.
+#   return_lse=True (only where Backend.supports_lse) also returns each query row's log-sum-exp,
+#   (batch, n_heads, q_len) float32: what merging attention over split key sets needs (split-KV decode,
+#   ring attention; flash.merge_partials).
+#   "paged_decode" backends: fn(q, k_pool_layer, v_pool_layer, block_tables, context_lens), one query per
+#   sequence.
 AttentionFn = Callable[..., Tensor]
 
 
@@ -141,6 +132,9 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tens
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_len, kv_len, q.device), enable_gqa=gqa)
 
 
+# Which runs where: generate() uses the model's dense backend (default sdpa) over the contiguous cache. The
+# engine's prompt chunks use it too, over each sequence's gathered context; its decode rows use the paged
+# cache's "auto" choice (not a registry entry): gathered_decode_attention on a CPU, "triton_paged" on a GPU.
 register_attention("naive", naive_attention, doc="reference: materialises the score matrix (lesson 03)")
 register_attention("sdpa", sdpa_attention, doc="torch's fused scaled_dot_product_attention (the default)")
 register_attention("flash", "minillm.attention.flash:flash_attention", supports_lse=True,

@@ -1,20 +1,11 @@
 """FlashAttention's forward pass in plain torch: tile queries and keys, never build the q_len x kv_len matrix.
 
-The idea. softmax(s) v for one query row only needs three running numbers per row, so it can be computed one key
-block at a time: the largest score seen so far `m`, the sum of exp(score - m) so far `l`, and the unnormalised
-output `o = sum_j exp(s_j - m) v_j`. When a new key block brings a larger maximum, everything accumulated so far is
-rescaled by exp(m_old - m_new) (the "online softmax"); at the end o / l is exactly softmax(s) v. `merge_partials`
-is that rescale-and-add for two partial results; `flash_attention` applies it block after block.
-
-The cost it removes. Naive attention writes the (batch, heads, q_len, kv_len) score matrix, then reads it back for
-the softmax, then again for the product with V: O(N^2) extra memory and O(N^2) trips through main memory (HBM on
-a GPU), which is what limits it at long context -- the arithmetic is the same. Here the biggest temporary is one
-block_q x block_k tile, so peak memory grows like O(N) (the output) instead of O(N^2). Causal attention also skips
-the key blocks that lie entirely above the diagonal: about half the work at q_len == kv_len.
-
-In torch on a CPU this loop is *slower* than one big matmul (a Python iteration per tile, small matmuls); the same
-algorithm as one GPU kernel (kernels/flash_attn.py) keeps each tile in on-chip SRAM and is the fast path.
-Lesson 03 measures both; exercise 03 asks for `merge_partials` and `flash_attention`.
+The online softmax keeps a running max `m`, sum `l` and unnormalised output `o` per query row, so attention is
+computed one key block at a time and partials over disjoint keys merge exactly (`merge_partials`;
+`flash_attention` applies it tile after tile). What it removes: the O(N^2) score matrix and its trips through
+memory, so peak memory grows like O(N). As a torch loop on a CPU it is slower than one fused matmul; the fast
+path is the same algorithm as one GPU kernel (kernels/flash_attn.py). Lesson 03; exercise 03 asks for
+`merge_partials` and `flash_attention`.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Operator fusion: fewer, larger ops per decode step, as transformations of a loaded model (lesson 06).
 
-A batch-1 decode step of SmolLM2-135M reads ~513 MB of fp32 weights but runs about a thousand small ops: 30 blocks
-x (3 q/k/v matmuls, 2 gate/up matmuls, 2 RMSNorms of ~7 ops each, RoPE on q and on k, rearranges, cache writes).
-Each op costs a dispatch (microseconds on a CPU, a kernel launch on a GPU) whatever its size, so at this model size
-the step is bound by op overhead, not by memory bandwidth: quantization (lesson 07) could halve the bytes and barely
-show. Fusion removes ops without changing the math:
-
-  fuse_qkv      q, k, v projections -> one Linear whose output is split (q: n_heads x head_dim, k and v: n_kv_heads x
-                head_dim each, the GQA sizes): one weight read pass, one matmul call instead of three;
-  fuse_gate_up  the SwiGLU gate and up projections -> one Linear, chunked in two;
-  fuse_norms    RMSNorm with the residual add folded in (`add_rms_norm`: the sum is computed once and handed on) and
-                RoPE applied to q and k in one call (they share cos/sin).
-
-Each returns the same model, modified in place; the fused weights are concatenations of the old ones, which are then
-dropped (moved, not kept twice). Logits equal the unfused model's (fp32: <= 1e-5). `torch.compile` (compile.py) goes
-further: it fuses the elementwise ops into generated kernels.
+A batch-1 decode step is a long chain of small ops, each paying a dispatch (a kernel launch on a GPU) whatever
+its size. `fuse_qkv` (q/k/v projections -> one matmul, split with the GQA sizes), `fuse_gate_up` (SwiGLU's
+gate and up -> one) and `fuse_norms` (the residual add folded into RMSNorm, `add_rms_norm`; RoPE on q and k in
+one call) remove ops without changing the math; `fuse` applies all three, in place. Fused weights are the old
+ones concatenated (moved, not kept twice) and the logits match the unfused model's. `count_ops` counts what a
+forward dispatches.
 """
 
 from __future__ import annotations

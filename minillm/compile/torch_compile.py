@@ -1,15 +1,10 @@
-"""torch.compile for decode: one generated program per step instead of a thousand dispatched ops (lesson 06).
+"""torch.compile for decode: one generated program per step instead of thousands of small ops (lesson 06).
 
-`torch.compile` traces the decode forward into a graph (dynamo) and generates fused code for it (inductor: C++/OpenMP
-loops on a CPU, Triton kernels on a GPU): RMSNorm's seven elementwise ops become one loop, RoPE another, and the
-Python overhead of walking 30 blocks disappears. On a GPU, mode="reduce-overhead" also records the step as a CUDA
-graph and replays it, removing the launch latency of every kernel.
-
-A compiled step must not change shape as the context grows, or it recompiles every token. `StaticKVCache` is
-gpt-fast's answer: a buffer preallocated to a fixed length (rounded up to a power of two so a few lengths serve every
-request), written at the token's position with index_copy_, and attention over the *whole* buffer with a mask of
-the positions written so far. Every decode step then has the same shapes: one compile, then zero recompiles
-(tests/test_fusion.py checks it with dynamo's counters).
+Dynamo traces the decode step, inductor generates fused code for it (C++ loops on a CPU, Triton on a GPU; on
+CUDA, mode="reduce-overhead" also replays the step as a CUDA graph). A step whose shapes grow with the context
+would recompile every token, so `StaticKVCache` (gpt-fast's answer) preallocates a power-of-two length
+(`static_length`), writes at the token's position and attends over the whole buffer with a mask: one compile,
+then zero recompiles. `compiled_decode` builds the step, `decode_tokens_compiled` runs the loop.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """AWQ (Lin et al., 2023): activation-aware scaling before 4-bit (or 3-bit) round-to-nearest (lesson 07).
 
-Round-to-nearest treats every weight alike, but a few input channels carry much larger activations than the rest,
-and the error on their weights is multiplied by those activations. AWQ protects them without mixed precision: scale
-input channel j of a Linear up by s_j before quantizing (W' = W * s, its rounding error relative to W shrinks for
-that column), and divide the input by s_j (x' = x / s), so x' @ W'.T == x @ W.T in exact arithmetic. The division
-costs nothing at run time: it is folded into the op that produced x (the RMSNorm weight before q/k/v and gate/up;
-the up projection's rows before down). The exponent alpha in s = mean|x|^alpha is searched per layer on calibration
-activations, minimising the output error of the quantized layer; alpha = 0 is plain round-to-nearest.
-
-The output projection (wo) is left alone: its input comes out of attention, and with GQA the value heads it would
-fold into are shared by several query heads, so there is no single op to fold the division into.
-
-Calibration text is the tail of the pydoc topics (quality.calibration_ids); evaluation uses its head: held apart.
+A few input channels carry much larger activations, and the rounding error of their weights is multiplied by
+them. AWQ scales input channel j of a Linear up by s_j = mean|x_j|^alpha before quantizing and divides the
+input by s_j, folded into the op that produced it (the RMSNorm weight, or the up projection's rows before
+down), so the float model computes the same. `search_scale` picks alpha per layer on calibration activations
+(alpha = 0 is plain RTN); `apply_awq` rescales a float model in place, before `quantize`.
 """
 
 from __future__ import annotations
@@ -31,6 +24,8 @@ def _targets(block: nn.Module) -> list[tuple[str, list[nn.Linear], Tensor]]:
     attn, mlp = block.attn, block.mlp
     if not hasattr(attn, "wq") or not hasattr(mlp, "gate"):
         raise ValueError("apply AWQ to an unfused model (load it with fuse=False), then fuse or quantize it")
+    # wo is left alone: its input comes out of attention, and with GQA each value head is shared by several
+    # query heads, so no single op could absorb the division by s
     return [("attn_in", [attn.wq, attn.wk, attn.wv], block.attn_norm.weight),
             ("mlp_in", [mlp.gate, mlp.up], block.mlp_norm.weight),
             ("down_in", [mlp.down], mlp.up.weight)]

@@ -1,20 +1,10 @@
 """MHA -> GQA -> MQA: how many key/value heads the query heads share, as a transformation of a loaded model.
 
-Multi-head attention (MHA) gives every query head its own key/value head; multi-query attention (MQA, Shazeer 2019)
-shares one KV head among all query heads; grouped-query attention (GQA, Ainslie et al. 2023) sits between: n_kv_heads
-groups of n_heads / n_kv_heads adjacent query heads, query head h reading KV head h // group. One attention module
-serves all three (minillm.model.Attention with any divisor of n_heads as n_kv_heads).
-
-What it removes: decode is memory-bound, and at long context the KV cache is the part of the bytes read per token
-that grows. KV bytes per token scale with n_kv_heads, so SmolLM2-135M's 3 KV heads for 9 query heads read and store a
-third of what MHA would; MQA a ninth. The same memory then holds 3x (9x) more batch x context.
-
-The conversions work on real weights, gpt-fast style: take a loaded model, return a converted copy with a new
-config. `to_mha` repeats KV heads (exact: same logits). Going down mean-pools the k/v projections of each group of
-adjacent KV heads, the GQA paper's initialisation before "uptraining"; without that training it costs quality, which
-lesson 02 measures (minillm.compress.quality).
-
-Lesson 02 benchmarks the variants; exercise 02 implements `grouped_attention` and `mean_pool_kv_heads`.
+KV bytes per token scale with n_kv_heads, so fewer KV heads shrink the cache and what a long-context decode
+step reads. Query head h reads KV head h // (n_heads // n_kv_heads); one `Attention` serves all three.
+`regroup`, `to_mha` (repeat KV heads: exact) and `to_mqa` (mean-pool each group, the GQA paper's starting
+point before uptraining: it costs quality) return a converted copy with a new config. Lesson 02; exercise 02
+asks for `grouped_attention` and `mean_pool_kv_heads`.
 """
 
 from __future__ import annotations

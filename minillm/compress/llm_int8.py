@@ -1,18 +1,10 @@
-"""LLM.int8() (Dettmers et al., 2022): int8 activations x int8 weights, with the outlier features kept in float.
+"""LLM.int8() (Dettmers et al., 2022): int8 activations x int8 weights, outlier features kept in float.
 
-Weight-only int8 (quant.py) still multiplies in floating point. LLM.int8() also quantizes the activations, each
-token's row with its own scale ("vector-wise"), so the matmul itself runs on int8 with exact int32 accumulation
-(torch._int_mm): half the bytes of a bf16 GEMM and, on hardware with int8 dot-product units, twice the math rate.
-
-The catch the paper found: from ~6.7B parameters on, a few hidden-state feature columns carry values of magnitude
-20-100 in nearly every token. One such value sets the whole row's int8 scale and flattens every other entry of the
-row to 0 -- quality collapses. The fix is a decomposition: the columns where any |x| > threshold (6.0) are taken out
-and multiplied in float against the matching (dequantized) weight columns; the remaining >99.9% go through int8.
-
-`outlier_profile` measures, on the real model, how many columns of each Linear's input cross the threshold. At 135M
-parameters there are a few, mostly in a handful of layers -- the paper's scale effect, seen from below. The
-decomposition's float part is small, but on a CPU without int8 dot-product instructions (AVX-512 VNNI / AMX) the
-int8 matmul is slower than float: lesson 07 measures both the quality it keeps and the time it costs.
+Beyond weight-only int8 (quant.py), each token's activation row gets its own int8 scale, so the matmul itself
+runs in int8 with exact int32 accumulation (torch._int_mm). An outlier column (any |x| > threshold, 6.0) would
+flatten the rest of its row to 0, so those columns are multiplied in float against the dequantized weight
+columns (`int8_matmul_with_outliers`, `LLMInt8Linear`). `outlier_profile` counts them per Linear on the real
+model. Lesson 07.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
-"""Structured pruning: remove whole blocks, KV groups of heads and FFN channels — a smaller dense model (lesson 08).
+"""Structured pruning: remove whole blocks, KV groups and FFN channels, for a smaller dense model (lesson 08).
 
-Zeros inside a dense matrix save nothing (sparsity.py); removing rows and columns does, on any hardware: a model
-with 22 blocks instead of 30 reads ~26% fewer bytes per decode step and runs every path (generate, the engine, the
-paged cache) unchanged, because its config says what it now is. Three granularities, each with an importance
-measured on calibration text (the tail of the pydoc topics; evaluation uses the head):
-
-- blocks: how little a block changes its input. 1 - cos(h_in, h_out) averaged over tokens (ShortGPT's "block
-  influence"): a block whose output points where its input did adds little, and the residual stream survives
-  without it.
-- KV groups: with GQA a KV head is shared by group_size query heads, so the unit to remove is the whole group (the
-  KV head and its query heads); removing single query heads would break the grouping. Importance: the mean norm of
-  the group's contribution to the attention output (its heads' slice of o @ Wo.T).
-- FFN channels: channel j of SwiGLU contributes a_j * Wdown[:, j], a_j = silu(gate_j) * up_j. Importance:
-  mean |a_j| * ||Wdown[:, j]||_2 (the activation-times-weight idea of Wanda, per channel).
-
-The same count is removed from every block (KV groups, channels) so that one ModelConfig still describes every
-block. Importance is measured once, on the unpruned model. A large perplexity cost is expected before any training:
-recovering it is lesson 09 (distillation), which starts from `save_model`'s output.
+Zeros inside a dense matrix save nothing (sparsity.py); removed rows and columns do, on any hardware, and
+every path (generate, the engine, the paged cache) runs the result unchanged: its config says what it now is.
+Each unit has an importance measured on calibration text: `block_importance` (1 - cos(input, output),
+ShortGPT's block influence), `kv_group_importance` (a KV head with its query heads), `ffn_channel_importance`
+(mean |activation| x the norm of down's column, after Wanda). `prune_structured` applies all three; lesson 09
+distils the result.
 """
 
 from __future__ import annotations
@@ -155,6 +144,7 @@ def prune_kv_groups(model: Transformer, keep: int, importance: Tensor) -> Transf
         a.wq, a.wk, a.wv = _sliced(a.wq, q_rows), _sliced(a.wk, kv_rows), _sliced(a.wv, kv_rows)
         a.wo = _sliced(a.wo, cols=q_rows)
         a.n_heads, a.n_kv_heads = keep * g, keep
+    # the same count in every block, so that one ModelConfig still describes every block
     model.config = cfg.with_(n_heads=keep * g, n_kv_heads=keep, head_dim=hd)
     return model
 
@@ -200,7 +190,7 @@ def prune_ffn_channels(model: Transformer, keep: int, importance: Tensor) -> Tra
         ch = torch.sort(torch.argsort(imp, descending=True, stable=True)[:keep]).values
         m = block.mlp
         m.gate, m.up, m.down = _sliced(m.gate, ch), _sliced(m.up, ch), _sliced(m.down, cols=ch)
-    model.config = cfg.with_(ffn_dim=keep)
+    model.config = cfg.with_(ffn_dim=keep)  # the same width in every block: one ModelConfig for all
     return model
 
 

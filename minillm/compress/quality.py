@@ -1,14 +1,9 @@
 """Did a transformation hurt the model? Perplexity on real text, and KL divergence to the original model.
 
-A speed technique that changes the weights (MQA by mean-pooling, quantization, pruning) must say what it costs.
-Two measures, both on human-written English that ships with Python (`pydoc_data.topics`, ~465 KB, no download):
-
-- perplexity: exp(mean negative log-likelihood of each next token). SmolLM2-135M scores ~14 on this text; a broken
-  model (wrong RoPE pairing, say) scores several times worse. Absolute, but coarse.
-- KL(reference || model): mean over positions of how far the model's next-token distribution moved from the
-  original's. 0 means unchanged; sensitive to small damage that perplexity hides.
-
-Used by lesson 02 (MQA's quality cost) and any later lesson that changes weights.
+The text is `pydoc_data.topics`, English that ships with Python (no download): `eval_ids` takes its head,
+`calibration_ids` its tail, held apart. `perplexity` is exp(mean next-token NLL): absolute but coarse.
+`kl_to_reference` is the mean KL(reference || model) per position: 0 means unchanged, and it catches small
+damage that perplexity hides. Used by lesson 02 (MQA's cost) and every later lesson that changes weights.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Weight-only quantization: store 8 or 4 bits per weight, dequantize inside the matmul (lesson 07).
 
-A batch-1 decode step multiplies one token's activations by every weight of the model: it does ~2 flops per byte
-of bf16 weight read, far below what any CPU or GPU can compute per byte, so the step is memory-bound and its time is
-roughly `weight bytes / memory bandwidth`. Storing int8 halves those bytes, int4 quarters them; the matmul kernel
-reads the small integers and multiplies by a scale in registers, so the full-precision weight never crosses memory.
-
-Two formats, both real storage (the bytes are counted from the tensors, `minillm.model.model_bytes`):
-
-- int8, per output channel, symmetric: w[n, :] ~= q[n, :] * scale[n], q in [-127, 127]. One scale per row costs
-  nothing; symmetric keeps zero exact. CPU kernel: torch._weight_int8pack_mm (fast with bf16 activations);
-  GPU: the Triton kernel in kernels/quant_matmul.py.
-- int4, group-wise, asymmetric, two codes per byte: w[n, k] ~= code * scale[n, g] + minimum[n, g] for the group
-  g = k // group_size, code in [0, 15]. Small groups follow local ranges (better quality, more scale bytes): with
-  groups of 32 and fp16 scale/minimum this is exactly GGUF's Q4_1, the format the model file ships in, and
-  `load_model(weights="q4")` fills these layers with the file's own bytes. CPU kernel: torch's int4 pack matmul
-  (bf16 activations); GPU: Triton.
-
-`quantize(model, scheme)` (minillm/compress/quantize.py) swaps every nn.Linear (and the tied LM head with its embedding) for a quantized layer,
-gpt-fast style: the model code does not change. LLM.int8() (outlier decomposition) is in llm_int8.py, AWQ in awq.py.
+Batch-1 decode is memory-bound, so fewer bytes per weight are fewer bytes per token, provided the kernel reads
+the small integers and dequantizes in registers (torch's int8/int4 kernels on a CPU, kernels/quant_matmul.py
+on a GPU). `Int8Linear`: int8 per output channel, symmetric. `Int4Linear`: int4 group-wise, asymmetric, two
+codes per byte; with groups of 32 and fp16 scale/minimum it is GGUF's Q4_1, so `load_model(weights="q4")`
+fills it with the file's own bytes. `quantize(model, scheme)` (compress/quantize.py) swaps them in, gpt-fast
+style; LLM.int8() is in llm_int8.py, AWQ in awq.py.
 """
 
 from __future__ import annotations

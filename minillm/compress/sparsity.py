@@ -1,25 +1,11 @@
 """Unstructured and 2:4 sparsity: which weights to zero, and what zeros are worth (lesson 08).
 
-Pruning sets weights to zero. *Which* ones decides the quality cost:
-
-- magnitude: drop the smallest |W|. Ignores that the error of dropping W[i, j] is W[i, j] * x_j: a small weight on
-  a channel whose activations are huge matters more than a large weight on a quiet one.
-- Wanda (Sun et al., 2023): score |W[i, j]| * ||X_j||_2, where ||X_j|| is the L2 norm of input channel j over
-  calibration tokens, and compare scores *within each output row* (each row is one output's weighted sum: keep its
-  strongest terms). No retraining, no weight update, one forward pass over calibration text.
-
-*What* the zeros buy is the other half of the lesson. Unstructured zeros speed up nothing on a GPU or a CPU: a dense
-matmul multiplies them anyway, and a sparse format (values + column indices) is no smaller than dense bf16 until
-well past 50% sparsity. 2:4 semi-structured sparsity is the hardware's compromise: in every group of 4 consecutive
-weights of a row keep 2, store the 2 values plus two 2-bit positions (`compress_2to4`), and NVIDIA's sparse tensor
-cores (Ampere and later) skip the zeros: up to 2x the math rate and ~0.56x the bytes of bf16. On a CPU torch has no
-such kernel: the format is shown and counted here, timed only on a GPU (scripts/gpu_check_sparsity.py).
-
-Calibration follows the Wanda paper: blocks are pruned in order, and block i's activation norms come from running
-the calibration text through the already-pruned blocks 0..i-1 (the errors compound: calibrate on what block i will
-see). Calibration text is the tail of the pydoc topics (quality.calibration_ids); evaluation uses its head.
-
-Structured pruning (whole blocks, heads, FFN channels: a smaller dense model) is in pruning.py.
+Magnitude drops the smallest |W|; Wanda (Sun et al., 2023) drops the smallest |W[i, j]| x ||X_j||, compared
+within each output row, from one calibration pass (`magnitude_scores`, `wanda_scores`, `unstructured_mask`).
+Scattered zeros speed up no dense kernel; 2:4 (two of every four consecutive weights kept:
+`semi_structured_mask`, `compress_2to4`) is what NVIDIA's sparse tensor cores skip. `prune` calibrates each
+block on the outputs of the already-pruned blocks before it. Structured pruning (a smaller dense model) is in
+pruning.py.
 """
 
 from __future__ import annotations

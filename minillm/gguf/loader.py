@@ -1,6 +1,7 @@
 """The model file -> (Transformer, Tokenizer), with an explicit map from GGUF names to our parameters.
 
-Plain loading only: minillm.api.load_model adds the techniques a caller asks for (fuse=True, weights="q4")."""
+Plain loading only (lesson 00): minillm.api.load_model adds the techniques a caller asks for (fuse=True,
+weights="q4")."""
 
 from __future__ import annotations
 

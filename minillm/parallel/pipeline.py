@@ -1,18 +1,10 @@
-"""Pipeline parallelism: each rank holds a contiguous stage of the blocks and passes activations on (lesson 11).
+"""Pipeline parallelism (GPipe): each rank runs a contiguous stage of the blocks (lesson 11).
 
-Tensor parallelism needs an all-reduce inside every block, fine over NVLink, slow across machines. A pipeline
-splits the model by depth instead: stage r holds blocks [a_r, b_r) (stage 0 also the embedding, the last stage the
-final norm and LM head), and the only traffic is the hidden states (tokens x dim) handed from stage to stage with a
-point-to-point send. Weights and KV cache per rank shrink p-fold; the communication does not grow with p.
-
-The catch is the *bubble*. One input walks through the stages one after another, so while stage 0 works the others
-wait. GPipe cuts the input into m micro-batches (here: consecutive chunks of the prompt, which every stage must see
-in order for its KV cache) and streams them: at time step t stage r works on micro-batch t - r. Of the p x (m + p - 1)
-slots, p x m do work, so the idle fraction is (p - 1) / (m + p - 1): more, smaller micro-batches shrink it, until
-each one is too small to keep a device busy. `gpipe_schedule` draws that grid; `pipeline_prefill` runs it with real
-sends and records when each stage computed, so the measured bubble can be set against the formula. Decode sends one
-token's hidden state through all stages per step: a pipeline does not make a single sequence faster, it makes a
-model fit (and, with many sequences in flight, keeps every stage busy).
+Stage r holds blocks [a_r, b_r) (`stage_bounds`; stage 0 also the embedding, the last stage the norm and LM
+head) and only hidden states cross to the next stage: weights and KV cache per rank shrink p-fold. The price
+is the bubble: with m micro-batches (consecutive prompt chunks) the idle fraction is (p - 1) / (m + p - 1).
+`gpipe_schedule` draws the grid, `pipeline_prefill` runs it with real sends, `measured_bubble` checks the
+formula. `PipelineStage` decodes too: a pipeline makes a model fit, it does not make one sequence faster.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Sequence parallelism (Megatron-SP, Korthikanti et al. 2022) on top of tensor parallelism (lesson 11).
 
-Tensor parallelism splits the matmuls, but between them every rank still holds the *whole* residual stream: the
-RMSNorms, the residual adds (and, in training, dropout and the activations kept for backward) run on all s tokens on
-every rank, p times the same work and memory. Sequence parallelism splits exactly those regions along the sequence:
-rank r holds tokens [r s/p, (r+1) s/p) of the residual stream. Around each tensor-parallel region:
-
-    x_local (s/p) --norm--> all-gather along s --> column-parallel matmuls ... row-parallel matmul (partial sums)
-           --> reduce-scatter along s --> + x_local
-
-An all-reduce *is* a reduce-scatter followed by an all-gather, so SP moves the same bytes as plain TP — it only
-moves the all-gather to the other side of the norm and the residual — while the norm/residual activations shrink
-p-fold. The embedding reduce-scatters straight into the split stream; the final norm runs on the local tokens and one
-all-gather brings the hidden states together for the LM head.
-
-A forward whose token count p does not divide (a decode step: one token) runs as plain TP: every region all-reduces.
-`sp_forward` is the model's forward with that switch; `prefill_sp` prefills the longest multiple of p with SP and the
-rest as TP, into the same KV cache.
+Between the tensor-parallel regions every rank runs the norms and residual adds on the whole sequence; SP
+splits that residual stream along the sequence: an all-gather before each region and a reduce-scatter after it
+replace the all-reduce (the same bytes, p-fold smaller activations). `enable_sequence_parallel` wraps the
+regions; `sp_forward` runs plain TP when p does not divide the token count (a decode step); `prefill_sp`
+prefills the longest multiple of p with SP and the rest as TP, into the same KV cache.
 """
 
 from __future__ import annotations

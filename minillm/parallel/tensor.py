@@ -1,21 +1,10 @@
-"""Tensor parallelism (Megatron-LM): every rank holds a slice of every weight matrix and computes a slice of every
-layer (lesson 11).
+"""Tensor parallelism (Megatron-LM): every rank holds a slice of every weight matrix (lesson 11).
 
-A linear layer y = x W^T can be split two ways across p ranks:
-  column parallel  W's output rows split: rank r computes y[..., r-th slice] from the whole x. No communication, but
-                   the output is split;
-  row parallel     W's input columns split: rank r multiplies its slice of x by its slice of W and gets a *partial*
-                   sum of the whole y; one all-reduce adds the p partial sums.
-Chaining column -> row needs no communication in between: q/k/v are column parallel (each rank gets whole heads),
-attention runs on the local heads, and the output projection is row parallel; likewise gate/up column, down row. So a
-transformer block costs two all-reduces of (tokens x dim) per forward, whatever p is. The embedding and the tied LM
-head are split along the vocabulary: a rank looks up only the ids in its slice (zeros elsewhere, summed by an
-all-reduce) and computes its slice of the logits (concatenated by an all-gather).
-
-The degree must divide what it splits. SmolLM2-135M has 9 query heads and 3 KV heads, so attention splits for p = 1
-or 3 only (a rank must hold whole KV heads and the query heads that read them); at p = 2 attention is replicated
-(every rank computes all heads: no saving, no communication) and only the MLP and the vocabulary are split.
-`shard_tensor_parallel` turns a loaded model into rank r's shard in place; the forward is the model's own.
+Column parallel (output rows split, no communication) then row parallel (input columns split, one all-reduce
+of partial sums): q/k/v and gate/up are column parallel, wo and down row parallel, so a block costs two
+all-reduces whatever p is; the embedding and the tied LM head split along the vocabulary. A rank must hold
+whole KV heads, so `TPPlan` replicates attention when the degree does not divide them. `shard_tensor_parallel`
+turns a loaded model into rank r's shard in place; the forward is the model's own.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
-"""The OpenAI wire format minillm's server speaks: request models that refuse what they don't understand, the
-response and chunk objects, and OpenAI-style errors.
+"""The OpenAI wire format minillm's server speaks: strict request models, the response and chunk objects, and
+OpenAI-style errors (`ApiError`); lesson 12.
 
-Why strict: a client that sends a field the server ignores (`logit_bias`, a penalty, `best_of`) would get a silently
-different answer than it asked for. So every model forbids unknown fields and validates types strictly (no "5" for
-5), and the error names the field, the way OpenAI's own API answers. Fields OpenAI has but this server cannot honour
-are declared and refused with a reason (`n` > 1, `logprobs`, penalties), instead of being dropped.
-
-Beyond OpenAI, two of vLLM's extra sampling parameters are accepted (send them with the openai client's
-`extra_body={...}`): `top_k` and `ignore_eos` (generate exactly max_tokens tokens, for benchmarks with fixed output
-lengths). See minillm/serving/server.py for the endpoints.
+Strict because an ignored field (`logit_bias`, `best_of`) would silently change the answer: unknown fields are
+refused, types validated strictly (no "5" for 5), and fields OpenAI has but this server cannot honour
+(`logprobs`, penalties, `n` > 1) refused with a reason. Two of vLLM's extras are accepted (the openai client's
+`extra_body`): `top_k` and `ignore_eos` (exactly max_tokens tokens, for benchmarks). See server.py for the
+endpoints.
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
-"""Routing requests across engine replicas: round-robin, least outstanding tokens, and prefix affinity (lesson 13).
+"""Routing across engine replicas: round-robin, least outstanding tokens, prefix affinity (lesson 13).
 
-One engine saturates its hardware; more traffic needs more replicas (each its own process, its own weights, its own
-KV cache), and a router in front that picks one replica per request. What the choice decides:
-  * load: a replica that gets more work than the others makes its requests wait while another sits idle. Counting
-    requests is a poor measure (a 2,000-token prompt is not a 20-token one); the *outstanding tokens* of a replica are
-    the work it still owes: for each of its in-flight requests, the prompt tokens not yet prefilled plus the output
-    tokens still to generate (max_tokens - generated). Round-robin ignores load; least-outstanding-tokens follows it;
-  * the prefix cache: each replica caches the KV blocks of the prompts *it* served (lesson 12). Round-robin spreads a
-    shared system prompt over every replica, so each one computes it once, and each one's cache holds every group's
-    prefix: N replicas have the cache capacity of one. Prefix affinity (SGLang's cache-aware router) remembers, per
-    replica, the chained block hashes of the prompts it sent there and sends a request to the replica whose cache most
-    likely holds its longest prefix: each prefix is computed once in the whole fleet, and the fleet caches N times
-    as many distinct prefixes. Affinity alone would pile one popular prefix on one replica, so when the chosen
-    replica's load exceeds the least loaded one's by more than a threshold (absolute AND relative), the router falls
-    back to the least loaded replica (whose cache will then learn that prefix too).
-
-The router never sees the replicas' caches: it guesses from what it routed. Its memory uses the engine's own hash
-chain (minillm.cache.prefix_cache.block_hashes), so a match is block aligned exactly like the engine's lookup (a prefix
-shorter than one block matches nothing), and it is bounded per replica by LRU eviction sized like the replica's KV
-pool. It can be wrong both ways (the engine evicted a block the router still remembers, or cached output tokens the
-router never saw): a wrong guess costs a prefill, never a wrong answer.
-
-Pure logic: no tensors, no processes. minillm/serving/replicas.py runs the replicas and keeps each ReplicaState up to date.
-Exercise 13 asks for `least_loaded` and PrefixAffinityRouter's `matched_blocks`, `is_imbalanced`, `choose` and
-`on_dispatch`.
+Load is a replica's outstanding tokens (prompt not yet prefilled + output still to generate), not its request
+count. Prefix affinity (SGLang's cache-aware router) remembers per replica the block hashes of the prompts
+sent there (the engine's chain, LRU-bounded) and picks the longest match, or the least loaded replica when the
+load gap is too large. It never sees the caches: a wrong guess costs a prefill, never a wrong answer. Pure
+logic (serving/replicas.py runs the replicas). Exercise 13 asks for `least_loaded` and four
+PrefixAffinityRouter methods.
 """
 
 from __future__ import annotations

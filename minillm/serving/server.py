@@ -1,24 +1,11 @@
-"""An OpenAI-compatible HTTP server around the engine: `minillm serve`, then any OpenAI client talks to SmolLM2.
+"""An OpenAI-compatible HTTP server around the engine (lesson 12): `minillm serve`, then any OpenAI client.
 
     minillm serve --port 8000
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
-    for c in client.chat.completions.create(model="smollm2-135m", messages=[...], stream=True): ...
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as Server-Sent Events with `stream: true`, one
-`data: {chunk}` per token and a final `data: [DONE]`), GET /v1/models, GET /health. The wire format and its strict
-validation live in minillm/serving/openai_protocol.py.
-
-The shape is vLLM's. ONE thread owns the engine and calls llm.step() while any request is unfinished (else it sleeps
-on an Event); the asyncio event loop only parses requests and moves tokens. They meet in two places:
-  - commands (add a request, abort one) go to the engine thread through an inbox and run between two steps. Why not
-    call add_request under the engine's lock from a worker thread: the engine thread releases and re-takes that lock
-    between steps faster than a waiting thread wakes up, so a new request could wait many steps to get in;
-  - tokens come back through a sink per request, whose put() (called inside step()) hands each StreamEvent to that
-    request's asyncio.Queue with loop.call_soon_threadsafe, the one thread-safe way into a running event loop.
-Backpressure: when `max_waiting` requests already wait in the engine, a new one gets 429 at once (a load balancer can
-send it elsewhere) instead of joining a queue that only grows. A client that disconnects aborts its request, so its KV
-blocks return to the pool. Shutdown drains: new requests get 503, the ones in flight get `drain_timeout` seconds to
-finish, the rest are aborted and their streams end with an error event and [DONE]. No accepted request vanishes.
+POST /v1/completions and /v1/chat/completions (Server-Sent Events with `stream: true`), GET /v1/models and
+/health; the wire format is openai_protocol.py. vLLM's shape: one `EngineThread` owns the engine and steps it,
+the asyncio loop parses and streams. A full queue gets 429, a client that leaves aborts, shutdown drains.
 """
 
 from __future__ import annotations
@@ -70,7 +57,7 @@ class _Sink:
         if event.finished:  # its output now waits in the engine: the engine thread pops it (else it would leak)
             self.engine.retired.append(event.request_id)
             self.engine.wake.set()
-        try:
+        try:  # call_soon_threadsafe: the one thread-safe way into a running event loop
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
@@ -89,6 +76,9 @@ class EngineThread:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
 
+    # Commands (add, abort) run on the engine thread between two steps. Not add_request under the engine's
+    # lock from a worker thread: the engine thread re-takes that lock between steps faster than a waiting
+    # thread wakes up, so a new request could wait many steps to get in.
     def post(self, fn, *args) -> Future:
         fut: Future = Future()
         self.inbox.append((fn, args, fut))
@@ -96,6 +86,7 @@ class EngineThread:
         return fut
 
     def add(self, prompt_ids: list[int], params: SamplingParams, rid: str, sink: _Sink) -> None:
+        # backpressure: a 429 at once (a load balancer can send it elsewhere), not a queue that only grows
         if len(self.llm.scheduler.waiting) >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are already waiting for the engine: retry later")
         self.llm.add_request(prompt_ids, params, request_id=rid, sink=sink)
