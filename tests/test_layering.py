@@ -133,3 +133,16 @@ def test_the_checker_sees_a_violation(tmp_path):
     src.write_text("def f():\n    from .engine import llm\n")
     assert imports_of("minillm.model", src, known) == {"minillm.engine.llm"}
     assert rung("minillm.engine.llm") > rung("minillm.model")
+
+
+def test_readme_lists_the_core_with_its_size(graph):
+    """README's "Read the core first" table names every core module with its length (give or take 10 lines)."""
+    import re
+
+    readme = (PACKAGE.parent / "README.md").read_text()
+    for name in (n for n in graph if rung(n) == 0):
+        rel = modules()[name].relative_to(PACKAGE.parent).as_posix()
+        row = re.search(rf"^\| `{re.escape(rel)}` \| (\d+) \|", readme, flags=re.M)
+        assert row, f"README's core table does not list {rel}"
+        lines = len(modules()[name].read_text().splitlines())
+        assert abs(int(row.group(1)) - lines) <= 10, f"README says {rel} has {row.group(1)} lines; it has {lines}"
