@@ -37,15 +37,8 @@ from gguf import GGUFReader
 
 import minillm
 from minillm.bench.decode import cast_model, measure_decode, measure_prefill
-from minillm.bench.hardware import bf16_status, native_bf16
-from minillm.bench.harness import (
-    decode_bytes_per_token,
-    hardware_info,
-    hardware_summary,
-    model_flops_per_token,
-    prefill_flops,
-    weight_bytes,
-)
+from minillm.bench.hardware import bf16_status, hardware_info, hardware_summary, native_bf16
+from minillm.bench.metrics import decode_bytes_per_token, model_flops_per_token, prefill_flops, weight_bytes
 from minillm.config import LLAMA2_7B
 from minillm.kv_cache import kv_bytes, kv_bytes_per_token
 from minillm.course.lesson import QUICK, hardware_line, pick
@@ -134,7 +127,7 @@ rows = []
 for dtype, m in (("float32", model), ("bfloat16", model_bf16)):
     for n in prefill_sizes if dtype == "float32" or bf16_gemm else []:
         rows.append({"dtype": dtype, **measure_prefill(m, n, repeat)})
-    rows.append({"dtype": dtype, **measure_decode(m, tok, prompt_len, new_tokens, "contiguous", repeat)})
+    rows.append({"dtype": dtype, **measure_decode(m, prompt_len, new_tokens, "contiguous", repeat)})
 print(hardware_line())
 print(f"{'dtype':9s} {'phase':8s} {'tokens':>6s} {'ms':>9s} {'tokens/s':>9s} {'MFU':>6s} {'MBU':>6s}")
 

@@ -34,14 +34,8 @@ import matplotlib.pyplot as plt
 import torch
 
 import minillm
-from minillm.bench.harness import (
-    decode_bytes_per_token,
-    hardware_info,
-    hardware_summary,
-    model_flops_per_token,
-    peak_flops,
-    weight_bytes,
-)
+from minillm.bench.hardware import hardware_info, hardware_summary, peak_flops
+from minillm.bench.metrics import decode_bytes_per_token, model_flops_per_token, weight_bytes
 from minillm.config import LLAMA2_7B, LLAMA2_70B, SMOLLM2_135M
 from minillm.kv_cache import KVCache, append_kv, kv_bytes, kv_bytes_per_token, max_tokens_in_budget
 from minillm.course.lesson import hardware_line, pick

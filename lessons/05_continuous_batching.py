@@ -47,7 +47,8 @@ from minillm.engine import LLM
 from minillm.engine import scheduler as sched_mod
 from minillm.engine.static import StaticBatchEngine, continuous_batching_loop, static_batching_loop
 from minillm.course.lesson import hardware_line, pick
-from minillm.bench.workload import make_workload, occupancy_timeline, summarize
+from minillm.bench.metrics import summarize
+from minillm.bench.workload import make_workload, occupancy_timeline
 
 print(hardware_line())
 model, tok = minillm.load_model("smollm2-135m", dtype="float32", device="cpu")

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 import minillm
 from minillm.bench import run_entry
+from minillm.bench.hardware import native_bf16
 from minillm.compress.distill import DistillConfig, distill, distillation_loss, hidden_cosine_loss, train_ids
 from minillm.course.lesson import QUICK, hardware_line, pick
 from minillm.compress.pruning import block_importance, drop_blocks, least_important
@@ -122,7 +123,8 @@ print(f"cross-entropy on the text {ce.item():.3f} nats; hidden-state cosine term
 # %%
 ids = train_ids(tok)
 ev = torch.tensor(eval_ids(tok, 129))
-cfg = DistillConfig(steps=pick(6, 4), batch_size=2, seq_len=64, warmup=1, eval_every=100, eval_tokens=128, lr=5e-4)
+cfg = DistillConfig(steps=pick(6, 4), batch_size=2, seq_len=64, warmup=1, eval_every=100, eval_tokens=128,
+                    lr=5e-4, autocast=native_bf16("cpu"))  # bf16 autocast where the CPU has bf16 natively
 straight = distill(copy.deepcopy(student), teacher, ids, ev, cfg, progress=False)
 ckpt = Path("lesson09_demo.pt")
 ckpt.unlink(missing_ok=True)

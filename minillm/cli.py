@@ -1,12 +1,11 @@
 """The `minillm` command: generate text, run a benchmark, grade an exercise, describe the model.
 
     minillm generate "What is the capital of France?" --max-new-tokens 32 --dtype bfloat16 --threads 2
-    minillm bench decode --quick          minillm bench --list
-    minillm grade 00 [--solutions]        minillm info
-    minillm serve --port 8000             (an OpenAI-compatible server; needs pip install 'minillm[serve]')
+    minillm bench decode --quick    minillm bench --list    minillm grade 00 [--solutions]    minillm info
+    minillm serve --port 8000       (an OpenAI-compatible server; needs pip install 'minillm[serve]')
 
-Bad arguments print one line and exit with status 2; no tracebacks for user mistakes. A setup problem (weights cache
-not writable, download failed, pytest missing) prints one line that says what to do, and exits with status 1.
+Bad arguments print one line and exit with status 2; a setup problem (weights cache not writable, download
+failed, pytest missing) prints one line that says what to do and exits with status 1. No tracebacks.
 """
 
 from __future__ import annotations
@@ -144,7 +143,8 @@ def cmd_generate(args) -> int:
     import torch
 
     from minillm import generate, load_model
-    from minillm.bench.harness import bandwidth, decode_bytes_per_token, mbu
+    from minillm.bench.hardware import bandwidth
+    from minillm.bench.metrics import decode_bytes_per_token, mbu
     from minillm.sampling import validate_sampling
 
     validate_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)  # fail before the slow load

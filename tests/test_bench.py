@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import time
@@ -12,16 +13,19 @@ import torch
 
 from minillm import bench
 from minillm.bench import hardware
-from minillm.bench.harness import (
-    BenchResult,
+from minillm.bench.hardware import hardware_info
+from minillm.bench.harness import BenchResult, time_fn
+from minillm.bench.metrics import (
     decode_bytes_per_token,
-    hardware_info,
+    decode_rate,
+    decode_tok_s,
     mbu,
     mfu,
     model_flops_per_token,
     peak_memory,
     prefill_flops,
-    time_fn,
+    timed_decode,
+    timer,
 )
 from minillm.config import LLAMA2_7B, ModelConfig
 from minillm.model import Transformer
@@ -48,6 +52,29 @@ def test_time_fn_measures_elapsed_time():
 def test_time_fn_rejects_bad_counts(kw):
     with pytest.raises(ValueError, match="repeat"):
         time_fn(lambda: None, **kw)
+
+
+def test_timer_measures_a_block():
+    with timer() as t:
+        time.sleep(0.01)
+    assert 0.009 <= t.seconds < 0.5
+
+
+def test_decode_rate_counts_the_tokens_after_the_first():
+    """The first token carries the prefill: tokens at 0, 1, 3, 6, 10 s are 4 decode tokens in 10 s; their gaps
+    1, 2, 3, 4 s have the (upper) median 3 s."""
+    assert decode_rate([0.0, 1.0, 3.0, 6.0, 10.0]) == pytest.approx(0.4)
+    assert decode_rate([0.0, 1.0, 3.0, 6.0, 10.0], median=True) == pytest.approx(1 / 3)
+    assert math.isnan(decode_rate([1.0])) and math.isnan(decode_rate([]))
+
+
+def test_the_decode_timer_on_a_tiny_model():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny()).eval().requires_grad_(False)
+    out = timed_decode(model, [5, 6, 7], 6)
+    assert len(out.token_ids) == len(out.token_times) == 6 and out.token_times == sorted(out.token_times)
+    tps, ids = decode_tok_s(model, [5, 6, 7], 6, repeat=3)
+    assert tps > 0 and ids == out.token_ids  # greedy: the same ids every run
 
 
 # ------------------------------------------------------------------------------------------------- hardware
@@ -310,7 +337,7 @@ class _IdsTokenizer:
 
 
 def test_decode_entry_quick_on_a_tiny_model(monkeypatch):
-    import minillm
+    import minillm.api
 
     def tiny_load_model(name, dtype="float32", device="cpu", attn_backend="sdpa"):
         torch.manual_seed(0)
@@ -318,7 +345,7 @@ def test_decode_entry_quick_on_a_tiny_model(monkeypatch):
         model.load_seconds = 0.01
         return model, _IdsTokenizer()
 
-    monkeypatch.setattr(minillm, "load_model", tiny_load_model)
+    monkeypatch.setattr(minillm.api, "load_model", tiny_load_model)
     result = bench.load_entry("decode")(quick=True)
     assert result.name == "decode"
     phases = {(r["dtype"], r["phase"]) for r in result.rows}

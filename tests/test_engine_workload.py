@@ -1,4 +1,5 @@
-"""Workload generation and serving metrics (minillm/bench/workload.py), checked against numpy and hand counts."""
+"""Workload generation (minillm/bench/workload.py) and serving metrics (minillm/bench/metrics.py), checked
+against numpy and hand counts."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from minillm.bench import workload as wl
+from minillm.bench.metrics import percentiles, summarize
 class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
@@ -54,7 +56,7 @@ def test_summarize_percentiles_and_goodput():
         tpot = sum(itl) / len(itl) if itl else float("nan")
         outs.append(SimpleNamespace(token_ids=[0] * n, metrics={"ttft": ttft, "tpot": tpot, "itl": itl,
                                                                  "e2e": ttft + sum(itl)}))
-    s = wl.summarize(outs, wall_s=10.0, slo_ttft_s=1.0, slo_tpot_s=0.3)
+    s = summarize(outs, wall_s=10.0, slo_ttft_s=1.0, slo_tpot_s=0.3)
     ttfts = [o.metrics["ttft"] for o in outs]
     assert s["ttft_p90"] == pytest.approx(np.percentile(ttfts, 90))
     assert s["output_tokens"] == sum(len(o.token_ids) for o in outs)
@@ -63,3 +65,22 @@ def test_summarize_percentiles_and_goodput():
     assert s["goodput_req_per_s"] == pytest.approx(ok / 10) and 0 < ok < 50
     t, occ = wl.occupancy_timeline([{"t_start": 5.0, "occupancy": 0.5}, {"t_start": 5.5, "occupancy": 1.0}])
     assert t == [0.0, 0.5] and occ == [0.5, 1.0]
+
+
+def test_percentiles_interpolate_linearly_between_ranks():
+    """One rule for every bench: p sits at rank p/100 * (n - 1) of the sorted values, interpolated."""
+    assert percentiles([4.0, 1.0, 3.0, 2.0], (0, 50, 90, 100)) == pytest.approx(
+        {"p0": 1.0, "p50": 2.5, "p90": 3.7, "p100": 4.0})  # rank 2.7 of 4: 3 + 0.7 x (4 - 3)
+    assert percentiles([1.0, float("nan"), 3.0], (50,)) == {"p50": 2.0}  # NaN (a one-token TPOT) dropped
+    assert all(np.isnan(v) for v in percentiles([float("nan")]).values())
+
+
+def test_summarize_counts_what_a_client_saw():
+    """A client that saw usage counts, not ids: output_tokens given; slo_attained over every request sent."""
+    m = {"ttft": 0.5, "tpot": 0.1, "itl": [0.1], "e2e": 0.6}
+    done = [SimpleNamespace(metrics=m), SimpleNamespace(metrics={**m, "ttft": 3.0})]
+    s = summarize(done, 2.0, slo_ttft_s=1.0, slo_tpot_s=0.5, output_tokens=10, sent=4)
+    assert (s["requests"], s["output_tokens"]) == (2, 10)
+    assert (s["output_tok_per_s"], s["requests_per_s"]) == (5.0, 1.0)
+    assert (s["goodput_req_per_s"], s["slo_attained"]) == (0.5, 0.25)
+    assert "goodput_req_per_s" not in summarize(done, 2.0, output_tokens=10)  # no SLO, no goodput

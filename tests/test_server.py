@@ -407,7 +407,7 @@ def test_serve_without_fastapi_says_what_to_install(monkeypatch, capsys):
 def test_a_bounded_load_run_loses_nothing(server, real_model):
     import asyncio
 
-    from minillm.bench.serve import make_requests, run_load, summarize
+    from minillm.bench.serve import make_requests, run_load, summarize_load
 
     tok = real_model[1]
     poisson = make_requests(tok, "short-chat", 4, 4, MODEL, seed=1)
@@ -417,7 +417,7 @@ def test_a_bounded_load_run_loses_nothing(server, real_model):
     for s in samples + fixed:  # every stream: 200, content chunks, a finish_reason, [DONE], exactly 4 tokens
         assert s.completed and s.done and s.status == 200 and s.finish_reason == "length", s
         assert s.completion_tokens == 4 and 1 <= len(s.chunk_times) <= 4 and s.t_sent < s.chunk_times[0] <= s.t_end
-    summary = summarize(samples, wall)
+    summary = summarize_load(samples, wall)
     assert (summary["sent"], summary["completed"], summary["lost"], summary["errors_5xx"]) == (4, 4, 0, 0)
     assert 0 < summary["ttft_p50"] <= summary["ttft_p99"] <= summary["e2e_p99"] <= wall
     assert summary["output_tok_per_s"] == pytest.approx(16 / wall)
@@ -426,14 +426,14 @@ def test_a_bounded_load_run_loses_nothing(server, real_model):
 def test_the_load_generator_counts_what_did_not_complete(server):
     import asyncio
 
-    from minillm.bench.serve import run_load, summarize
+    from minillm.bench.serve import run_load, summarize_load
 
     bad = [("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 2})]
     samples, wall = asyncio.run(run_load(server.url, bad, concurrency=1))
-    s = summarize(samples, wall)
+    s = summarize_load(samples, wall)
     assert (s["sent"], s["completed"], s["lost"], s["errors_4xx"], s["errors_5xx"]) == (1, 0, 1, 1, 0)
     samples, wall = asyncio.run(run_load("http://127.0.0.1:9", bad, concurrency=1))  # nothing listens there
-    assert summarize(samples, wall)["lost"] == 1 and "Connect" in samples[0].error
+    assert summarize_load(samples, wall)["lost"] == 1 and "Connect" in samples[0].error
 
 
 def test_bench_options_go_only_to_entries_that_take_them(capsys):

@@ -9,12 +9,11 @@ for its longest request (HF cannot stop one row early without an EOS; useful tok
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from minillm.bench.workload import make_workload, summarize
 from minillm.bench.harness import BenchResult
+from minillm.bench.metrics import summarize, timer
+from minillm.bench.workload import make_workload
 
 
 def hf_padded_generate(requests, max_batch: int, dtype: str) -> tuple[float, int]:
@@ -37,10 +36,10 @@ def hf_padded_generate(requests, max_batch: int, dtype: str) -> tuple[float, int
                         do_sample=False, pad_token_id=pad)
 
     run(requests[:2])  # warm-up
-    t0 = time.perf_counter()
-    for i in range(0, len(requests), max_batch):
-        run(requests[i:i + max_batch])
-    return time.perf_counter() - t0, sum(r.max_tokens for r in requests)
+    with timer() as t:
+        for i in range(0, len(requests), max_batch):
+            run(requests[i:i + max_batch])
+    return t.seconds, sum(r.max_tokens for r in requests)
 
 
 def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> BenchResult:
@@ -58,15 +57,15 @@ def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> Be
 
     def run_continuous():
         llm = LLM.from_model(model, tok, max_num_seqs=max_batch, max_num_batched_tokens=512)
-        t0 = time.perf_counter()
-        out = llm.generate(prompts, params)
-        return time.perf_counter() - t0, out, llm
+        with timer() as t:
+            out = llm.generate(prompts, params)
+        return t.seconds, out, llm
 
     def run_static():
         engine = StaticBatchEngine(model, tok, max_batch=max_batch)
-        t0 = time.perf_counter()
-        out = engine.generate(prompts, params)
-        return time.perf_counter() - t0, out, engine
+        with timer() as t:
+            out = engine.generate(prompts, params)
+        return t.seconds, out, engine
 
     # warm-up both on a short slice, then alternate the two and keep each one's best run: this shared machine has
     # slow phases (other jobs, first-touch effects) that would otherwise land on one engine only

@@ -16,9 +16,9 @@ what any signal can reach on this pair.
 
 from __future__ import annotations
 
-import time
-
 import torch
+
+from minillm.bench.metrics import timer
 
 QUESTIONS = [
     "What is the capital of France?", "How many legs does a spider have?", "Who wrote Romeo and Juliet?",
@@ -140,9 +140,9 @@ def measure(quick: bool = False, threads: int = 1) -> dict:
     if b["live_check"] and check is not None:  # run the cascade for real at one threshold: does the sweep hold?
         _, signal, point = check
         live = Cascade(small, large, tok, signal=signal, threshold=point["threshold"])
-        t0 = time.perf_counter()
-        results = live.generate(prompts, params)
-        wall = time.perf_counter() - t0
+        with timer() as t:
+            results = live.generate(prompts, params)
+        wall = t.seconds
         predicted = [escalates(a.confidence(signal), point["threshold"]) for a in small_ans]
         same = sum(r.token_ids == (big.token_ids if e else s.token_ids)
                    for r, e, s, big in zip(results, predicted, small_ans, large_ans))

@@ -14,21 +14,19 @@ gets no MFU (there is no bf16 compute roof to divide by) and is timed at the sma
 from __future__ import annotations
 
 import copy
-import statistics
 
 import torch
 
-from minillm.bench.hardware import bf16_status, native_bf16
-from minillm.bench.harness import (
-    BenchResult,
-    bandwidth,
+from minillm.bench.hardware import bandwidth, bf16_status, native_bf16, peak_flops
+from minillm.bench.harness import BenchResult, time_fn
+from minillm.bench.metrics import (
     decode_bytes_per_token,
+    decode_tok_s,
     mbu,
     mfu,
-    peak_flops,
     peak_memory,
     prefill_flops,
-    time_fn,
+    timed_decode,
 )
 
 
@@ -50,18 +48,12 @@ def measure_prefill(model, n_tokens: int, repeat: int = 3) -> dict:
             "MFU": None if emulated else mfu(flops, t.median, peak_flops(model.dtype, model.device)), "MBU": None}
 
 
-def measure_decode(model, tokenizer, prompt_len: int, new_tokens: int, cache: str = "contiguous",
+def measure_decode(model, prompt_len: int, new_tokens: int, cache: str = "contiguous",
                    repeat: int = 2) -> dict:
     """Greedy batch-1 decode of exactly `new_tokens` after a `prompt_len` prompt: median decode tokens/s and MBU."""
-    from minillm import generate
-
     ids = prompt_ids(prompt_len, model.config.vocab_size)
-    generate(model, tokenizer, ids, max_new_tokens=min(4, new_tokens), cache=cache, ignore_eos=True)  # warmup
-    speeds = []
-    for _ in range(repeat):
-        res = generate(model, tokenizer, ids, max_new_tokens=new_tokens, cache=cache, ignore_eos=True)
-        speeds.append(res.decode_tokens_per_s)
-    tps = statistics.median(speeds)
+    timed_decode(model, ids, min(4, new_tokens), cache)  # warmup
+    tps = decode_tok_s(model, ids, new_tokens, repeat, cache)[0]
     mean_context = prompt_len + new_tokens // 2
     moved = decode_bytes_per_token(model, mean_context)
     return {"phase": "decode" if cache != "none" else "decode, no cache", "tokens": new_tokens,
@@ -77,7 +69,7 @@ def cast_model(model, dtype: torch.dtype):
 
 
 def run(quick: bool = False) -> BenchResult:
-    from minillm import load_model
+    from minillm.api import load_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     prefill_sizes = (16, 32) if quick else (128, 512)
@@ -85,7 +77,7 @@ def run(quick: bool = False) -> BenchResult:
     repeat = 1 if quick else 3
     rows, by = [], {}
     bf16_gemm = native_bf16(device)
-    fp32_model, tok = load_model("smollm2-135m", dtype="float32", device=device)
+    fp32_model, _ = load_model("smollm2-135m", dtype="float32", device=device)
     rows.append({"dtype": "float32", "phase": "load", "tokens": 0, "context": 0,
                  "ms": fp32_model.load_seconds * 1e3})
     for dtype in ("float32", "bfloat16"):
@@ -93,10 +85,10 @@ def run(quick: bool = False) -> BenchResult:
         for n in prefill_sizes if dtype == "float32" or bf16_gemm else prefill_sizes[:1]:
             rows.append({"dtype": dtype, **measure_prefill(model, n, repeat)})
             by[dtype, "prefill", n] = rows[-1]
-        rows.append({"dtype": dtype, **measure_decode(model, tok, prompt_len, new_tokens, "contiguous", repeat)})
+        rows.append({"dtype": dtype, **measure_decode(model, prompt_len, new_tokens, "contiguous", repeat)})
         by[dtype, "decode"] = rows[-1]
         if dtype == "float32":
-            rows.append({"dtype": dtype, **measure_decode(model, tok, prompt_len, nocache_tokens, "none", 1)})
+            rows.append({"dtype": dtype, **measure_decode(model, prompt_len, nocache_tokens, "none", 1)})
             by[dtype, "nocache"] = rows[-1]
         del model
 

@@ -16,11 +16,11 @@ replica runs `threads` torch threads (default 1: on a 2-core machine the colocat
 from __future__ import annotations
 
 import importlib
-import time
 
 import torch
 
 from minillm.bench.harness import BenchResult
+from minillm.bench.metrics import timer
 
 PARTS = {"pd": "minillm.bench.disagg_pd", "routing": "minillm.bench.routing", "cascade": "minillm.bench.cascade"}
 
@@ -34,8 +34,8 @@ def run(quick: bool = False, threads: int = 1, parts: tuple[str, ...] | list[str
     rows, ratios, targets, notes, series, settings = [], {}, {}, [], {}, {"quick": quick, "threads": threads,
                                                                          "device": "cpu", "parts": list(parts)}
     for part in parts:
-        t0 = time.perf_counter()
-        out = importlib.import_module(PARTS[part]).measure(quick=quick, threads=threads)
+        with timer() as t:
+            out = importlib.import_module(PARTS[part]).measure(quick=quick, threads=threads)
         rows += [{"part": part, **r} for r in out.get("rows", [])]
         for name, value in out.get("ratios", {}).items():
             key = name if name not in ratios else f"{part}_{name}"
@@ -44,6 +44,6 @@ def run(quick: bool = False, threads: int = 1, parts: tuple[str, ...] | list[str
                 targets[key] = tuple(out["targets"][name])
         notes += [f"[{part}] {n}" for n in out.get("notes", [])]
         series[part] = out.get("series", {})
-        settings[part] = {**out.get("settings", {}), "seconds": round(time.perf_counter() - t0, 1)}
+        settings[part] = {**out.get("settings", {}), "seconds": round(t.seconds, 1)}
     return BenchResult(name="disagg", rows=rows, ratios=ratios, targets=targets, settings=settings, notes=notes,
                        series=series, quick=quick)

@@ -18,12 +18,12 @@ its share of TTFT. Greedy outputs are compared across the three modes.
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
-from minillm.bench.workload import percentiles, serve, summarize
 from minillm.bench.chunked_prefill import mixed_workload
+from minillm.bench.metrics import percentiles, summarize, timer
+from minillm.bench.workload import serve
 
 
 def _row(mode: str, outs, wall: float, n_decode: int, slo: tuple[float, float]) -> dict:
@@ -47,7 +47,7 @@ def measure(quick: bool, threads: int = 1, colocated_threads: int | None = None)
     from minillm.serving.disagg import DisaggregatedLLM
     from minillm.engine import LLM
     from minillm.api import load_model
-    from minillm.bench.harness import load_average
+    from minillm.bench.hardware import load_average
 
     if quick:
         n_decode, decode_len, n_long, long_len, gap, first = 2, 24, 2, 200, 0.6, 0.3
@@ -69,9 +69,11 @@ def measure(quick: bool, threads: int = 1, colocated_threads: int | None = None)
             runs[mode] = serve(llm, reqs)
         torch.set_num_threads(1)  # the coordinator only waits on queues
         engine = {"max_num_seqs": 16, "max_num_batched_tokens": no_chunk}
-        t0 = time.perf_counter()
-        with DisaggregatedLLM("smollm2-135m", threads=threads, prefill=engine, decode=engine, timeout_s=300) as d:
-            startup_s = time.perf_counter() - t0
+        with timer() as startup:
+            d = DisaggregatedLLM("smollm2-135m", threads=threads, prefill=engine, decode=engine,
+                                 timeout_s=300)
+        startup_s = startup.seconds
+        with d:
             d.generate(*warm)
             runs["disaggregated_1+1"] = d.serve(reqs)
             transfers = d.stats()["requests"][-len(reqs):]
@@ -82,7 +84,7 @@ def measure(quick: bool, threads: int = 1, colocated_threads: int | None = None)
     # SLO from the undisturbed colocated run: TPOT within 2x its median decode step, TTFT within 2x its long-prompt
     # TTFT (a whole 2-core prefill). Disaggregated prefill has half the cores: its TTFT is the price it pays.
     slo_tpot = 2 * percentiles([g for o in base[:n_decode] for g in o.metrics["itl"]], (50,))["p50"]
-    slo_ttft = 2 * sorted(o.metrics["ttft"] for o in base[n_decode:])[len(base[n_decode:]) // 2]
+    slo_ttft = 2 * percentiles([o.metrics["ttft"] for o in base[n_decode:]], (50,))["p50"]
     rows = [_row(mode, outs, wall, n_decode, (slo_ttft, slo_tpot)) for mode, (outs, wall) in runs.items()]
     cfg = model.config
     formula = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4  # K and V, every layer, float32

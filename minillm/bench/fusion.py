@@ -11,12 +11,12 @@ transformers' generate runs beside it in bf16 (full mode).
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 
 from minillm.bench.hardware import bandwidth, bf16_status
-from minillm.bench.harness import BenchResult, decode_bytes_per_token, time_fn
+from minillm.bench.harness import BenchResult, time_fn
+from minillm.bench.metrics import decode_bytes_per_token, decode_tok_s, timer
 from minillm.bench.kv_cache import hf_decode, hf_model, matmul_bytes_per_s
 
 
@@ -26,24 +26,17 @@ def read_bandwidth(device: str = "cpu", n_bytes: int = 256 << 20) -> float:
     return n_bytes / time_fn(lambda: x.sum(), warmup=1, repeat=5).min
 
 
-def decode_tok_s(model, ids: list[int], n_new: int, repeat: int, compile: bool = False) -> tuple[float, list[int]]:
-    """Median decode tokens/s (tokens after the first) and the greedy ids, through minillm.generate."""
-    from minillm import generate
-
-    runs = [generate(model, None, ids, max_new_tokens=n_new, ignore_eos=True, compile=compile) for _ in range(repeat)]
-    return sorted(r.decode_tokens_per_s for r in runs)[repeat // 2], runs[0].token_ids
-
-
 _COMPILE_CHILD = """
-import sys, time, torch
+import sys, torch
 torch.set_num_threads(int(sys.argv[1]))
 from minillm import generate, load_model
+from minillm.bench.metrics import timer
 from minillm.compile.fusion import fuse
 model, _ = load_model("smollm2-135m", dtype="float32")
 fuse(model)
-t0 = time.perf_counter()
-generate(model, None, list(range(100, 116)), max_new_tokens=4, ignore_eos=True, compile=True)
-print(time.perf_counter() - t0)
+with timer() as t:
+    generate(model, None, list(range(100, 116)), max_new_tokens=4, ignore_eos=True, compile=True)
+print(t.seconds)
 """
 
 
@@ -83,9 +76,9 @@ def ladder(base, ids: list[int], n_new: int, repeat: int, dtypes=(torch.float32,
         variants[f"eager {d}"], variants[f"fused {d}"] = (eager, False, d), (fused, False, d)
         if dtype in compiled_dtypes:
             variants[f"compiled {d}"] = (fused, True, d)
-            t0 = time.perf_counter()
-            decode_tok_s(fused, ids, 4, 1, compile=True)
-            compile_s[f"compiled {d}"] = time.perf_counter() - t0
+            with timer() as t:
+                decode_tok_s(fused, ids, 4, 1, compile=True)
+            compile_s[f"compiled {d}"] = t.seconds
     best = {k: 0.0 for k in variants}
     tokens, read_bw, ceiling = {}, 0.0, {d: 0.0 for d in per_token}
     for _ in range(repeat):
@@ -112,7 +105,7 @@ def ladder(base, ids: list[int], n_new: int, repeat: int, dtypes=(torch.float32,
 
 
 def run(quick: bool = False) -> BenchResult:
-    from minillm import load_model
+    from minillm.api import load_model
 
     prompt_len, n_new, repeat = (16, 12, 1) if quick else (32, 128, 3)
     base, tok = load_model("smollm2-135m", dtype="float32", device="cpu")

@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 
 from minillm.bench.hardware import bf16_status, preferred_dtype
-from minillm.bench.harness import BenchResult, decode_bytes_per_token, hardware_info, time_fn, weight_bytes
+from minillm.bench.hardware import hardware_info
+from minillm.bench.harness import BenchResult, time_fn
+from minillm.bench.metrics import decode_bytes_per_token, weight_bytes
 from minillm.kv_cache import KVCache, kv_bytes_per_token, max_tokens_in_budget
 
 BUDGET_BYTES = 1 << 30  # 1 GiB of KV cache
@@ -49,7 +51,7 @@ def decode_step_seconds(model, context: int, steps: int = 8, repeat: int = 3) ->
 
 
 def run(quick: bool = False) -> BenchResult:
-    from minillm import load_model
+    from minillm.api import load_model
     from minillm.compress.quality import eval_ids, kl_to_reference, perplexity_of_ids
 
     context = 256 if quick else 2048

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from minillm.bench.metrics import timer
+
 # ------------------------------------------------------------------------------------------------ the machine
 
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 /proc/cpuinfo "flags"; aarch64 "Features" lists "bf16"
@@ -125,6 +127,14 @@ def threads_line(threads: int | None = None) -> str:
     return f"{_threads(threads)}, load {'?' if load is None else f'{load:.1f}'} on {cpu_count()} cores"
 
 
+def machine_line() -> str:
+    """One line naming what computes this process's numbers, detected without timing anything: the GPU
+    torch sees, else the CPU and torch's threads (lessons print it: minillm.course.lesson.hardware_line)."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}), torch {torch.__version__}"
+    return f"CPU {cpu_name()}, {_threads(torch.get_num_threads())}, torch {torch.__version__}"
+
+
 def busy_warning(threads: int | None = None) -> str | None:
     """A warning when other work leaves fewer free cores than the threads torch will use, else None.
 
@@ -148,7 +158,7 @@ def busy_warning(threads: int | None = None) -> str | None:
 
 
 def _bounded_best_rate(sizes: Sequence[int], make: Callable[[int], Callable[[], Any]], work: Callable[[int], float],
-                       budget_s: float, max_calls: int = 6, sync: Callable[[], None] = lambda: None) -> float:
+                       budget_s: float, max_calls: int = 6) -> float:
     """Best work/second of `make(n)()` over growing sizes `n`, within about `budget_s` seconds.
 
     Each size is timed up to `max_calls` times while the budget lasts (best of several: one busy moment must not set
@@ -161,22 +171,15 @@ def _bounded_best_rate(sizes: Sequence[int], make: Callable[[int], Callable[[], 
         fn = make(n)
         fastest = float("inf")
         for call in range(max_calls):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            t = time.perf_counter() - t0
-            fastest = min(fastest, t)
-            best = max(best, work(n) / max(t, 1e-9))
+            with timer() as t:
+                fn()
+            fastest = min(fastest, t.seconds)
+            best = max(best, work(n) / max(t.seconds, 1e-9))
             if call and time.perf_counter() + fastest > deadline:  # the first call is a warm-up: time one more
                 break
         if i + 1 == len(sizes) or time.perf_counter() + fastest * work(sizes[i + 1]) / work(n) > deadline:
             break
     return best
-
-
-def _sync_for(device: torch.device) -> Callable[[], None]:
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
 def probe_bandwidth(device: str | torch.device = "cpu", budget_s: float = 0.5) -> float:
@@ -189,7 +192,7 @@ def probe_bandwidth(device: str | torch.device = "cpu", budget_s: float = 0.5) -
         dst = torch.empty_like(src)
         return lambda: dst.copy_(src)
 
-    return _bounded_best_rate([n_bytes], make, lambda n: 2 * n, budget_s, sync=_sync_for(dev))
+    return _bounded_best_rate([n_bytes], make, lambda n: 2 * n, budget_s)
 
 
 def probe_matmul(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -208,7 +211,7 @@ def probe_matmul(device: str | torch.device = "cpu", dtype: torch.dtype = torch.
         return lambda: a @ b
 
     try:
-        return _bounded_best_rate(sizes, make, lambda n: 2 * n**3, budget_s, sync=_sync_for(dev))
+        return _bounded_best_rate(sizes, make, lambda n: 2 * n**3, budget_s)
     except (RuntimeError, TypeError):
         return None
 

@@ -2,12 +2,10 @@
 
 Every technique in the course is judged the same way: the previous step and the next one are measured side by side
 in one run (so a noisy machine slows both), and the claim is a ratio (speedup, memory saved) compared with a target.
-Absolute numbers are only meaningful next to the hardware's own roofs, which `hardware_info` measures rather than
-looks up: bandwidth from a large copy, FLOP/s from matmuls, each probe bounded in time (minillm.bench.hardware).
-MBU and MFU (minillm.bench.metrics) divide what a run achieved by those roofs; lesson 00 introduces both. Both
-modules' public names are importable from here too.
+Absolute numbers are only meaningful next to the hardware's own roofs, which minillm.bench.hardware measures
+rather than looks up; minillm.bench.metrics divides what a run achieved by them (MBU, MFU) and has the timer.
 
-    from minillm.bench.harness import BenchResult, time_fn, hardware_info
+    from minillm.bench.harness import BenchResult, time_fn
     t = time_fn(lambda: model(ids), warmup=1, repeat=5)      # Timing: median/min/max seconds
     BenchResult(name="x", rows=[...], ratios={"speedup": 3.1}, targets={"speedup": (">=", 2.0)}).print_table()
 """
@@ -20,7 +18,6 @@ import operator
 import os
 import platform
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -29,24 +26,8 @@ from typing import Any
 
 import torch
 
-from minillm.bench.hardware import (  # noqa: F401  (re-exported: lessons and benches import them from the harness)
-    bandwidth,
-    busy_warning,
-    hardware_info,
-    hardware_summary,
-    load_average,
-    peak_flops,
-    threads_line,
-)
-from minillm.bench.metrics import (  # noqa: F401  (re-exported likewise)
-    decode_bytes_per_token,
-    mbu,
-    mfu,
-    model_flops_per_token,
-    peak_memory,
-    prefill_flops,
-    weight_bytes,
-)
+from minillm.bench.hardware import hardware_info, hardware_summary, load_average, threads_line
+from minillm.bench.metrics import timer
 
 # --------------------------------------------------------------------------------------------------------- timing
 
@@ -69,12 +50,6 @@ class Timing:
         return f"{self.median * 1e3:.3f} ms (min {self.min * 1e3:.3f}, max {self.max * 1e3:.3f}, n={len(self.runs)})"
 
 
-def _sync() -> None:
-    # queued GPU kernels would otherwise finish after the clock stops
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
 def time_fn(fn: Callable[[], Any], warmup: int = 1, repeat: int = 5) -> Timing:
     """Call `fn` warmup times untimed, then `repeat` times timed; synchronizes CUDA around each call."""
     if repeat < 1 or warmup < 0:
@@ -83,11 +58,9 @@ def time_fn(fn: Callable[[], Any], warmup: int = 1, repeat: int = 5) -> Timing:
         fn()
     runs = []
     for _ in range(repeat):
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        runs.append(time.perf_counter() - t0)
+        with timer() as t:
+            fn()
+        runs.append(t.seconds)
     return Timing(median=statistics.median(runs), min=min(runs), max=max(runs), runs=runs)
 
 

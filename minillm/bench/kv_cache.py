@@ -5,27 +5,17 @@
 2. minillm vs Hugging Face transformers `generate` on the same GGUF weights (float32 and bfloat16, 128 new tokens,
    greedy, batch 1): tokens/s ratio, target >= 1.0 (full mode only: loading transformers' copy takes ~10-30 s).
 3. Decode MBU at batch 1 (float32 and bfloat16): (weight bytes + KV bytes read per step) / time per token / measured
-   copy bandwidth (minillm.bench.harness.hardware_info). Target >= 60% in bfloat16. Next to it, the same figure for
-   the bare matmuls of the model's weights: the ceiling torch's kernels allow on this machine.
+   copy bandwidth (minillm.bench.hardware.hardware_info). Target >= 60% in bfloat16. Next to it, the same
+   figure for the bare matmuls of the model's weights: the ceiling torch's kernels allow on this machine.
 """
 
 from __future__ import annotations
 
-import time
-from itertools import pairwise
-
 import torch
 
-from minillm.bench.harness import (
-    BenchResult,
-    decode_bytes_per_token,
-    hardware_info,
-    mbu,
-    time_fn,
-    weight_bytes,
-)
-from minillm.api import generate_ids
-from minillm.sampling import SamplingParams
+from minillm.bench.hardware import hardware_info
+from minillm.bench.harness import BenchResult, time_fn
+from minillm.bench.metrics import decode_bytes_per_token, decode_rate, mbu, timed_decode, timer, weight_bytes
 
 PROMPT_LEN = 32
 
@@ -35,25 +25,6 @@ def prompt_ids(tokenizer, n: int = PROMPT_LEN) -> list[int]:
     from minillm.compress.quality import eval_ids
 
     return eval_ids(tokenizer, n)
-
-
-def timed_decode(model, ids: list[int], n_new: int, cache: str) -> tuple[list[int], list[float]]:
-    """(tokens, seconds since start at which each token came out) for exactly n_new greedy tokens."""
-    params = SamplingParams(max_tokens=n_new, ignore_eos=True)
-    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
-    tokens, times = [], []
-    t0 = time.perf_counter()
-    for tok in generate_ids(model, ids, params, cache=cache):
-        sync()
-        times.append(time.perf_counter() - t0)
-        tokens.append(tok)
-    return tokens, times
-
-
-def decode_seconds_per_token(times: list[float]) -> float:
-    """Median gap between consecutive tokens after the first (the first includes the prefill)."""
-    gaps = sorted(b - a for a, b in pairwise(times))
-    return gaps[len(gaps) // 2]
 
 
 def hf_model(dtype: torch.dtype):
@@ -70,10 +41,10 @@ def hf_model(dtype: torch.dtype):
 @torch.inference_mode()
 def hf_decode(model, ids: list[int], n_new: int) -> tuple[list[int], float]:
     x = torch.tensor([ids])
-    t0 = time.perf_counter()
-    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_new, min_new_tokens=n_new,
-                         do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist(), time.perf_counter() - t0
+    with timer() as t:
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_new, min_new_tokens=n_new,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist(), t.seconds
 
 
 @torch.inference_mode()
@@ -89,8 +60,7 @@ def matmul_bytes_per_s(model, repeat: int = 5) -> float:
 
 def mbu_rows(model, ids: list[int], n_new: int, bandwidth: float) -> tuple[dict, float]:
     """Cached decode of n_new tokens: a table row with tok/s, bytes/token, roof and MBU; and the MBU."""
-    _, times = timed_decode(model, ids, n_new, "contiguous")
-    spt = decode_seconds_per_token(times)
+    spt = 1 / decode_rate(timed_decode(model, ids, n_new).token_times, median=True)
     bytes_per_token = decode_bytes_per_token(model, PROMPT_LEN + n_new // 2)  # K/V read at mid-generation
     achieved = mbu(bytes_per_token, spt, bandwidth)
     dtype = str(model.dtype).replace("torch.", "")
@@ -102,7 +72,7 @@ def mbu_rows(model, ids: list[int], n_new: int, bandwidth: float) -> tuple[dict,
 
 
 def run(quick: bool = False) -> BenchResult:
-    from minillm import load_model
+    from minillm.api import load_model
 
     n_new = 32 if quick else 256
     n_peer = 32 if quick else 128
@@ -120,11 +90,11 @@ def run(quick: bool = False) -> BenchResult:
             timed_decode(model, ids, 4, "none")
             runs = {}
             for cache in ("none", "contiguous"):
-                tokens, times = timed_decode(model, ids, n_new, cache)
-                runs[cache] = tokens
-                decode_s = times[-1] - times[0]
+                out = timed_decode(model, ids, n_new, cache)
+                runs[cache], times = out.token_ids, out.token_times
                 rows.append({"case": f"{'no cache' if cache == 'none' else 'KV cache'} float32", "new_tokens": n_new,
-                             "ttft_ms": times[0] * 1e3, "decode_s": decode_s, "decode_tok_s": (n_new - 1) / decode_s,
+                             "ttft_ms": times[0] * 1e3, "decode_s": times[-1] - times[0],
+                             "decode_tok_s": decode_rate(times),
                              "last_token_ms": (times[-1] - times[-2]) * 1e3})
             ratios["cached_vs_uncached_speedup"] = rows[0]["decode_s"] / rows[1]["decode_s"]
             targets["cached_vs_uncached_speedup"] = (">=", 5.0)
@@ -142,7 +112,8 @@ def run(quick: bool = False) -> BenchResult:
         if not quick:
             theirs = hf_model(model.dtype)
             hf_decode(theirs, ids, 8)  # warm-up
-            our_tokens, times = timed_decode(model, ids, n_peer, "contiguous")
+            ours = timed_decode(model, ids, n_peer)
+            our_tokens, times = ours.token_ids, ours.token_times
             their_tokens, their_s = hf_decode(theirs, ids, n_peer)
             ours_tps, theirs_tps = n_peer / times[-1], n_peer / their_s
             same = sum(a == b for a, b in zip(our_tokens, their_tokens)) / n_peer

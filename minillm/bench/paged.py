@@ -20,6 +20,7 @@ import statistics
 import torch
 
 from minillm.bench.harness import BenchResult, time_fn
+from minillm.bench.metrics import decode_tok_s, timed_decode
 from minillm.cache.block_allocator import BlockAllocator, OutOfBlocksError, blocks_needed
 from minillm.config import SMOLLM2_135M, ModelConfig
 from minillm.kv_cache import kv_bytes_per_token
@@ -117,22 +118,18 @@ def attention_step_rows(cfg: ModelConfig, context: int, block_size: int = 16, re
 
 def generation_rows(model, tokenizer, prompt: str, new_tokens: int, repeat: int = 2) -> tuple[list[dict], bool]:
     """Greedy generation with both caches: decode tok/s (median of `repeat`) and whether the texts are identical."""
-    from minillm import generate
-
+    ids = tokenizer.encode(prompt)
     rows, texts = [], {}
     for cache in ("contiguous", "paged"):
-        generate(model, tokenizer, prompt, max_new_tokens=4, cache=cache)  # warm-up
-        runs = [generate(model, tokenizer, prompt, max_new_tokens=new_tokens, cache=cache, ignore_eos=True)
-                for _ in range(repeat)]
-        texts[cache] = runs[0].token_ids
-        rows.append({"cache": cache, "new_tokens": len(runs[0].token_ids),
-                     "decode_tok_per_s": statistics.median(r.decode_tokens_per_s for r in runs),
-                     "text": runs[0].text[:60]})
+        timed_decode(model, ids, 4, cache)  # warm-up
+        tok_s, texts[cache] = decode_tok_s(model, ids, new_tokens, repeat, cache)
+        rows.append({"cache": cache, "new_tokens": len(texts[cache]), "decode_tok_per_s": tok_s,
+                     "text": tokenizer.decode(texts[cache])[:60]})
     return rows, texts["contiguous"] == texts["paged"]
 
 
 def run(quick: bool = False) -> BenchResult:
-    from minillm import load_model
+    from minillm.api import load_model
 
     cfg = SMOLLM2_135M
     n_seqs, budget_seqs, new_tokens, context = (128, 32, 8, 1024) if quick else (1000, 32, 64, 2048)

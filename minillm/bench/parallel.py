@@ -11,12 +11,11 @@ against (p - 1) / (m + p - 1); and an analytic model (labelled as such) of what 
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
 from minillm.bench.harness import BenchResult
+from minillm.bench.metrics import decode_rate, timed_decode
 
 # the analytic model's links: (GB/s per GPU one way, microseconds per small all-reduce), rough public figures
 LINKS = {"NVLink 4 (H100 SXM)": (450.0, 8.0), "PCIe 4.0 x16": (25.0, 25.0)}
@@ -61,21 +60,16 @@ def analytic_tp(cfg, name: str, tp: int = 8, batch: int = 1, context: int = 4096
 
 
 def single_process(spec, ids: list[int], n: int, threads: int) -> tuple[list[int], float]:
-    from minillm.api import generate_ids
+    """Greedy ids and decode tokens/s of `n` new tokens in this process, with `threads` torch threads."""
     from minillm.gguf.loader import load_spec
-    from minillm.sampling import SamplingParams
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         model = load_spec(spec)[0]
-        params = SamplingParams(max_tokens=n, ignore_eos=True)
-        list(generate_ids(model, ids[:8], SamplingParams(max_tokens=2)))  # warm-up
-        t0, times, out = time.perf_counter(), [], []
-        for tok in generate_ids(model, ids, params):
-            out.append(tok)
-            times.append(time.perf_counter() - t0)
-        return out, (n - 1) / (times[-1] - times[0])
+        timed_decode(model, ids[:8], 2)  # warm-up
+        out = timed_decode(model, ids, n)
+        return out.token_ids, decode_rate(out.token_times)
     finally:
         torch.set_num_threads(before)
 

@@ -14,12 +14,12 @@ is compute saved, not memory. Greedy tokens are compared request by request.
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
-from minillm.bench.workload import corpus_ids
 from minillm.bench.harness import BenchResult
+from minillm.bench.metrics import percentiles, timer
+from minillm.bench.workload import corpus_ids
 
 
 def shared_prefix_prompts(tok, n: int, system_tokens: int) -> tuple[list[list[int]], int]:
@@ -87,14 +87,14 @@ def run(quick: bool = False, dtype: str = "float32") -> BenchResult:
     rows, results = [], {}
     for caching in (False, True):
         llm = engine(caching)
-        t0 = time.perf_counter()
-        seq_out = [llm.generate([p], params)[0] for p in prompts[:n_seq]]  # one at a time
-        seq_wall = time.perf_counter() - t0
+        with timer() as t:
+            seq_out = [llm.generate([p], params)[0] for p in prompts[:n_seq]]  # one at a time
+        seq_wall = t.seconds
         seq_prefill = sum(s["num_prefill_tokens"] for s in llm.step_log)
         llm = engine(caching)  # a cold cache again: the burst starts from nothing
-        t0 = time.perf_counter()
-        burst_out = llm.generate(prompts, params)
-        burst_wall = time.perf_counter() - t0
+        with timer() as t:
+            burst_out = llm.generate(prompts, params)
+        burst_wall = t.seconds
         burst_prefill = sum(s["num_prefill_tokens"] for s in llm.step_log)
         stats = llm.prefix_cache_stats
         results[caching] = (seq_out, burst_out)
@@ -105,7 +105,7 @@ def run(quick: bool = False, dtype: str = "float32") -> BenchResult:
                      "output_tok_per_s": n_seq * max_tokens / seq_wall})
         rows.append({"engine": label, "pattern": f"burst ({n_burst} at t=0)",
                      "mean_ttft_s": _mean([o.metrics["ttft"] for o in burst_out]),
-                     "p90_ttft_s": sorted(o.metrics["ttft"] for o in burst_out)[int(0.9 * (n_burst - 1))],
+                     "p90_ttft_s": percentiles([o.metrics["ttft"] for o in burst_out], (90,))["p90"],
                      "prefill_tokens": burst_prefill, "wall_s": burst_wall,
                      "output_tok_per_s": n_burst * max_tokens / burst_wall,
                      "hit_rate": stats.hit_rate if stats else 0.0})

@@ -13,14 +13,13 @@ when installed; llama.cpp (llama-cpp-python, an optional extra that compiles for
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 import torch.nn.functional as F
 
-from minillm.bench.fusion import decode_tok_s
 from minillm.bench.hardware import bf16_status
-from minillm.bench.harness import BenchResult
+from minillm.bench.harness import BenchResult, time_fn
+from minillm.bench.metrics import decode_tok_s, timer
 
 
 @torch.inference_mode()
@@ -44,19 +43,12 @@ def quality(model, ref_logits: list[torch.Tensor], chunks: list[list[int]]) -> d
 def prefill_tok_s(model, ids: list[int], repeat: int) -> float:
     x = torch.tensor([ids])
     model(x[:, :8])
-    best = min(_timed(lambda: model(x, last_only=True)) for _ in range(repeat))
-    return len(ids) / best
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+    return len(ids) / time_fn(lambda: model(x, last_only=True), warmup=0, repeat=repeat).min
 
 
 def variants(quick: bool, calib: list[int]):
     """name -> (builder, quality only?). Builders load a fresh model: quantization happens in place."""
-    from minillm import load_model
+    from minillm.api import load_model
     from minillm.compress.awq import apply_awq
     from minillm.compress.quant import fake_quantize_int4
     from minillm.compress.quantize import quantize
@@ -91,7 +83,7 @@ def torchao_variants() -> tuple[dict, str | None]:
         from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
     except ImportError as e:
         return {}, f"torchao not installed ({e.name}): pip install torchao to run it beside minillm"
-    from minillm import load_model
+    from minillm.api import load_model
 
     def build(config):
         def make():
@@ -107,7 +99,7 @@ def torchao_variants() -> tuple[dict, str | None]:
 
 def kv_int8_capacity(quick: bool) -> tuple[list[dict], dict]:
     """The engine with a bf16 KV pool vs an int8 one, in the same byte budget: blocks, peak sequences, tok/s."""
-    from minillm import load_model
+    from minillm.api import load_model
     from minillm.engine.llm import LLM
     from minillm.sampling import SamplingParams
 
@@ -122,9 +114,9 @@ def kv_int8_capacity(quick: bool) -> tuple[list[dict], dict]:
     rows, out = [], {}
     for name, kv in ((float_kv, "bfloat16"), ("int8 KV", "int8")):
         llm = LLM.from_model(model, tok, kv_cache_bytes=budget, max_num_seqs=n_req, kv_cache_dtype=kv)
-        t = time.perf_counter()
-        results = llm.generate(prompts, SamplingParams(max_tokens=n_new, ignore_eos=True))
-        dt = time.perf_counter() - t
+        with timer() as t:
+            results = llm.generate(prompts, SamplingParams(max_tokens=n_new, ignore_eos=True))
+        dt = t.seconds
         peak = max(s["num_seqs"] for s in llm.step_log)
         out[name] = (llm.block_manager.num_blocks, peak, sum(len(r.token_ids) for r in results) / dt,
                      [r.token_ids for r in results])
@@ -139,7 +131,7 @@ def kv_int8_capacity(quick: bool) -> tuple[list[dict], dict]:
 
 
 def run(quick: bool = False) -> BenchResult:
-    from minillm import load_model
+    from minillm.api import load_model
     from minillm.model import model_bytes
     from minillm.compress.quality import calibration_ids, eval_ids
 

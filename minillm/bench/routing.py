@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from minillm.bench.metrics import percentiles, timer
 from minillm.bench.workload import corpus_ids
 
 POLICIES = ("round_robin", "least_tokens", "prefix_affinity")
@@ -58,11 +59,6 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     return out
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(x for x in xs if not math.isnan(x))
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
-
-
 def measure(quick: bool = False, threads: int = 1) -> dict:
     """Run the three policies; returns {"rows", "ratios", "targets", "notes", "series", "settings"}."""
     from minillm.cache.block_allocator import blocks_needed
@@ -85,13 +81,14 @@ def measure(quick: bool = False, threads: int = 1) -> dict:
     engine = {"num_blocks": num_blocks, "block_size": block_size, "max_num_seqs": max_seqs,
               "max_num_batched_tokens": budget}
     rows, outputs, series = [], {}, {"arrival_s": arrivals, "group": groups, "ttft_s": {}, "replica": {}}
-    t_start = time.perf_counter()
-    with ReplicaPool("smollm2-135m", n_replicas, "round_robin", engine, threads=threads, timeout=600) as pool:
-        startup_s = time.perf_counter() - t_start
+    with timer() as startup:
+        pool = ReplicaPool("smollm2-135m", n_replicas, "round_robin", engine, threads=threads, timeout=600)
+    startup_s = startup.seconds
+    with pool:
         pool.generate([p[-40:] for p in prompts[:n_replicas]], SamplingParams(max_tokens=2))  # warm-up, each replica
         for policy in POLICIES:
             pool.reset(policy)
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()  # also the origin of the output throughput (to the last token)
             outs = pool.generate(prompts, params, arrival_times=arrivals)
             wall = time.perf_counter() - t0
             failed = [o.request_id for o in outs if o.error is not None]
@@ -105,7 +102,8 @@ def measure(quick: bool = False, threads: int = 1) -> dict:
             per_replica = [sum(o.replica == r for o in outs) for r in range(n_replicas)]
             prompt_tokens = [sum(len(o.prompt_token_ids) for o in outs if o.replica == r) for r in range(n_replicas)]
             last_token = max(o.metrics["arrival_time"] + o.token_times[-1] for o in outs)
-            rows.append({"policy": policy, "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+            pct = percentiles(ttft, (50, 99))
+            rows.append({"policy": policy, "ttft_p50_s": pct["p50"], "ttft_p99_s": pct["p99"],
                          "ttft_mean_s": statistics.fmean(ttft),
                          "tpot_mean_s": statistics.fmean(o.metrics["tpot"] for o in outs),
                          "output_tok_per_s": sum(len(o.token_ids) for o in outs) / (last_token - t0),

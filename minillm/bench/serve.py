@@ -35,8 +35,9 @@ from pathlib import Path
 
 import torch
 
-from minillm.bench.workload import corpus_ids, percentiles
 from minillm.bench.harness import BenchResult
+from minillm.bench.metrics import summarize, timer
+from minillm.bench.workload import corpus_ids
 
 SLO = {"ttft_s": 2.0, "tpot_s": 0.5}
 WORKLOADS = ("short-chat", "shared-system", "long-doc")
@@ -60,7 +61,10 @@ class Sample:
     def completed(self) -> bool:
         return self.status == 200 and self.done and self.finish_reason is not None and self.error is None
 
+    @property
     def metrics(self) -> dict:
+        """ttft, tpot, e2e (seconds) and itl (the gaps between content chunks), as an engine's outputs have
+        them (metrics.summarize reads them)."""
         nan, c = float("nan"), self.chunk_times
         return {"ttft": c[0] - self.t_sent if c else nan, "e2e": self.t_end - self.t_sent,
                 "tpot": (c[-1] - c[0]) / (self.completion_tokens - 1) if c and self.completion_tokens > 1 else nan,
@@ -160,23 +164,15 @@ async def run_load(url: str, requests: list[tuple[str, dict]], rate: float | Non
         return samples, time.perf_counter() - t0
 
 
-def summarize(samples: list[Sample], wall_s: float, slo: dict = SLO) -> dict:
-    """Throughput, latency percentiles (seconds), goodput under the SLO, and what did not complete."""
+def summarize_load(samples: list[Sample], wall_s: float, slo: dict = SLO) -> dict:
+    """What did not complete (lost, 4xx, 5xx), then metrics.summarize of the completed requests: throughput,
+    latency percentiles (seconds), goodput under the SLO (slo_attained over every request sent)."""
     done = [s for s in samples if s.completed]
-    m = [s.metrics() for s in done]
     out = {"sent": len(samples), "completed": len(done), "lost": len(samples) - len(done),
            "errors_4xx": sum(400 <= s.status < 500 for s in samples),
-           "errors_5xx": sum(s.status >= 500 or "server_error" in (s.error or "") for s in samples),
-           "wall_s": wall_s, "requests_per_s": len(done) / wall_s,
-           "output_tok_per_s": sum(s.completion_tokens for s in done) / wall_s}
-    for key in ("ttft", "tpot", "e2e"):
-        for p, v in percentiles([x[key] for x in m]).items():
-            out[f"{key}_{p}"] = v
-    for p, v in percentiles([g for x in m for g in x["itl"]]).items():
-        out[f"itl_{p}"] = v
-    good = sum(x["ttft"] <= slo["ttft_s"] and not x["tpot"] > slo["tpot_s"] for x in m)
-    out["goodput_req_per_s"], out["slo_attained"] = good / wall_s, good / max(len(samples), 1)
-    return out
+           "errors_5xx": sum(s.status >= 500 or "server_error" in (s.error or "") for s in samples)}
+    return {**out, **summarize(done, wall_s, slo["ttft_s"], slo["tpot_s"],
+                               output_tokens=sum(s.completion_tokens for s in done), sent=len(samples))}
 
 
 @contextmanager
@@ -224,7 +220,7 @@ def cache_counts(url: str) -> tuple[int, int] | None:
 def _measure(url: str, workload: str, reqs, rate: float) -> dict:
     """One Poisson run, summarized, with the prefix-cache hit rate of its prompts when the server reports it."""
     before = cache_counts(url)
-    summary = summarize(*asyncio.run(run_load(url, reqs, rate=rate, seed=1, workload=workload)))
+    summary = summarize_load(*asyncio.run(run_load(url, reqs, rate=rate, seed=1, workload=workload)))
     after = cache_counts(url)
     summary["prefix_hit_rate"] = ((after[1] - before[1]) / max(after[0] - before[0], 1) if before and after
                                   else float("nan"))
@@ -252,15 +248,16 @@ def overhead(url: str, model, tok, requests, engine: dict) -> tuple[dict, dict]:
 
     def http(i: int) -> None:
         (x,), wall = asyncio.run(run_load(url, requests[i:i + 1], concurrency=1, workload="overhead"))
-        m = x.metrics()
+        m = x.metrics
         served["tpot"].append(m["tpot"]), served["e2e"].append(m["e2e"])
         served["tokens"], served["s"] = served["tokens"] + x.completion_tokens, served["s"] + wall
 
     def engine_(i: int) -> None:
-        t0 = time.perf_counter()
-        out = llm.generate([prompts[i]], SamplingParams(max_tokens=requests[i][1]["max_tokens"], ignore_eos=True))[0]
+        params = SamplingParams(max_tokens=requests[i][1]["max_tokens"], ignore_eos=True)
+        with timer() as t:
+            out = llm.generate([prompts[i]], params)[0]
         alone["tpot"].append(out.metrics["tpot"]), alone["e2e"].append(out.metrics["e2e"])
-        alone["tokens"], alone["s"] = alone["tokens"] + len(out.token_ids), alone["s"] + time.perf_counter() - t0
+        alone["tokens"], alone["s"] = alone["tokens"] + len(out.token_ids), alone["s"] + t.seconds
 
     for i in range(len(requests)):
         for f in ((http, engine_) if i % 2 == 0 else (engine_, http)):

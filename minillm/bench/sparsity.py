@@ -17,8 +17,8 @@ import copy
 
 import torch
 
-from minillm.bench.fusion import decode_tok_s
 from minillm.bench.harness import BenchResult
+from minillm.bench.metrics import decode_tok_s
 from minillm.bench.quant import prefill_tok_s, quality
 
 SHAPES = {"wq/wo": (576, 576), "wk/wv": (192, 576), "gate/up": (1536, 576), "down": (576, 1536)}
@@ -113,7 +113,7 @@ def gpu_semi_structured(quick: bool) -> tuple[list[dict], dict]:
 
 
 def run(quick: bool = False) -> BenchResult:
-    from minillm import load_model
+    from minillm.api import load_model
     from minillm.compress.quality import calibration_ids, eval_ids
     from minillm.compress.sparsity import is_n_m_sparse
 

@@ -15,12 +15,12 @@ prompt-lookup speculation.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
 
 from minillm.bench.harness import BenchResult, time_fn
+from minillm.bench.metrics import timer
 
 PASSAGES = [
     "The lighthouse on the northern cape was built in 1887 from granite quarried two miles inland. Its lamp, first "
@@ -92,9 +92,9 @@ def timed(model, tok, ids: list[int], n: int, spec=None):
     from minillm.speculative.decoding import SpecStats
 
     stats = SpecStats()
-    t0 = time.perf_counter()
-    out = generate(model, tok, ids, max_new_tokens=n, ignore_eos=True, speculative=spec, spec_stats=stats)
-    return out.token_ids, time.perf_counter() - t0, stats
+    with timer() as t:
+        out = generate(model, tok, ids, max_new_tokens=n, ignore_eos=True, speculative=spec, spec_stats=stats)
+    return out.token_ids, t.seconds, stats
 
 
 def engine_throughput(model, tok, prompts: list[list[int]], batch: int, n: int, spec) -> tuple[float, list]:
@@ -105,9 +105,9 @@ def engine_throughput(model, tok, prompts: list[list[int]], batch: int, n: int, 
     reqs = [prompts[i % len(prompts)] for i in range(batch)]
     params = SamplingParams(max_tokens=n, ignore_eos=True)
     llm.generate(reqs[:1], SamplingParams(max_tokens=2))  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(reqs, params)
-    return batch * n / (time.perf_counter() - t0), [o.token_ids for o in outs]
+    with timer() as t:
+        outs = llm.generate(reqs, params)
+    return batch * n / t.seconds, [o.token_ids for o in outs]
 
 
 def run(quick: bool = False) -> BenchResult:

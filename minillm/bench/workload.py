@@ -1,18 +1,10 @@
-"""Serving workloads and serving metrics: what lesson 05 and `minillm bench batching` feed the engines and report.
+"""Serving workloads (lesson 05, `minillm bench batching`): requests for an engine, and the loop feeding them.
 
-A workload is a list of requests with a prompt (real English text from CPython's pydoc topics, cut to a drawn token
-length), an output length (requests run with ignore_eos so they generate exactly that many tokens) and an arrival
-time (all at t=0, or a Poisson process). Output lengths in real chat traffic are long-tailed: most answers are short, a
-few are very long. That tail is what makes static batching idle: a batch lasts as long as its longest answer.
-
-Metrics, in the field's terms:
-  throughput   output tokens/s and requests/s over the whole run
-  TTFT         time to first token (queueing + prefill), per request
-  TPOT         time per output token after the first: (last - first token time) / (n - 1)
-  ITL          inter-token latency: every gap between consecutive tokens (its tail shows prefill stalls)
-  E2E          arrival to last token
-  goodput      requests/s that met a latency SLO (TTFT and TPOT bounds): throughput that users experience as good
-  occupancy    per step, running sequences / max batch: the idle slots of static batching
+A workload is a list of requests with a prompt (real English text from CPython's pydoc topics, cut to a drawn
+token length), an output length (requests run with ignore_eos so they generate exactly that many tokens) and
+an arrival time (all at t=0, or a Poisson process). Output lengths in real chat traffic are long-tailed: most
+answers are short, a few very long. That tail is what makes static batching idle: a batch lasts as long as its
+longest answer (`occupancy_timeline`). What a run achieved: minillm.bench.metrics.summarize.
 """
 
 from __future__ import annotations
@@ -21,8 +13,6 @@ import math
 import random
 import time
 from dataclasses import dataclass
-
-import numpy as np
 
 from minillm.sampling import SamplingParams
 
@@ -108,36 +98,9 @@ def serve(llm, requests: list[Request]) -> tuple[list, float]:
     return [llm.pop_output(ids[i]) for i in range(len(requests))], wall
 
 
-def percentiles(values, ps=(50, 90, 99)) -> dict[str, float]:
-    vals = [v for v in values if not math.isnan(v)]  # drop NaN (e.g. TPOT of a one-token answer)
-    if not vals:
-        return {f"p{p}": float("nan") for p in ps}
-    return {f"p{p}": float(np.percentile(vals, p)) for p in ps}
-
-
-def summarize(outputs, wall_s: float, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> dict:
-    """Throughput, latency percentiles and goodput of one run. `outputs` carry .token_ids and .metrics."""
-    n_tokens = sum(len(o.token_ids) for o in outputs)
-    m = [o.metrics for o in outputs]
-    out = {
-        "requests": len(outputs), "output_tokens": n_tokens, "wall_s": wall_s,
-        "output_tok_per_s": n_tokens / wall_s, "requests_per_s": len(outputs) / wall_s,
-    }
-    for key in ("ttft", "tpot", "e2e"):
-        for p, v in percentiles([x[key] for x in m]).items():
-            out[f"{key}_{p}"] = v
-    for p, v in percentiles([g for x in m for g in x["itl"]]).items():
-        out[f"itl_{p}"] = v
-    if slo_ttft_s is not None or slo_tpot_s is not None:
-        ok = sum((slo_ttft_s is None or x["ttft"] <= slo_ttft_s) and
-                 (slo_tpot_s is None or not x["tpot"] > slo_tpot_s) for x in m)  # NaN TPOT (1 token) passes
-        out["goodput_req_per_s"] = ok / wall_s
-        out["slo_attained"] = ok / len(outputs)
-    return out
-
-
 def occupancy_timeline(step_log: list[dict]) -> tuple[list[float], list[float]]:
-    """(step start times relative to the first step, occupancy per step) from an engine's step_log."""
+    """(step start times relative to the first step, occupancy per step) from an engine's step_log;
+    occupancy is running sequences / max batch: the idle slots of static batching."""
     if not step_log:
         return [], []
     t0 = step_log[0]["t_start"]

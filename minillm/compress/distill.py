@@ -13,7 +13,8 @@ probabilities; the loss is scaled by T^2 so that its gradients keep the same siz
 The loop is plain PyTorch: AdamW, linear warm-up then cosine decay, gradient-norm clipping, periodic evaluation on the
 held-apart split, and a checkpoint (student, optimizer, step, history) written atomically. Batches are a pure
 function of (seed, step), so a run interrupted and resumed from its checkpoint sees the same batches and reproduces
-the same loss curve. bf16 autocast is used only where the CPU or GPU computes bf16 natively.
+the same loss curve. bf16 autocast is the caller's choice (DistillConfig.autocast): worth it only where the
+device computes bf16 natively (minillm.bench.hardware.native_bf16 tells), far slower where it is emulated.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class DistillConfig:
     eval_tokens: int = 512
     checkpoint_every: int = 50
     seed: int = 0
-    autocast: str = "auto"  # "auto": bf16 where native; "off"
+    autocast: bool = False  # train under bf16 autocast (the caller decides: only where bf16 is native)
     # the tied embedding / LM head is 28M of SmolLM2's 135M parameters and was not pruned: leaving it frozen saves its
     # weight gradient and optimizer state, the largest per-token cost of the backward pass after the blocks
     train_embeddings: bool = False
@@ -62,8 +63,8 @@ class DistillConfig:
             raise ValueError("the loss weights kd, ce, cos must be >= 0 and not all 0")
         if self.steps < 1 or self.batch_size < 1 or self.seq_len < 2:
             raise ValueError("steps and batch_size must be >= 1, seq_len >= 2")
-        if self.autocast not in ("auto", "off"):
-            raise ValueError(f"autocast is 'auto' or 'off', got {self.autocast!r}")
+        if not isinstance(self.autocast, bool):
+            raise ValueError(f"autocast is True or False (the caller resolves it), got {self.autocast!r}")
 
 
 # ------------------------------------------------------------------------------------------------------- losses
@@ -112,12 +113,35 @@ def _forward(model, x: Tensor, want_hidden: bool) -> tuple[Tensor, Tensor | None
     return model.logits(h), (h if want_hidden else None)
 
 
+def _tokenizer_facts(tok) -> tuple:
+    """What makes two tokenizers the same: size, special tokens, stop ids, and every token's bytes."""
+    pieces = [tok.token_bytes(i) for i in range(len(tok))] if hasattr(tok, "token_bytes") else None
+    specials = sorted(getattr(tok, "special_tokens", {}).items())
+    return len(tok), specials, sorted(getattr(tok, "stop_ids", ())), pieces
+
+
+def check_same_vocabulary(small, large, roles: tuple[str, str], why: str, tokenizer=None,
+                          small_tokenizer=None) -> None:
+    """Refuse two models whose token ids may mean different tokens: the one check behind a student and its
+    teacher, a draft and its target (lesson 10), a cascade's two models. `roles` name them in the error;
+    `tokenizer` (the large model's) must have the models' vocabulary size; `small_tokenizer`, be the same."""
+    small_name, large_name = roles
+    n_small, n_large = small.config.vocab_size, large.config.vocab_size
+    if n_small != n_large:
+        raise ValueError(f"the {small_name}'s vocabulary has {n_small} tokens, the {large_name}'s {n_large}: "
+                         f"{why}")
+    if tokenizer is not None and len(tokenizer) != n_large:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the models {n_large}: pass the "
+                         f"models' tokenizer")
+    if small_tokenizer is not None and small_tokenizer is not tokenizer and (
+            tokenizer is None or _tokenizer_facts(small_tokenizer) != _tokenizer_facts(tokenizer)):
+        raise ValueError(f"the {small_name}'s tokenizer differs from the {large_name}'s: {why}")
+
+
 def check_pair(student, teacher) -> None:
     s, t = student.config, teacher.config
-    if s.vocab_size != t.vocab_size:
-        raise ValueError(f"student vocabulary ({s.vocab_size}) differs from the teacher's ({t.vocab_size}): "
-                         "distillation compares next-token distributions token by token, so both must share a "
-                         "tokenizer")
+    check_same_vocabulary(student, teacher, ("student", "teacher"), "distillation compares next-token "
+                          "distributions token by token, so both must share a tokenizer")
     if s.dim != t.dim:
         raise ValueError(f"student dim {s.dim} != teacher dim {t.dim}: the cosine term compares hidden states; "
                          "set cos=0 for a student of another width")
@@ -195,12 +219,6 @@ def train_step(student: nn.Module, teacher: nn.Module, x: Tensor, optimizer: tor
     return {"loss": loss.item(), **{k: v.item() for k, v in terms.items()}, "grad_norm": float(grad_norm)}
 
 
-def use_autocast(cfg: DistillConfig, device: torch.device) -> bool:
-    from minillm.bench.hardware import native_bf16
-
-    return cfg.autocast == "auto" and native_bf16(device)
-
-
 def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, eval_ids: Tensor, cfg: DistillConfig,
             checkpoint: str | Path | None = None, progress: bool = True, stop_after: int | None = None) -> list[dict]:
     """Train `student` in place on `train_ids` (1-D token ids) against `teacher`. Returns the history: one record
@@ -223,14 +241,13 @@ def distill(student: nn.Module, teacher: nn.Module, train_ids: Tensor, eval_ids:
     if checkpoint is not None and Path(checkpoint).exists():
         start, history = load_checkpoint(Path(checkpoint), student, optimizer, cfg)
     train_ids, eval_ids = train_ids.to(student.device), eval_ids.to(student.device)
-    amp = use_autocast(cfg, student.device)
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
     for step in range(start, end):
         t0 = time.perf_counter()
         x = batch_at(train_ids, step, cfg)
         for g in optimizer.param_groups:
             g["lr"] = lr_at(step, cfg)
-        with torch.autocast(student.device.type, torch.bfloat16, enabled=amp):
+        with torch.autocast(student.device.type, torch.bfloat16, enabled=cfg.autocast):
             out = train_step(student, teacher, x, optimizer, cfg)
         tok_s = (x.numel() - x.shape[0]) / (time.perf_counter() - t0)  # tokens predicted per second
         rec = {"step": step + 1, **out, "lr": lr_at(step, cfg), "tok_s": tok_s}
@@ -256,29 +273,3 @@ def train_ids(tokenizer, skip: int = 8192) -> Tensor:
 
     ids = tokenizer.encode(pydoc_text())
     return torch.tensor(ids[skip:])
-
-
-def teacher_continuations(teacher, tokenizer, prompts: list[list[int]], max_tokens: int, cache: Path | None = None,
-                          ) -> list[list[int]]:
-    """Sampled continuations of each prompt by the teacher (the batching engine, temperature 1, seeded), cached as
-    JSON: the student also learns from text the teacher itself writes."""
-    import json
-
-    from minillm.engine.llm import LLM
-    from minillm.sampling import SamplingParams
-
-    if cache is not None and Path(cache).exists():
-        data = json.loads(Path(cache).read_text())
-        if data.get("prompts") == prompts and data.get("max_tokens") == max_tokens:
-            return data["sequences"]
-    llm = LLM.from_model(teacher, tokenizer, max_num_seqs=16)
-    params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True)
-              for i in range(len(prompts))]
-    outs = llm.generate(prompts, params)
-    seqs = [p + o.token_ids for p, o in zip(prompts, outs)]
-    if cache is not None:
-        Path(cache).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(str(cache) + ".tmp")
-        tmp.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "sequences": seqs}))
-        os.replace(tmp, cache)
-    return seqs

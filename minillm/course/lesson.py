@@ -7,10 +7,8 @@ numbers a learner reads come from full mode on their own hardware.
 from __future__ import annotations
 
 import os
-import platform
-from pathlib import Path
 
-import torch
+from minillm.bench.hardware import machine_line
 
 QUICK = os.environ.get("MINILLM_QUICK", "") not in ("", "0")
 
@@ -21,15 +19,6 @@ def pick(full, quick):
 
 
 def hardware_line() -> str:
-    """One line naming the hardware a lesson's numbers come from; print it above every table."""
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}), torch {torch.__version__}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"CPU {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}" + (" [QUICK mode]" if QUICK else "")
+    """One line naming the hardware a lesson's numbers come from (minillm.bench.hardware names it), and quick
+    mode when on; print it above every table."""
+    return machine_line() + (" [QUICK mode]" if QUICK else "")

@@ -587,7 +587,7 @@ _SAYS = "The capital of France is"
 # float32 throughout (autocast off): the bound was measured so, and a CPU with native bf16 would otherwise train
 # under bf16 autocast
 _CFG = {"steps": 10, "batch_size": 2, "seq_len": 64, "warmup": 1, "eval_every": 10, "eval_tokens": 128, "lr": 5e-4,
-        "autocast": "off"}
+        "autocast": False}
 
 
 @pytest.mark.task_09_real_model
