@@ -7,8 +7,8 @@ add into the RMSNorm that follows it. Fill in the three functions, then grade yo
 
 The graders compare with the unfused computation (the separate q/k/v Linears; add then rms_norm), on MHA, GQA and
 MQA shapes, in float32 and bfloat16, and finish by fusing the real model with your functions: its logits and greedy
-tokens must equal the unfused model's. Calling minillm.compile.fusion inside your answers is rejected. Stands on exercise 00
-(`rms_norm`, given here from minillm).
+tokens must equal the unfused model's. Calling minillm.compile.fusion inside your answers is rejected. Stands on
+exercise 00 (`rms_norm`, given here from minillm).
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ the eight functions, then grade your work:
 
 The graders compare bit for bit with the formats' rules on adversarial values (constant groups, exact halves, rows
 of zeros, all 256 byte values), bound the rounding error, and finish by quantizing the real model with your
-functions (swapped into minillm.compress.quant and minillm.compress.llm_int8): it must still answer Paris and keep its perplexity.
-Calling minillm.compress.quant or minillm.compress.llm_int8 inside your answers is rejected.
+functions (swapped into minillm.compress.quant and minillm.compress.llm_int8): it must still answer Paris and keep its
+perplexity. Calling minillm.compress.quant or minillm.compress.llm_int8 inside your answers is rejected.
 """
 
 from __future__ import annotations

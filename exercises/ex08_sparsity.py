@@ -23,10 +23,10 @@ them.
 The graders compare with brute-force oracles written group by group (every kept score at least every dropped one,
 exactly the right count per row, per group, per matrix; ties may go either way), on random shapes and on scores full
 of ties, and check the pruned tiny model against running the kept blocks by hand. The real-model task then prunes
-SmolLM2 with your functions (swapped into minillm.compress.sparsity): Wanda at 50% must keep its perplexity within 2x the
-dense model's, the 2:4 model must be 2:4 in every block (perplexity within 7x), and with its 4 least important blocks
-dropped it must still generate, in generate() and in the engine. Calling minillm.compress.sparsity or minillm.compress.pruning inside
-your answers is rejected.
+SmolLM2 with your functions (swapped into minillm.compress.sparsity): Wanda at 50% must keep its perplexity within 2x
+the dense model's, the 2:4 model must be 2:4 in every block (perplexity within 7x), and with its 4 least important
+blocks dropped it must still generate, in generate() and in the engine. Calling minillm.compress.sparsity or
+minillm.compress.pruning inside your answers is rejected.
 """
 
 from __future__ import annotations

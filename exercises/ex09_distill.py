@@ -26,9 +26,9 @@ The graders compare with oracles written out in the grader (the KL in float64 wi
 by step, and a training step done by hand on tiny random Transformers with plain SGD: the same parameters after one
 step and after two, the same loss, terms and norm), on random shapes and temperatures and on logits of +-1000. They
 hook the teacher to see that autograd is off while it runs. The real-model task then distils SmolLM2 with your
-three functions swapped into minillm.compress.distill: 10 steps of minillm.compress.distill.distill must bring the pruned student's KL
-to the teacher down by at least 10% on held-apart text, and leave the teacher's weights as they were. Calling
-minillm.compress.distill's implementations inside your answers is rejected.
+three functions swapped into minillm.compress.distill: 10 steps of minillm.compress.distill.distill must bring the
+pruned student's KL to the teacher down by at least 10% on held-apart text, and leave the teacher's weights as they
+were. Calling minillm.compress.distill's implementations inside your answers is rejected.
 """
 
 from __future__ import annotations

@@ -47,7 +47,8 @@ from torch import Tensor
 
 def column_slice(weight: Tensor, rank: int, degree: int) -> Tensor:
     """Column parallel: rank's rows of W (out_features, in_features), i.e. its 1/degree of the output features, as a
-    contiguous copy. y_r = x W_r^T is rank r's slice of y; concatenating the ranks' slices along the last dim gives y."""
+    contiguous copy. y_r = x W_r^T is rank r's slice of y; concatenating the ranks' slices along the last dim
+    gives y."""
     raise NotImplementedError("task 11.shard: y = x @ W.T, so y's last dim indexes W's first (rows). Which contiguous "
                               "block of rows is rank's, and what must happen when degree does not divide their count?")
 

@@ -1,7 +1,7 @@
 """FlashAttention forward as one Triton kernel: the tiles of minillm/attention/flash.py, kept in on-chip SRAM.
 
-The idea is the same as minillm.attention.flash.flash_attention (lesson 03): one program owns a BLOCK_M tile of queries for
-one (batch, query head), streams the keys and values through in BLOCK_N tiles, and keeps the online-softmax state
+The idea is the same as minillm.attention.flash.flash_attention (lesson 03): one program owns a BLOCK_M tile of queries
+for one (batch, query head), streams the keys and values through in BLOCK_N tiles, and keeps the online-softmax state
 (running max m, running sum l, unnormalised output acc) in registers. The score matrix never exists in GPU main
 memory (HBM): each K/V tile is read once per query tile and the output is written once. That removes the O(N^2)
 HBM traffic that bounds naive attention, and it is why this kernel, not the torch loop, is the fast one.

@@ -99,7 +99,8 @@ def _paged_decode_split_kernel(
     part = seq * stride_m_seq + heads * stride_m_head + split  # an empty split stores m=-inf, l=0, acc=0
     tl.store(PART_M + part, m_i, mask=g_ok)
     tl.store(PART_L + part, l_i, mask=g_ok)
-    acc_ptrs = PART_ACC + seq * stride_acc_seq + heads[:, None] * stride_acc_head + split * stride_acc_split + d[None, :]
+    acc_ptrs = (PART_ACC + seq * stride_acc_seq + heads[:, None] * stride_acc_head + split * stride_acc_split
+                + d[None, :])
     tl.store(acc_ptrs, acc, mask=g_ok[:, None] & d_ok[None, :])
 
 

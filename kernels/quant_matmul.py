@@ -21,8 +21,9 @@ needs a driver): a decode-sized M gets BLOCK_M = 16 (the smallest tl.dot tile; r
 small enough that the programs fill every SM, since with one token there is little other parallelism. BLOCK_K: for
 int8 the largest of 128/64/32 that divides K (no ragged last tile; else 64, masked), for int4 min(group_size, 128).
 Precision: on GPU the dot runs in x's dtype (bf16/fp16 tensor cores, fp32 accumulation; the dequantized int4 weight is
-rounded to that dtype, as a bf16 model's weights are), fp32 inputs in plain fp32 (input_precision="ieee", not TF32). Under the Triton interpreter (CPU, TRITON_INTERPRET=1, see _triton_env.py)
-everything is upcast to fp32 after loading, because the interpreter's bf16 arithmetic is wrong.
+rounded to that dtype, as a bf16 model's weights are), fp32 inputs in plain fp32 (input_precision="ieee", not TF32).
+Under the Triton interpreter (CPU, TRITON_INTERPRET=1, see _triton_env.py) everything is upcast to fp32 after loading,
+because the interpreter's bf16 arithmetic is wrong.
 """
 
 from __future__ import annotations

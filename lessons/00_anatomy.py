@@ -109,9 +109,9 @@ for name, text in texts.items():
 # `2 × params` FLOPs for the same weight bytes (plus the KV cache). We time both on the real model, in float32 and
 # bfloat16, with the benchmark's own functions (`minillm bench decode` runs the same measurements).
 #
-# *Predict before you run the next cell:* prefill pushes 512 tokens through each weight it reads, decode one. How many times more tokens per
-# second do you expect float32 prefill of 512 tokens to reach than float32 decode on this CPU: about 2x, 10x or 500x?
-# Write your number down; the MFU and MBU columns will say why.
+# *Predict before you run the next cell:* prefill pushes 512 tokens through each weight it reads, decode one. How many
+# times more tokens per second do you expect float32 prefill of 512 tokens to reach than float32 decode on this CPU:
+# about 2x, 10x or 500x? Write your number down; the MFU and MBU columns will say why.
 
 # %%
 prefill_sizes = pick([128, 512], [16, 32])
@@ -143,8 +143,8 @@ by = {(r["dtype"], r["phase"], r["tokens"]): r for r in rows}
 fp32_prefill = by["float32", "prefill", prefill_sizes[-1]]
 fp32_decode = by["float32", "decode", new_tokens]
 bf16_decode = by["bfloat16", "decode", new_tokens]
-print(f"\nper token, prefill ({prefill_sizes[-1]} tokens) is {fp32_prefill['tokens_per_s'] / fp32_decode['tokens_per_s']:.0f}x "
-      f"faster than decode (float32)")
+print(f"\nper token, prefill ({prefill_sizes[-1]} tokens) is "
+      f"{fp32_prefill['tokens_per_s'] / fp32_decode['tokens_per_s']:.0f}x faster than decode (float32)")
 print(f"bfloat16 decode vs float32 decode: {bf16_decode['tokens_per_s'] / fp32_decode['tokens_per_s']:.2f}x "
       f"(bytes per token: {decode_bytes_per_token(model_bf16, prompt_len) / 2**20:.0f} vs "
       f"{decode_bytes_per_token(model, prompt_len) / 2**20:.0f} MiB)")
@@ -298,7 +298,8 @@ def rms(t):
 
 unit = seen["y"] / block0.attn_norm.weight  # the normalised vector, before the learned gain
 print(f"block 0, per token: residual-stream RMS {rms(seen['x']).min():.3f}..{rms(seen['x']).max():.3f}; normalised "
-      f"{rms(unit).min():.3f}..{rms(unit).max():.3f}; after the gain {rms(seen['y']).min():.3f}..{rms(seen['y']).max():.3f}")
+      f"{rms(unit).min():.3f}..{rms(unit).max():.3f}; after the gain "
+      f"{rms(seen['y']).min():.3f}..{rms(seen['y']).max():.3f}")
 
 cos, sin = rope_tables(cfg.head_dim, 64, cfg.rope_theta)
 q, k = torch.randn(1, 1, 1, cfg.head_dim), torch.randn(1, 1, 1, cfg.head_dim)

@@ -145,8 +145,8 @@ plt.show()
 #
 # Bytes per token = 2 (K and V) × layers × kv_heads × head_dim × bytes per value. Worked examples in fp16:
 #
-# *Predict before you run the next cell:* Llama-2-7B has 32 layers and 32 KV heads of 128 dims. In fp16, how many GiB does the cache of one
-# 4096-token sequence take? Write your number down.
+# *Predict before you run the next cell:* Llama-2-7B has 32 layers and 32 KV heads of 128 dims. In fp16, how many GiB
+# does the cache of one 4096-token sequence take? Write your number down.
 
 # %%
 for name, cfg in (("SmolLM2-135M", SMOLLM2_135M), ("Llama-2-7B", LLAMA2_7B), ("Llama-2-70B", LLAMA2_70B)):

@@ -109,8 +109,9 @@ with torch.inference_mode():
 # %% [markdown]
 # ## 3. Memory: KV bytes per token and what fits in a budget
 #
-# *Predict before you run the next cell:* SmolLM2 keeps 3 KV heads for 9 query heads. With 1 GiB of cache at 2,048 tokens of context, how
-# many sequences fit for the MHA version (9 KV heads), for GQA (3) and for MQA (1)? Write the three numbers down.
+# *Predict before you run the next cell:* SmolLM2 keeps 3 KV heads for 9 query heads. With 1 GiB of cache at 2,048
+# tokens of context, how many sequences fit for the MHA version (9 KV heads), for GQA (3) and for MQA (1)? Write the
+# three numbers down.
 
 # %%
 budget = 1 << 30  # 1 GiB for the KV cache
@@ -119,7 +120,8 @@ print(f"{'model':36s} {'KV B/token':>10s} " + " ".join(f"{'max batch @' + str(c)
       + f"   ({short}, {budget / 2**30:.0f} GiB of cache)")
 for name, m in variants.items():
     n = max_tokens_in_budget(m.config, budget, dtype)
-    print(f"SmolLM2 {name:28s} {kv_bytes_per_token(m.config, dtype):10,d} " + " ".join(f"{n // c:15d}" for c in contexts))
+    print(f"SmolLM2 {name:28s} {kv_bytes_per_token(m.config, dtype):10,d} "
+          + " ".join(f"{n // c:15d}" for c in contexts))
 for name, c in (("Llama-2-7B (MHA, 32 KV heads)", LLAMA2_7B), ("Llama-2-70B (GQA, 8 KV heads)", LLAMA2_70B),
                 ("Llama-2-70B if it were MHA", LLAMA2_70B.with_(n_kv_heads=64))):
     n = max_tokens_in_budget(c, 80 * budget, dtype)
@@ -172,8 +174,8 @@ for n_kv in (9, 3, 1):
 # %% [markdown]
 # ## 5. Quality: what mean-pooling costs
 #
-# Two measures on real English (the Python docs that ship with Python, `minillm.compress.quality`): the mean KL divergence
-# from the original model's next-token distribution (0 = unchanged), and perplexity.
+# Two measures on real English (the Python docs that ship with Python, `minillm.compress.quality`): the mean KL
+# divergence from the original model's next-token distribution (0 = unchanged), and perplexity.
 
 # %%
 ids = eval_ids(tok, pick(1024, 128))

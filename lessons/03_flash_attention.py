@@ -130,13 +130,15 @@ for (h, hkv, q_len, kv_len, causal) in [(9, 3, 200, 200, True), (9, 3, 1, 300, T
     ref = sdpa_attention(q, k, v, causal=causal)
     rows.append((h, hkv, q_len, kv_len, causal, (naive_attention(q, k, v, causal) - ref).abs().max().item(),
                  (flash_attention(q, k, v, causal) - ref).abs().max().item()))
-print(f"{'heads':>6s} {'kv':>3s} {'q_len':>6s} {'kv_len':>7s} {'causal':>7s} {'|naive-sdpa|':>13s} {'|flash-sdpa|':>13s}")
+print(f"{'heads':>6s} {'kv':>3s} {'q_len':>6s} {'kv_len':>7s} {'causal':>7s} "
+      f"{'|naive-sdpa|':>13s} {'|flash-sdpa|':>13s}")
 for r in rows:
     print(f"{r[0]:6d} {r[1]:3d} {r[2]:6d} {r[3]:7d} {r[4]!s:>7s} {r[5]:13.2e} {r[6]:13.2e}")
 
 n_blocks = 4096 // 64
-print(f"\nN=4096, 64x64 tiles: {n_blocks * n_blocks} tiles without the mask, {n_blocks * (n_blocks + 1) // 2} with causal "
-      f"skipping ({n_blocks * (n_blocks + 1) / 2 / n_blocks**2:.0%}); {n_blocks} of those straddle the diagonal")
+print(f"\nN=4096, 64x64 tiles: {n_blocks * n_blocks} tiles without the mask, "
+      f"{n_blocks * (n_blocks + 1) // 2} with causal skipping ({n_blocks * (n_blocks + 1) / 2 / n_blocks**2:.0%}); "
+      f"{n_blocks} of those straddle the diagonal")
 
 # %% [markdown]
 # ## 3. Peak memory vs sequence length, measured
@@ -146,8 +148,8 @@ print(f"\nN=4096, 64x64 tiles: {n_blocks * n_blocks} tiles without the mask, {n_
 # and read after it (`minillm.bench.attention`; on a GPU the benchmark uses `torch.cuda.max_memory_allocated`).
 # The output itself (N × 9 × 64 floats) is included for every method.
 #
-# *Predict before you run the next cell:* naive attention materialises a 9 × N × N float32 score matrix. At N = 4096, how many MiB is that
-# alone, and roughly how much lower do you expect flash's peak to be? Write both down.
+# *Predict before you run the next cell:* naive attention materialises a 9 × N × N float32 score matrix. At N = 4096,
+# how many MiB is that alone, and roughly how much lower do you expect flash's peak to be? Write both down.
 
 # %%
 lengths = pick([256, 512, 1024, 2048, 4096], [128, 256, 512])
@@ -237,8 +239,8 @@ for n in time_lengths:
 # whole N×N score matrix in memory. Both costs grow with N² (so does the `tiles` column): the loop pays per tile, naive
 # per score written and read back. Which side wins depends on N and on the machine: read the column, not this
 # paragraph. The loop shows the *algorithm* and its memory behaviour; it is not how anyone runs it. The speed comes
-# from doing the whole loop inside **one kernel**: torch's `sdpa` on CPU is such a fused kernel (the fastest column above),
-# and on a GPU the Triton kernel below keeps each tile in SRAM and never sends the scores to HBM.
+# from doing the whole loop inside **one kernel**: torch's `sdpa` on CPU is such a fused kernel (the fastest column
+# above), and on a GPU the Triton kernel below keeps each tile in SRAM and never sends the scores to HBM.
 #
 # ## 6. The Triton kernel
 #

@@ -58,7 +58,8 @@ print(hardware_line())
 cfg = SMOLLM2_135M
 per_token = kv_bytes_per_token(cfg, torch.bfloat16)
 print(f"SmolLM2-135M KV cache: 2 x {cfg.n_layers} layers x {cfg.n_kv_heads} KV heads x {cfg.head_dim} dims x 2 bytes "
-      f"= {per_token / 1024:.1f} KiB per token (bfloat16); a 2048-token reservation = {2048 * per_token / 2**20:.0f} MiB")
+      f"= {per_token / 1024:.1f} KiB per token (bfloat16); a 2048-token reservation = "
+      f"{2048 * per_token / 2**20:.0f} MiB")
 
 # %% [markdown]
 # ## 1. The waste, on a workload
@@ -273,7 +274,8 @@ print(f"  waste: contiguous {mem[0]['waste_pct']:.1f}%   paged {mem[1]['waste_pc
 #
 # Smaller blocks waste less (on average about `block_size / 2` slots per sequence), but every sequence needs a
 # longer block table, which the kernel reads and the scheduler manages, and each table lookup covers fewer tokens
-# (short, scattered memory reads). vLLM's default of 16 sits where the waste is already small (see the table) and tables stay short.
+# (short, scattered memory reads). vLLM's default of 16 sits where the waste is already small (see the table) and
+# tables stay short.
 
 # %%
 sizes = bench.block_size_rows(lengths)

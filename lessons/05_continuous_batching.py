@@ -58,8 +58,8 @@ model, tok = minillm.load_model("smollm2-135m", dtype="float32", device="cpu")
 #
 # One step of `B` sequences, each one new token (no cache needed for the weight-read cost we want to see).
 #
-# *Predict before you run the next cell:* a decode step reads every weight once whatever the batch. How much longer do you expect a step of
-# 16 sequences to take than a step of 1: 16x, 4x, or under 2x? Write your number down.
+# *Predict before you run the next cell:* a decode step reads every weight once whatever the batch. How much longer do
+# you expect a step of 16 sequences to take than a step of 1: 16x, 4x, or under 2x? Write your number down.
 
 # %%
 rows = []

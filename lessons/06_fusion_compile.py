@@ -22,13 +22,13 @@
 # would barely show.
 #
 # Two ways to remove ops without changing the math:
-# - **Operator fusion** (`minillm/compile/fusion.py`): transformations of a loaded model. The q, k and v projections become
-#   one matmul whose output is split (GQA sizes: q is 9×64 wide, k and v 3×64 each); gate and up become one; RoPE
-#   rotates q and k in one call; the residual add is folded into the RMSNorm that follows it.
-# - **Compilation** (`minillm/compile/torch_compile.py`): `torch.compile` traces the whole decode step into a graph and *generates*
-#   code for it (C++ loops on a CPU, Triton kernels on a GPU): each chain of elementwise ops becomes one loop, and the
-#   Python walk over 30 blocks disappears. It needs a step whose shapes never change — a **static KV cache**
-#   (preallocated, written at the token's position, attended with a mask) — or it would recompile every token.
+# - **Operator fusion** (`minillm/compile/fusion.py`): transformations of a loaded model. The q, k and v projections
+#   become one matmul whose output is split (GQA sizes: q is 9×64 wide, k and v 3×64 each); gate and up become one;
+#   RoPE rotates q and k in one call; the residual add is folded into the RMSNorm that follows it.
+# - **Compilation** (`minillm/compile/torch_compile.py`): `torch.compile` traces the whole decode step into a graph and
+#   *generates* code for it (C++ loops on a CPU, Triton kernels on a GPU): each chain of elementwise ops becomes one
+#   loop, and the Python walk over 30 blocks disappears. It needs a step whose shapes never change — a **static KV
+#   cache** (preallocated, written at the token's position, attended with a mask) — or it would recompile every token.
 #   On a GPU, **CUDA graphs** (mode="reduce-overhead") also replay the whole step's kernel launches as one.
 #
 # This lesson: (1) where a decode step's time goes (profiler); (2) fusion: fewer ops, identical logits; (3) compiling
@@ -147,7 +147,8 @@ print("greedy tokens, compiled vs eager (float32):",
 # %%
 repeat = pick(3, 1)
 # quick mode (CI) compiles nothing more here: section 3 showed compilation, and each compile takes half a minute
-rows, tokens, extra = ladder(model, prompt_ids, n_new, repeat, compiled_dtypes=pick((torch.float32, torch.bfloat16), ()))
+rows, tokens, extra = ladder(model, prompt_ids, n_new, repeat,
+                             compiled_dtypes=pick((torch.float32, torch.bfloat16), ()))
 print(f"read bandwidth {extra['read_GBps']:.1f} GB/s; {n_new} new tokens, best of {repeat} round-robin rounds")
 print(f"{'variant':<18}{'tok/s':>8}{'ops/step':>10}{'MBU':>7}{'of ceiling':>12}{'roof tok/s':>12}{'ceiling tok/s':>15}")
 for r in rows:

@@ -17,8 +17,9 @@
 # what any chip computes per byte it loads, so the step is **memory-bound** and its best time is
 # *weight bytes / memory bandwidth*. Fewer bits per weight is therefore the first lever of inference at small
 # batch: int8 halves the bytes of bf16, int4 quarters them — **if the matmul kernel reads the small integers and
-# dequantizes in registers** (`minillm/compress/quant.py` on CPU with torch's int8/int4 kernels; `kernels/quant_matmul.py`
-# in Triton on a GPU). The price is quality, which this lesson measures three ways against the reference model:
+# dequantizes in registers** (`minillm/compress/quant.py` on CPU with torch's int8/int4 kernels;
+# `kernels/quant_matmul.py` in Triton on a GPU). The price is quality, which this lesson measures three ways against the
+# reference model:
 # perplexity, KL divergence per token, and top-1 agreement.
 #
 # The same idea applies to the **KV cache**: at large batch and long context it, not the weights, fills memory
@@ -75,7 +76,8 @@ fp32_model, _ = minillm.load_model(dtype="float32")
 layer = q4_model.layers[5].mlp.down
 codes, scale, minimum = quantize_int4(fp32_model.layers[5].mlp.down.weight, 32)
 print(f"{type(layer).__name__} {tuple(layer.qweight.shape)} uint8 + scale/minimum {tuple(layer.scale.shape)} fp16")
-print(f"dequantized file layer == fp32 model's weight: {torch.equal(layer.dequantize(), fp32_model.layers[5].mlp.down.weight)}")
+print(f"dequantized file layer == fp32 model's weight: "
+      f"{torch.equal(layer.dequantize(), fp32_model.layers[5].mlp.down.weight)}")
 print(f"codes re-derived by round-to-nearest equal to the file's: {(codes == layer.codes()).float().mean():.2%}")
 print(f"weight bytes: fp32 {minillm.model.model_bytes(fp32_model) / 1e6:.0f} MB, "
       f"file layers kept 4-bit {minillm.model.model_bytes(q4_model) / 1e6:.0f} MB "
@@ -89,8 +91,8 @@ del q4_model
 # **int4 group-wise, asymmetric**: each group of g inputs gets its own scale and minimum; smaller groups follow the
 # local range (less error) but store more scale bytes per weight. Error is relative to the weight's RMS.
 #
-# *Predict before you run the next cell:* int8 has 255 levels per row, int4 has 16 per group. Roughly how many times larger do you expect int4
-# g64's relative error to be than int8's on this weight? Write your number down.
+# *Predict before you run the next cell:* int8 has 255 levels per row, int4 has 16 per group. Roughly how many times
+# larger do you expect int4 g64's relative error to be than int8's on this weight? Write your number down.
 
 # %%
 w = fp32_model.layers[12].attn.wq.weight
@@ -172,7 +174,8 @@ ref = by["fp32 (reference)"]
 base = by.get("bf16", ref)
 i8 = by["int8 weight-only"]
 print(f"int8 weight-only: {i8['weight_MB'] / base['weight_MB']:.2f}x the bytes of {base['variant']}, decode "
-      f"{i8['decode_tok_s'] / base['decode_tok_s']:.2f}x, perplexity {i8['ppl'] / ref['ppl'] - 1:+.2%} vs the reference.")
+      f"{i8['decode_tok_s'] / base['decode_tok_s']:.2f}x, perplexity {i8['ppl'] / ref['ppl'] - 1:+.2%} "
+      f"vs the reference.")
 r4, a4 = by["int4 g64 RTN"], by["int4 g64 AWQ"]
 print(f"int4 g64: round-to-nearest perplexity {r4['ppl']:.2f}, AWQ {a4['ppl']:.2f} (reference {ref['ppl']:.2f}); "
       f"AWQ {'lowers' if a4['ppl'] < r4['ppl'] else 'does not lower'} it by {1 - a4['ppl'] / r4['ppl']:.1%}.")

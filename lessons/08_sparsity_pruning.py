@@ -45,8 +45,8 @@ from minillm.gguf.loader import save_model
 from minillm.compress.pruning import block_importance, n_params, prune_structured
 from minillm.compress.quality import calibration_ids, perplexity
 from minillm.sampling import SamplingParams
-from minillm.compress.sparsity import (compress_2to4, decompress_2to4, format_bytes, magnitude_scores, semi_structured_mask,
-                              unstructured_mask, wanda_scores)
+from minillm.compress.sparsity import (compress_2to4, decompress_2to4, format_bytes, magnitude_scores,
+                                      semi_structured_mask, unstructured_mask, wanda_scores)
 
 torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
 print(hardware_line())

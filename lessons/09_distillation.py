@@ -59,8 +59,8 @@ teacher, tok = minillm.load_model(dtype="float32")
 # The teacher's next-token distribution after a real prompt, at T = 1 and T = 2. The label is the single token the
 # text continues with; the distribution ranks the alternatives.
 #
-# *Predict before you run the next cell:* after "The capital of Germany is", what probability does the teacher give ' Berlin' at T = 1, and
-# does T = 2 raise or lower it? Write both down.
+# *Predict before you run the next cell:* after "The capital of Germany is", what probability does the teacher give
+# ' Berlin' at T = 1, and does T = 2 raise or lower it? Write both down.
 
 # %%
 prompt = "The capital of France is Paris. The capital of Germany is"
@@ -105,10 +105,12 @@ for T in (1.0, 2.0, 4.0, 8.0):
 ce = F.cross_entropy(s_logits[0], batch[0, 1:])
 h_s = student.run_layers(student.embed_tokens(batch[:, :-1]), torch.arange(64)[None])
 h_t = teacher.run_layers(teacher.embed_tokens(batch[:, :-1]), torch.arange(64)[None])
-grads = {T: torch.autograd.grad(distillation_loss(s_logits, t_logits, T), s_logits)[0].norm().item() for T in (1.0, 8.0)}
+grads = {T: torch.autograd.grad(distillation_loss(s_logits, t_logits, T), s_logits)[0].norm().item()
+         for T in (1.0, 8.0)}
 print(f"from T=1 to T=8 the gradient falls {grads[1.0] / (grads[8.0] / 64):,.0f}x without the T^2 factor and "
       f"{grads[1.0] / grads[8.0]:.0f}x with it")
-print(f"cross-entropy on the text {ce.item():.3f} nats; hidden-state cosine term {hidden_cosine_loss(h_s, h_t).item():.3f}")
+print(f"cross-entropy on the text {ce.item():.3f} nats; "
+      f"hidden-state cosine term {hidden_cosine_loss(h_s, h_t).item():.3f}")
 
 # %% [markdown]
 # ## 3. The student, and a training loop you can interrupt
@@ -128,7 +130,8 @@ cfg = DistillConfig(steps=pick(6, 4), batch_size=2, seq_len=64, warmup=1, eval_e
 straight = distill(copy.deepcopy(student), teacher, ids, ev, cfg, progress=False)
 ckpt = Path("lesson09_demo.pt")
 ckpt.unlink(missing_ok=True)
-first = distill(copy.deepcopy(student), teacher, ids, ev, cfg, checkpoint=ckpt, progress=False, stop_after=cfg.steps // 2)
+first = distill(copy.deepcopy(student), teacher, ids, ev, cfg, checkpoint=ckpt, progress=False,
+                stop_after=cfg.steps // 2)
 resumed = distill(copy.deepcopy(student), teacher, ids, ev, cfg, checkpoint=ckpt, progress=False)
 ckpt.unlink()
 print("straight:", [round(h["loss"], 4) for h in straight])
@@ -199,8 +202,8 @@ print(f"KL to the teacher: KD {kd['kl']:.3f} vs CE-only {ce['kl']:.3f} nats/toke
       f"{kd['top1_agree']:.0%} vs {ce['top1_agree']:.0%}.")
 if "KD (T=2)" in rows:
     t2 = rows["KD (T=2)"]
-    print(f"Softening to T=2 {'helped' if t2['ppl'] < kd['ppl'] else 'hurt'} at this budget: perplexity {t2['ppl']:.1f} "
-          f"vs {kd['ppl']:.1f} at T=1, KL {t2['kl']:.3f} vs {kd['kl']:.3f}.")
+    print(f"Softening to T=2 {'helped' if t2['ppl'] < kd['ppl'] else 'hurt'} at this budget: "
+          f"perplexity {t2['ppl']:.1f} vs {kd['ppl']:.1f} at T=1, KL {t2['kl']:.3f} vs {kd['kl']:.3f}.")
 if "KD + CE + cosine" in rows:
     tr = rows["KD + CE + cosine"]
     print(f"DistilBERT's triple loss: perplexity {tr['ppl']:.1f}, KL {tr['kl']:.3f}, top-1 {tr['top1_agree']:.0%}.")
@@ -212,10 +215,10 @@ print(f"The student decodes {ra['student_decode_vs_teacher']:.2f}x the teacher's
 # trains on one-hot labels of the same text, which is what perplexity measures — so each objective has a home column,
 # and the printed lines above say which won where on this run. Softening (T = 2) spreads the target over tens of
 # thousands of tail tokens: more signal per token for a long run, a distraction from the likely tokens for a short
-# one — the line above says which it was here. The budget is tiny for a training run — about twenty thousand tokens per student, minutes of
-# CPU — and the gap left is the price of that budget, not the limit of the method (DistilBERT trained on billions of
-# tokens). Decode speed comes from the 16 blocks left: the embedding, the LM head and the per-step overhead were not
-# pruned, so 53% of the blocks is more than 53% of the time.
+# one — the line above says which it was here. The budget is tiny for a training run — about twenty thousand tokens
+# per student, minutes of CPU — and the gap left is the price of that budget, not the limit of the method (DistilBERT
+# trained on billions of tokens). Decode speed comes from the 16 blocks left: the embedding, the LM head and the
+# per-step overhead were not pruned, so 53% of the blocks is more than 53% of the time.
 #
 # ## 5. The student, by name
 #

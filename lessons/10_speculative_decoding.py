@@ -62,8 +62,8 @@ model, tok = minillm.load_model(dtype="float32")
 # Time one target forward over q new tokens after 128 cached ones, for q = 1 (an ordinary decode step) up to 17.
 # If verification were free, every row would read 1.0x.
 #
-# *Predict before you run the next cell:* decode is memory bound, so a forward over 5 tokens reads the same weights as one over 1. How many
-# times a decode step do you expect q = 5 to cost on this CPU, and q = 17? Write both down.
+# *Predict before you run the next cell:* decode is memory bound, so a forward over 5 tokens reads the same weights as
+# one over 1. How many times a decode step do you expect q = 5 to cost on this CPU, and q = 17? Write both down.
 
 # %%
 cost = verify_cost(model, pick([1, 2, 3, 5, 9, 17], [1, 5]))

@@ -26,8 +26,8 @@
 #   on; cheap point-to-point traffic that crosses nodes well, but an idle **bubble** while the pipe fills and drains.
 #
 # This lesson runs all three for real: one process per rank, `torch.distributed` process groups (gloo on CPU, NCCL on
-# GPU), started by `minillm.parallel.distributed.launch` (or `torchrun`). Sections: (1) column- and row-parallel linears;
-# (2) tensor parallelism on the real model, and the head-count constraint; (3) what every collective moves;
+# GPU), started by `minillm.parallel.distributed.launch` (or `torchrun`). Sections: (1) column- and row-parallel
+# linears; (2) tensor parallelism on the real model, and the head-count constraint; (3) what every collective moves;
 # (4) sequence parallelism; (5) the pipeline and its bubble; (6) the benchmark, and what it would be on a GPU node.
 
 # %%
@@ -118,13 +118,13 @@ print(f"tp=3 tokens identical to one process: {par['token_ids'] == single}; firs
 # %% [markdown]
 # ## 3. What every collective moves
 #
-# `minillm.parallel.distributed.Comm` counts each collective: calls, the bytes handed to it and the bytes a ring algorithm
-# sends per rank — 2(p−1)/p × size for an all-reduce (reduce-scatter, then all-gather), (p−1)/p × the full tensor for
-# an all-gather. Per decoded token, tensor parallelism on this model all-reduces (2 × 30 + 1) vectors of 576 floats
-# and all-gathers the logits. The counts from the run above, against the formula:
+# `minillm.parallel.distributed.Comm` counts each collective: calls, the bytes handed to it and the bytes a ring
+# algorithm sends per rank — 2(p−1)/p × size for an all-reduce (reduce-scatter, then all-gather), (p−1)/p × the full
+# tensor for an all-gather. Per decoded token, tensor parallelism on this model all-reduces (2 × 30 + 1) vectors of 576
+# floats and all-gathers the logits. The counts from the run above, against the formula:
 #
-# *Predict before you run the next cell:* per decoded token at tp = 3, how many bytes does each rank send for one all-reduce of 576 float32
-# values, and how many all-reduces does a token need? Write both down.
+# *Predict before you run the next cell:* per decoded token at tp = 3, how many bytes does each rank send for one
+# all-reduce of 576 float32 values, and how many all-reduces does a token need? Write both down.
 
 # %%
 plan = TPPlan.for_config(ref_model.config, 3)
@@ -193,8 +193,9 @@ plt.show()
 # the same prompt, one thread per rank. On this 2-core CPU the ranks share the two cores a single process could use
 # on its own, so no split can win here: the bench shows by how much each loses and how much of its time is spent
 # inside collectives. (On a shared machine even the single process's second thread can lose to its first: an
-# OpenMP thread that waits for a core held by someone else stalls the whole matmul. Both rows are printed.) The full run takes several minutes, so this lesson reads the run recorded in
-# `results/parallel.json` (set `RERUN = True` to measure your machine).
+# OpenMP thread that waits for a core held by someone else stalls the whole matmul. Both rows are printed.) The full
+# run takes several minutes, so this lesson reads the run recorded in `results/parallel.json` (set `RERUN = True` to
+# measure your machine).
 
 # %%
 RERUN = False
@@ -215,14 +216,16 @@ for r in rows:
 ra = result["ratios"]
 print(f"\nThe best parallel configuration decoded at {ra['best_parallel_vs_best_one_process']:.2f}x the tok/s of "
       f"the best single-process run (1 or 2 threads); every configuration produced the single process's tokens: "
-      f"{bool(ra['tokens_identical'])}; collective bytes equal the formula: {bool(ra['collective_bytes_equal_formula'])}.")
+      f"{bool(ra['tokens_identical'])}; collective bytes equal the formula: "
+      f"{bool(ra['collective_bytes_equal_formula'])}.")
 
 # %%
 bubbles = result["series"]["bubbles"]
 fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
 for p_ in sorted({b["stages"] for b in bubbles}):
     bs = [b for b in bubbles if b["stages"] == p_]
-    line, = a1.plot([b["micro_batches"] for b in bs], [b["measured_bubble"] for b in bs], "o-", label=f"p={p_} measured")
+    line, = a1.plot([b["micro_batches"] for b in bs], [b["measured_bubble"] for b in bs], "o-",
+                    label=f"p={p_} measured")
     a1.plot([b["micro_batches"] for b in bs], [b["formula_bubble"] for b in bs], ":", color=line.get_color(),
             label=f"p={p_} (p-1)/(m+p-1)")
 a1.set_xlabel("micro-batches m")

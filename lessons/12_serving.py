@@ -170,8 +170,8 @@ print(f"full blocks: {len(a)} and {len(b)}; the partial last block of each promp
 # system prompt, multi-turn conversations (each turn resends the whole history), and unrelated documents. The pool
 # size is in blocks of 16 tokens; a small pool evicts (least recently freed first) before the prefix comes back.
 #
-# *Predict before you run the next cell:* which of the three workloads will have the highest hit rate with a large pool, and which will
-# have none at all? Write your ranking down.
+# *Predict before you run the next cell:* which of the three workloads will have the highest hit rate with a large
+# pool, and which will have none at all? Write your ranking down.
 
 # %%
 corpus = corpus_ids(tok)

@@ -87,8 +87,9 @@ dur = [(s["t_end"] - s["t_start"]) * 1e3 for s in steps]
 mixed = [s["num_prefill_tokens"] > s["num_decodes"] for s in steps]
 plain = [d for d, m in zip(dur, mixed) if not m]
 with_prompt = [d for d, m in zip(dur, mixed) if m]
-print(f"{len(steps)} steps in {wall:.1f} s: {len(plain)} decode-only steps, median {sorted(plain)[len(plain) // 2]:.0f} ms; "
-      f"{len(with_prompt)} steps carrying a prompt, longest {max(with_prompt):.0f} ms")
+print(f"{len(steps)} steps in {wall:.1f} s: {len(plain)} decode-only steps, "
+      f"median {sorted(plain)[len(plain) // 2]:.0f} ms; {len(with_prompt)} steps carrying a prompt, "
+      f"longest {max(with_prompt):.0f} ms")
 print("decode inter-token latency of the two chat requests, worst:",
       ", ".join(f"{max(o.metrics['itl']) * 1e3:.0f} ms" for o in outs[:2]))
 
@@ -118,10 +119,11 @@ plt.show()
 
 # %%
 bytes_per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
-print(f"2 x {cfg.n_layers} layers x {cfg.n_kv_heads} kv heads x {cfg.head_dim} x 4 B = {bytes_per_token:,} B per token; "
-      f"a 1,000-token prompt: {bytes_per_token * 1000 / 2**20:.1f} MiB")
+print(f"2 x {cfg.n_layers} layers x {cfg.n_kv_heads} kv heads x {cfg.head_dim} x 4 B = {bytes_per_token:,} B "
+      f"per token; a 1,000-token prompt: {bytes_per_token * 1000 / 2**20:.1f} MiB")
 print(f"for comparison, the weights: {sum(p.numel() for p in model.parameters()) * 4 / 2**20:.0f} MiB; "
-      f"GQA (lesson 02) already divides this KV by {cfg.n_heads // cfg.n_kv_heads} (MHA would have {cfg.n_heads} KV heads)")
+      f"GQA (lesson 02) already divides this KV by {cfg.n_heads // cfg.n_kv_heads} "
+      f"(MHA would have {cfg.n_heads} KV heads)")
 
 # %% [markdown]
 # That is what crosses the wire per request. Between two GPUs on NVLink (hundreds of GB/s) a few MiB is tens of

@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run decode steps through torch.compile (lesson 06); the first call compiles for tens of "
                           "seconds")
     gen.add_argument("--speculative", choices=["ngram", "early_exit", "draft"], default=None,
-                     help="speculative decoding (lesson 10): prompt lookup, the target's first blocks, or --draft-model")
+                     help="speculative decoding (lesson 10): prompt lookup, the target's first blocks, "
+                          "or --draft-model")
     gen.add_argument("--k", type=_positive_int, default=4, help="draft tokens per step with --speculative")
     gen.add_argument("--draft-model", default=None, help="with --speculative draft, e.g. smollm2-135m-student")
     gen.add_argument("--tp", type=_positive_int, default=1,
@@ -242,7 +243,8 @@ def cmd_bench(args) -> int:
     from minillm.bench import load_entry
     from minillm.bench.hardware import bf16_status
 
-    extra = {k: v for k, v in (("url", args.url), ("rate", args.rate), ("parts", args.parts)) if v is not None}  # for entries that take them
+    # for entries that take them
+    extra = {k: v for k, v in (("url", args.url), ("rate", args.rate), ("parts", args.parts)) if v is not None}
     if refused := [k for k in extra if k not in inspect.signature(load_entry(args.name)).parameters]:
         raise UsageError(f"--{refused[0]} is not an option of benchmark {args.name!r}")
     print(f"minillm bench {args.name}: {_use_threads(args.threads)} at start; {bf16_status()}")

@@ -82,7 +82,8 @@ class ModelConfig:
     @classmethod
     def tiny(cls, **overrides) -> ModelConfig:
         """A few-hundred-thousand-parameter config for fast tests: same shape rules as the real model."""
-        base = {"vocab_size": 512, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128, "max_seq_len": 512}
+        base = {"vocab_size": 512, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
+                "max_seq_len": 512}
         base.update(overrides)
         return cls(**base)
 

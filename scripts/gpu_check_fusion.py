@@ -42,7 +42,8 @@ def main() -> int:
 
         def run(m, compile):
             minillm.generate(m, tok, ids, max_new_tokens=8, ignore_eos=True, compile=compile)  # warm-up / compile
-            outs = [minillm.generate(m, tok, ids, max_new_tokens=128, ignore_eos=True, compile=compile) for _ in range(3)]
+            outs = [minillm.generate(m, tok, ids, max_new_tokens=128, ignore_eos=True, compile=compile)
+                    for _ in range(3)]
             return sorted(o.decode_tokens_per_s for o in outs)[1], outs[0].token_ids
 
         results = {"eager": run(model, False)}

@@ -1,8 +1,8 @@
 """Exercise 03 (reference solutions): online softmax, tiled flash attention, and the Triton kernel's inner step.
 
-merge_partials and flash_attention are verbatim copies of minillm.attention.flash (see SAME_AS; tests/test_exercise_sync.py
-keeps them in sync). attend_key_block is the inner step of minillm_kernels.flash_attn's kernel, copied verbatim too
-(tests/graders/test_ex03_flash.py checks it); it exists only when triton is installed.
+merge_partials and flash_attention are verbatim copies of minillm.attention.flash (see SAME_AS;
+tests/test_exercise_sync.py keeps them in sync). attend_key_block is the inner step of minillm_kernels.flash_attn's
+kernel, copied verbatim too (tests/graders/test_ex03_flash.py checks it); it exists only when triton is installed.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, block_
         q_end = min(q_start + block_q, q_len)
         q_tile = q_grouped[:, :, :, q_start:q_end].float() * scale  # (b, h_kv, group, bq, d)
         rows = q_tile.shape[:-1]
-        m = torch.full(rows, float("-inf"), dtype=torch.float32, device=q.device)  # running max of the scores per query row
+        # running max of the scores per query row
+        m = torch.full(rows, float("-inf"), dtype=torch.float32, device=q.device)
         l = torch.zeros(rows, dtype=torch.float32, device=q.device)  # running sum of exp(score - m)
         acc = torch.zeros_like(q_tile)  # running unnormalised output
         # causal: the last query of this tile sees keys < q_end + offset; blocks past that are all masked: skip

@@ -48,8 +48,9 @@ def quantize_int4(w: Tensor, group_size: int, bits: int = 4) -> tuple[Tensor, Te
     """w (out, in) -> (codes uint8 (out, in) in [0, 2**bits - 1], scale (out, in // g), minimum (out, in // g)).
 
     Asymmetric round-to-nearest per group of `group_size` inputs, as GGUF's Q4_1: scale = (max - min) / 15
-    (2**bits - 1 levels), code = floor((w - min) / scale + 0.5). scale and minimum are returned in float16 (what is stored); codes are
-    computed before that rounding, as llama.cpp does. `bits` < 4 is for quality experiments (3-bit codes)."""
+    (2**bits - 1 levels), code = floor((w - min) / scale + 0.5). scale and minimum are returned in float16 (what is
+    stored); codes are computed before that rounding, as llama.cpp does. `bits` < 4 is for quality experiments (3-bit
+    codes)."""
     out, n_in = w.shape
     check_group_size(n_in, group_size)
     groups = w.float().reshape(out, n_in // group_size, group_size)

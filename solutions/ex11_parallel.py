@@ -19,7 +19,8 @@ SAME_AS = {
 
 def column_slice(weight: Tensor, rank: int, degree: int) -> Tensor:
     """Column parallel: rank's rows of W (out_features, in_features), i.e. its 1/degree of the output features, as a
-    contiguous copy. y_r = x W_r^T is rank r's slice of y; concatenating the ranks' slices along the last dim gives y."""
+    contiguous copy. y_r = x W_r^T is rank r's slice of y; concatenating the ranks' slices along the last dim
+    gives y."""
     if weight.shape[0] % degree:
         raise ValueError(f"{weight.shape[0]} output features do not split into {degree} equal slices")
     n = weight.shape[0] // degree

@@ -1,6 +1,7 @@
-"""The model cascade (minillm/serving/cascade.py, lesson 13): confidence signals, the threshold's two ends (0 = always-small,
-1 = always-large, answers and costs), the sweep against a per-request simulation, the entropy hook against a
-teacher-forced forward, and clear errors for bad input. Oracles: the engine run on one model alone, a full forward."""
+"""The model cascade (minillm/serving/cascade.py, lesson 13): confidence signals, the threshold's two ends (0 =
+always-small, 1 = always-large, answers and costs), the sweep against a per-request simulation, the entropy hook
+against a teacher-forced forward, and clear errors for bad input. Oracles: the engine run on one model alone, a full
+forward."""
 
 from __future__ import annotations
 

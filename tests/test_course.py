@@ -128,7 +128,8 @@ def test_every_lesson_ends_with_its_exercise(lesson):
     n = lesson.name[:2]
     tail = [c.source for c in jupytext.read(lesson).cells if c.cell_type == "markdown"][-2:]
     assert any(f"minillm grade {n}" in t for t in tail), (
-        f"{lesson.name}: the last markdown cells should point to exercise {n} (`minillm grade {n}`, `minillm hint {n}`)")
+        f"{lesson.name}: the last markdown cells should point to exercise {n} "
+        f"(`minillm grade {n}`, `minillm hint {n}`)")
 
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=[p.stem for p in LESSONS])
@@ -137,7 +138,8 @@ def test_every_lesson_asks_for_a_prediction_the_next_cell_measures(lesson):
     the code that measures it."""
     jupytext = pytest.importorskip("jupytext")
     cells = jupytext.read(lesson).cells
-    asks = [i for i, c in enumerate(cells) if c.cell_type == "markdown" and "Predict before you run the next cell" in c.source]
+    asks = [i for i, c in enumerate(cells)
+            if c.cell_type == "markdown" and "Predict before you run the next cell" in c.source]
     assert asks, f"{lesson.name}: no 'Predict before you run the next cell:' question (lessons/README.md conventions)"
     for i in asks:
         assert i + 1 < len(cells) and cells[i + 1].cell_type == "code", (

@@ -138,7 +138,8 @@ def test_fused_real_model_same_greedy_tokens(real_model):
 
 
 def test_engine_on_a_fused_model_gives_the_same_outputs():
-    """The engine's packed, paged forward runs the fused blocks unchanged (LLM(..., fuse=True) / load_model(fuse=True))."""
+    """The engine's packed, paged forward runs the fused blocks unchanged (LLM(..., fuse=True) /
+    load_model(fuse=True))."""
     model = tiny_model(6)
     prompts = [[3, 5, 7, 9, 11], list(range(20, 41)), [2, 4]]
     params = minillm.SamplingParams(max_tokens=9)

@@ -72,7 +72,8 @@ def test_every_mutant_fails_its_task(lessons):
 @pytest.mark.slow
 @pytest.mark.parametrize("lesson", REAL_MODEL_MUTANT_LESSONS)
 def test_every_real_model_mutant_fails_its_task(lesson):
-    """The mutants of task_NN_real_model: each makes SmolLM2 run wrong through the learner's code, and the task fails."""
+    """The mutants of task_NN_real_model: each makes SmolLM2 run wrong through the learner's code, and the task
+    fails."""
     _assert_mutants_killed([lesson], real_model=True)
 
 
@@ -83,7 +84,8 @@ CHEATS = {
                                 "from minillm.engine.scheduler import schedule_step, postprocess_step\n"),
     "ex05_import_package": ("schedule_step",
                             "from minillm.engine import scheduler as _s\n\n"
-                            "def schedule_step(waiting, running, block_manager, max_num_seqs, max_num_batched_tokens):\n"
+                            "def schedule_step(waiting, running, block_manager, max_num_seqs, "
+                            "max_num_batched_tokens):\n"
                             "    return _s.schedule_step(waiting, running, block_manager, max_num_seqs,\n"
                             "                            max_num_batched_tokens)\n"),
     "ex00_alias": ("rms_norm", "from minillm.model import rms_norm as _a\n\n"

@@ -980,7 +980,8 @@ def test_launch_from_a_script_without_a_main_guard(tmp_path):
 
     root = Path(__file__).resolve().parent.parent
     script = tmp_path / "unguarded.py"
-    script.write_text(f"import operator, sys\nsys.path.insert(0, {str(root)!r})\nfrom minillm.parallel.distributed import launch\n"
+    script.write_text(f"import operator, sys\nsys.path.insert(0, {str(root)!r})\n"
+                      "from minillm.parallel.distributed import launch\n"
                       "print('RESULT', launch(operator.add, 2, backend='gloo', threads=1, timeout_s=30))\n")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0 and "RESULT [2, 3]" in proc.stdout, proc.stderr[-2000:]

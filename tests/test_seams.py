@@ -190,7 +190,8 @@ def test_int8_kv_pool_roundtrip_error_is_small():
     pool.write(0, slots, k, v)
     k2, v2 = pool.read(0, slots)
     step = k.abs().amax(-1, keepdim=True) / 127
-    assert (k2 - k).abs().le(step / 2 + 1e-6).all() and (v2 - v).abs().le(v.abs().amax(-1, keepdim=True) / 254 + 1e-6).all()
+    assert ((k2 - k).abs().le(step / 2 + 1e-6).all()
+            and (v2 - v).abs().le(v.abs().amax(-1, keepdim=True) / 254 + 1e-6).all())
     assert spec.bytes_per_block() < KVCacheSpec(1, 2, 16, 4, 4).bytes_per_block() / 3
 
 
@@ -279,7 +280,8 @@ def test_generate_and_engine_share_defaults_and_outputs():
     model = tiny_model(10)
     ids = [5, 9, 2, 7]
     a = minillm.generate(model, None, ids, max_new_tokens=6)
-    b = minillm.LLM.from_model(model, None, num_blocks=16, block_size=4).generate([ids], SamplingParams(max_tokens=6))[0]
+    b = minillm.LLM.from_model(model, None, num_blocks=16, block_size=4).generate([ids],
+                                                                             SamplingParams(max_tokens=6))[0]
     assert type(a) is type(b) is minillm.RequestOutput
     assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason == "length"
 
@@ -291,7 +293,8 @@ def test_concurrent_streams_each_get_exactly_their_own_tokens():
     """A server (lesson 12) has one consumer per connection: 8 threads stream at once, two of them abort midway."""
     model = tiny_model(11)
     gen = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(3, 512, (int(n),), generator=gen).tolist() for n in torch.randint(3, 20, (8,), generator=gen)]
+    prompts = [torch.randint(3, 512, (int(n),), generator=gen).tolist()
+               for n in torch.randint(3, 20, (8,), generator=gen)]
     params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.8 if i % 2 else 0.0, seed=i) for i in range(8)]
     expected = [o.token_ids for o in minillm.LLM.from_model(model, None, num_blocks=64, block_size=4,
                                                               max_num_seqs=4).generate(prompts, params)]

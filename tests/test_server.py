@@ -1,7 +1,7 @@
-"""minillm.serving.server: a real uvicorn server on 127.0.0.1 around the real model, driven by the official openai client and by
-raw HTTP. The oracle is the in-process engine: the same greedy request through LLM.generate/LLM.chat must give the
-same text and token counts. After every test the server must be clean: no request in flight, every KV block free, no
-output left behind in the engine."""
+"""minillm.serving.server: a real uvicorn server on 127.0.0.1 around the real model, driven by the official openai
+client and by raw HTTP. The oracle is the in-process engine: the same greedy request through LLM.generate/LLM.chat
+must give the same text and token counts. After every test the server must be clean: no request in flight, every KV
+block free, no output left behind in the engine."""
 
 from __future__ import annotations
 

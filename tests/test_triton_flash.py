@@ -18,7 +18,8 @@ DEVICE = "cuda" if torch.cuda.is_available() and not fa.INTERPRET else "cpu"
 
 def make_qkv(batch, n_heads, n_kv_heads, q_len, kv_len, head_dim, dtype=torch.float32, device="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
-    shapes = [(batch, n_heads, q_len, head_dim), (batch, n_kv_heads, kv_len, head_dim), (batch, n_kv_heads, kv_len, head_dim)]
+    shapes = [(batch, n_heads, q_len, head_dim), (batch, n_kv_heads, kv_len, head_dim),
+              (batch, n_kv_heads, kv_len, head_dim)]
     return [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes]
 
 

@@ -1,4 +1,5 @@
-"""The Triton int8 / int4 weight-only matmuls against dequantize-then-matmul in float64 (interpreter on CPU, or CUDA)."""
+"""The Triton int8 / int4 weight-only matmuls against dequantize-then-matmul in float64 (interpreter on CPU, or
+CUDA)."""
 
 from __future__ import annotations
 

@@ -58,7 +58,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, block_
         q_end = min(q_start + block_q, q_len)
         q_tile = q_grouped[:, :, :, q_start:q_end].float() * scale  # (b, h_kv, group, bq, d)
         rows = q_tile.shape[:-1]
-        m = torch.full(rows, float("-inf"), dtype=torch.float32, device=q.device)  # running max of the scores per query row
+        # running max of the scores per query row
+        m = torch.full(rows, float("-inf"), dtype=torch.float32, device=q.device)
         l = torch.zeros(rows, dtype=torch.float32, device=q.device)  # running sum of exp(score - m)
         acc = torch.zeros_like(q_tile)  # running unnormalised output
         # causal: the last query of this tile sees keys < q_end + offset; blocks past that are all masked: skip

@@ -48,7 +48,8 @@ def load_entry(name: str):
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name == module:
-            raise ValueError(f"benchmark {name!r} is registered as {ENTRIES[name]} but {module} does not exist yet") from e
+            raise ValueError(f"benchmark {name!r} is registered as {ENTRIES[name]} but {module} "
+                             f"does not exist yet") from e
         raise
     return getattr(mod, fn)
 

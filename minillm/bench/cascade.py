@@ -22,7 +22,8 @@ from minillm.bench.metrics import timer
 
 QUESTIONS = [
     "What is the capital of France?", "How many legs does a spider have?", "Who wrote Romeo and Juliet?",
-    "What is 2 + 2?", "What is the boiling point of water in Celsius?", "What is the largest planet in the solar system?",
+    "What is 2 + 2?", "What is the boiling point of water in Celsius?",
+    "What is the largest planet in the solar system?",
     "What language is spoken in Brazil?", "What is the chemical symbol for gold?", "How many days are in a week?",
     "What is the opposite of hot?", "Say hello in Spanish.", "What do bees make?", "Which ocean is the largest?",
     "What is the capital of Japan?", "How many continents are there?", "What gas do plants absorb from the air?",

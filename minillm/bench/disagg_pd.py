@@ -7,8 +7,9 @@ Three ways to serve it with the same total cores (2 x `threads`):
                       running decode for its whole prefill;
   colocated, chunked  the same with max_num_batched_tokens 64 (Sarathi): stalls are bounded by one chunk, paid for
                       with more steps;
-  disaggregated 1+1   minillm.serving.disagg.DisaggregatedLLM: a prefill worker and a decode worker of `threads` threads each;
-                      the prompt's KV moves over gloo after its prefill. Decodes never share a step with a prompt.
+  disaggregated 1+1   minillm.serving.disagg.DisaggregatedLLM: a prefill worker and a decode worker of `threads`
+                      threads each; the prompt's KV moves over gloo after its prefill. Decodes never share a step
+                      with a prompt.
 Reported per mode: TTFT p50/p99 (all requests; the coordinator's clock for disaggregated, the engine's for colocated),
 decode TPOT and ITL p50/p99 (the chat requests), the long prompts' mean TTFT, goodput under a TTFT + TPOT SLO, and for
 disaggregated the KV bytes moved per prompt token (vs 2 x layers x kv_heads x head_dim x bytes), the transfer time and

@@ -1,14 +1,14 @@
 """Benchmark "gqa" (lesson 02): MHA vs GQA vs MQA on the real model, converted from its trained weights.
 
-SmolLM2-135M is GQA with 3 KV heads for 9 query heads. `minillm.compress.gqa` turns it into MHA (9 KV heads, repeated: exact)
-and MQA (1 KV head, mean-pooled: approximate). For each variant:
+SmolLM2-135M is GQA with 3 KV heads for 9 query heads. `minillm.compress.gqa` turns it into MHA (9 KV heads,
+repeated: exact) and MQA (1 KV head, mean-pooled: approximate). For each variant:
 - KV bytes per token (3 : 9 : 1) and the largest batch at a given context that fits a fixed KV budget;
 - decode tokens/s at batch 1 with a long context already in the cache (2048 tokens; quick mode 256). The cache is
   filled with random keys/values instead of a real prefill: a step's cost does not depend on the values, and it
   saves three long prefills;
 - quality: mean KL(original || variant) of the next-token distributions, and perplexity, on the pydoc topics text.
-It runs in bfloat16 where the CPU computes it natively, else in float32 (emulated bf16 GEMMs are tens of times slower and
-nothing here depends on bf16: the KV-byte ratios are the same in any dtype).
+It runs in bfloat16 where the CPU computes it natively, else in float32 (emulated bf16 GEMMs are tens of times slower
+and nothing here depends on bf16: the KV-byte ratios are the same in any dtype).
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def run(quick: bool = False) -> BenchResult:
         (f"decode is memory-bound: a step reads every weight (~{weight_bytes(model) / 1e6:.0f} MB in {dtype_name}) "
          "plus the cached K/V of all layers; "
          f"at {context} tokens MHA's cache adds {mha['kv_MB_at_context']:.0f} MB, GQA's {gqa['kv_MB_at_context']:.0f}, "
-         f"MQA's {mqa['kv_MB_at_context']:.0f}: the speedups follow the bytes, damped by the weights every variant reads"),
+         f"MQA's {mqa['kv_MB_at_context']:.0f}: the speedups follow the bytes, damped by the weights every variant "
+         "reads"),
         "roof_tok_s: speed at 100% of the measured copy bandwidth for weights + KV at that context",
         ("MHA by repeating KV heads is exact (KL ~ 0); MQA by mean-pooling 3 KV heads without uptraining breaks the "
          "model (the GQA paper uptrains ~5% of pretraining compute after this initialisation)"),

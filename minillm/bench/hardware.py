@@ -96,7 +96,8 @@ def bf16_status(device: str | torch.device = "cpu") -> str:
 
 
 def preferred_dtype(device: str | torch.device = "cpu") -> str:
-    """'bfloat16' where the device computes it natively, else 'float32' (emulated bf16 GEMMs are tens of times slower)."""
+    """'bfloat16' where the device computes it natively, else 'float32' (emulated bf16 GEMMs are tens of times
+    slower)."""
     return "bfloat16" if native_bf16(device) else "float32"
 
 

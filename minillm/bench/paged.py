@@ -110,8 +110,8 @@ def attention_step_rows(cfg: ModelConfig, context: int, block_size: int = 16, re
         paged = time_fn(lambda: paged_attention(q[:, :, 0], k_pool, v_pool, table, lens), warmup=3, repeat=repeat)
     finally:
         torch.set_num_threads(threads)
-    torch.testing.assert_close(paged_attention(q[:, :, 0], k_pool, v_pool, table, lens), sdpa_attention(q, k, v)[:, :, 0],
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(paged_attention(q[:, :, 0], k_pool, v_pool, table, lens),
+                               sdpa_attention(q, k, v)[:, :, 0], atol=1e-5, rtol=1e-4)
     return [{"attention": "contiguous sdpa", "context": context, "us": contiguous.median * 1e6},
             {"attention": "paged gather (torch)", "context": context, "us": paged.median * 1e6}]
 

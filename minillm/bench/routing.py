@@ -4,16 +4,16 @@ SmolLM2-135M, float32, greedy, exactly `max_tokens` output tokens per request (i
 groups (think: apps), each with its own long system prompt (real English from CPython's pydoc topics, a different
 slice per group) and a short question of its own; the groups are interleaved in a seeded random order and arrive as
 a Poisson stream. Two replicas (processes, 1 torch thread each on this 2-core machine), each an engine with prefix
-caching, behind round-robin, least-outstanding-tokens or prefix-affinity routing (minillm/serving/router.py). One pool runs
-all three policies in turn; before each, every replica's engine is rebuilt (empty cache) and the router starts
-fresh, and the same requests arrive at the same times.
+caching, behind round-robin, least-outstanding-tokens or prefix-affinity routing (minillm/serving/router.py). One
+pool runs all three policies in turn; before each, every replica's engine is rebuilt (empty cache) and the router
+starts fresh, and the same requests arrive at the same times.
 
 Round-robin makes every replica compute and cache every group's system prompt (the fleet caches what one replica
 can); affinity splits the groups, so each prefix is computed once in the fleet. Each replica's KV pool is sized for
 its running requests plus about half of the groups' system prompts: enough for the groups affinity gives it; when
-the replicas are full of running requests, round-robin's replicas must also evict (the `evictions` column). Measured per policy: TTFT p50/p99/mean on the pool's clock, output throughput, the replicas'
-prefix-cache hit rate, load imbalance (max/mean requests and prompt tokens per replica); greedy outputs compared
-across policies.
+the replicas are full of running requests, round-robin's replicas must also evict (the `evictions` column).
+Measured per policy: TTFT p50/p99/mean on the pool's clock, output throughput, the replicas' prefix-cache hit rate,
+load imbalance (max/mean requests and prompt tokens per replica); greedy outputs compared across policies.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Benchmark "serve": the OpenAI-compatible server (minillm/serving/server.py) under load, measured where users are: the client.
+"""Benchmark "serve": the OpenAI-compatible server (minillm/serving/server.py) under load, measured where users are:
+the client.
 
 An asyncio load generator streams requests (SSE, stream_options.include_usage) with Poisson arrivals at a given rate
 (or a fixed concurrency) and times every chunk as it arrives:

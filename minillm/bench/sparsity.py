@@ -126,7 +126,8 @@ def run(quick: bool = False) -> BenchResult:
     calib = calibration_ids(tok, 128 if quick else 512)
     rows, check = unstructured_rows(ref, calib, ref_logits, chunks, quick)
     by = {r["variant"]: r for r in rows}
-    ratios = {"wanda_ppl_over_magnitude_at_50": by["wanda unstructured 50%"]["ppl"] / by["magnitude unstructured 50%"]["ppl"],
+    ratios = {"wanda_ppl_over_magnitude_at_50":
+              by["wanda unstructured 50%"]["ppl"] / by["magnitude unstructured 50%"]["ppl"],
               "wanda_2to4_ppl_over_magnitude_2to4": by["wanda 2:4 50%"]["ppl"] / by["magnitude 2:4 50%"]["ppl"]}
     # 2:4 masks valid on every layer of the pruned model
     linears = [m for b in check.layers for m in b.modules() if isinstance(m, torch.nn.Linear)]
@@ -140,7 +141,8 @@ def run(quick: bool = False) -> BenchResult:
     rows += s_rows
     ten = next(r for r in s_rows if r["variant"] == "drop 10 blocks")
     ratios.update({"drop10_params_removed": ten["params_removed"], "drop10_decode_vs_dense": ten["decode_vs_dense"],
-                   "drop10_prefill_vs_dense": ten["prefill_vs_dense"], "drop10_ppl_over_dense": ten["ppl"] / dense["ppl"]})
+                   "drop10_prefill_vs_dense": ten["prefill_vs_dense"],
+                   "drop10_ppl_over_dense": ten["ppl"] / dense["ppl"]})
     rows += semi_structured_bytes()
     ratios["2to4_bytes_vs_dense_bf16"] = rows[-1]["2:4_KB"] / rows[-1]["dense_bf16_KB"]
     targets = {"wanda_ppl_over_magnitude_at_50": ("<", 1.0), "layers_2to4_valid": (">=", 1.0),

@@ -151,7 +151,8 @@ def run(quick: bool = False) -> BenchResult:
             a = stats_all.acceptance_rate
             rows.append({"draft": source, "workload": load, "k": k, "acceptance": a,
                          "accepted_fraction": stats_all.accepted_fraction, "tokens_per_step": stats_all.tokens_per_step,
-                         "formula_tokens_per_step": expected_tokens_per_step(a, k), "target_tok_s": len(prompts) * n / t_base,
+                         "formula_tokens_per_step": expected_tokens_per_step(a, k),
+                         "target_tok_s": len(prompts) * n / t_base,
                          "spec_tok_s": len(prompts) * n / t_spec, "speedup": t_base / t_spec})
             print(f"  {source:>14s} k={k} {load:>8s}: a={a:.2f} {stats_all.tokens_per_step:.2f} tok/step "
                   f"{t_base / t_spec:.2f}x", flush=True)

@@ -78,7 +78,8 @@ def regroup(model: Transformer, n_kv_heads: int) -> Transformer:
 
     First every KV head is repeated to one per query head (MHA: exact), then groups of n_heads / n_kv_heads adjacent
     heads are mean-pooled. Going to a multiple of the current count is therefore exact (each new group pools copies
-    of one head); going down averages the heads a group's queries used to read (approximate: see minillm.compress.quality).
+    of one head); going down averages the heads a group's queries used to read (approximate: see
+    minillm.compress.quality).
     """
     cfg = model.config
     if n_kv_heads not in valid_kv_heads(cfg.n_heads):

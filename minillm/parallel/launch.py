@@ -36,9 +36,11 @@ class ParallelConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if self.tp > 1 and self.pp > 1:
-            raise ValueError("choose tensor parallelism (tp) or a pipeline (pp), not both: 2-D parallelism is not built")
+            raise ValueError("choose tensor parallelism (tp) or a pipeline (pp), not both: "
+                             "2-D parallelism is not built")
         if self.sp and self.tp < 2:
-            raise ValueError("sequence parallelism splits the regions between tensor-parallel matmuls: it needs tp >= 2")
+            raise ValueError("sequence parallelism splits the regions between tensor-parallel matmuls: "
+                             "it needs tp >= 2")
 
     @property
     def world_size(self) -> int:

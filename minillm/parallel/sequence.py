@@ -38,7 +38,8 @@ def enable_sequence_parallel(model) -> None:
     if comm is None or not hasattr(model, "tp_plan"):
         raise ValueError("sequence parallelism works on a tensor-parallel shard: call shard_tensor_parallel first")
     if not model.tp_plan.split_attention:
-        raise ValueError(f"sequence parallelism needs attention split across ranks too: {model.tp_plan.describe(model.config)}")
+        raise ValueError(f"sequence parallelism needs attention split across ranks too: "
+                         f"{model.tp_plan.describe(model.config)}")
     for block in model.layers:
         block.attn = SequenceParallelRegion(block.attn, block.attn.wo, comm)
         block.mlp = SequenceParallelRegion(block.mlp, block.mlp.down, comm)

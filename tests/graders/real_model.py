@@ -115,7 +115,8 @@ def serve(model, tok, requests, num_blocks: int = 6, block_size: int = 8, max_nu
 
 
 def reference_serve(model, tok, requests, **kw) -> tuple[list[list[int]], list[dict]]:
-    key = ("serve", id(model), tuple(tuple(r.prompt_ids) + (r.max_tokens,) for r in requests), tuple(sorted(kw.items())))
+    key = ("serve", id(model), tuple(tuple(r.prompt_ids) + (r.max_tokens,) for r in requests),
+           tuple(sorted(kw.items())))
     if key not in _cache:
         _cache[key] = serve(model, tok, requests, **kw)
     return _cache[key]

@@ -42,7 +42,8 @@ def check_rms_norm(fn) -> None:
     x16, w16 = (torch.randn(8, 576, generator=g) * 300).half(), (1 + 0.1 * torch.randn(576, generator=g)).half()
     out16 = fn(x16, w16, 1e-5)
     assert out16.dtype == torch.float16, f"output dtype must be the input's (float16), got {out16.dtype}"
-    assert torch.isfinite(out16).all(), "float16 input of magnitude ~300 gave inf/nan: compute the mean of squares in float32"
+    assert torch.isfinite(out16).all(), ("float16 input of magnitude ~300 gave inf/nan: compute the mean of squares "
+                                         "in float32")
     torch.testing.assert_close(out16.float(), F.rms_norm(x16.float(), (576,), w16.float(), 1e-5), atol=2e-2, rtol=1e-2)
     # bfloat16: normalising in float32 rounds once; normalising in bf16 rounds at every step and is measurably worse
     xb, wb = (torch.randn(256, 576, generator=g) * 30).bfloat16(), (1 + 0.1 * torch.randn(576, generator=g)).bfloat16()
@@ -130,7 +131,8 @@ def check_apply_rope(fn) -> None:
         out = fn(x, cos, sin)
         assert out.shape == x.shape, f"shape {tuple(out.shape)}, expected {tuple(x.shape)}"
         torch.testing.assert_close(out.double(), rope_oracle(x, positions, theta), atol=1e-4, rtol=1e-4,
-                                   msg=lambda m, ctx=f"batch={b}, head_dim={d}": f"RoPE vs rotate-half oracle ({ctx}): {m}")
+                                   msg=lambda m, ctx=f"batch={b}, head_dim={d}":
+                                       f"RoPE vs rotate-half oracle ({ctx}): {m}")
     # position 0 is the identity; rotations preserve each pair's length
     x = torch.randn(1, 2, 1, 8, generator=g)
     cos, sin = rope_cos_sin(torch.zeros(1, 1), 8, 10_000.0)
@@ -211,7 +213,8 @@ def check_attention(fn) -> None:
             out = fn(q, k, v, causal=causal)
             assert out.shape == q.shape, f"output shape {tuple(out.shape)}, expected {tuple(q.shape)}"
             torch.testing.assert_close(out, attention_oracle(q, k, v, causal), atol=1e-5, rtol=1e-4,
-                                       msg=lambda m, ctx=f"{h=} {hkv=} {q_len=} {kv_len=} {causal=}": f"vs SDPA ({ctx}): {m}")
+                                       msg=lambda m, ctx=f"{h=} {hkv=} {q_len=} {kv_len=} {causal=}":
+                                           f"vs SDPA ({ctx}): {m}")
     # large logits (scores of several hundred): exp overflows float32 past 88, so the softmax must subtract the max
     q, k, v = torch.randn(1, 4, 6, 16, generator=g) * 12, torch.randn(1, 2, 6, 16, generator=g) * 12, \
         torch.randn(1, 2, 6, 16, generator=g)
@@ -415,7 +418,8 @@ def _sampler(top_p_rule: str = "right", temperature_first: bool = True, top_k_ke
             else:  # keep only while the running mass stays below p: loses the token that crosses it
                 drop = cum > top_p
                 drop[:, 0] = False
-            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, order,
+                                                                    sorted_logits.masked_fill(drop, -math.inf))
         if not temperature_first:
             logits = logits / temperature
         return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)

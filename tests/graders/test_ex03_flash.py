@@ -51,7 +51,8 @@ def oracle(q, k, v, causal):
 def _partial(s, v):
     """(o, m, l) of score rows s (..., n) over values v (n, d); n may be 0 (the empty partial)."""
     if s.shape[-1] == 0:
-        return torch.zeros(*s.shape[:-1], v.shape[-1]), torch.full(s.shape[:-1], float("-inf")), torch.zeros(s.shape[:-1])
+        return (torch.zeros(*s.shape[:-1], v.shape[-1]), torch.full(s.shape[:-1], float("-inf")),
+                torch.zeros(s.shape[:-1]))
     m = s.amax(-1)
     p = torch.exp(s - m[..., None])
     return p @ v, m, p.sum(-1)

@@ -2,9 +2,9 @@
 
 `check_qkv` compares the fused weight with the q, k, v rows in that order and the split with the three separate
 projections, on MHA, GQA (SmolLM2's 9 query / 3 KV heads) and MQA shapes. `check_add_norm` compares with add then
-rms_norm in float32 and bfloat16. The real-model task fuses SmolLM2 with your functions (swapped into minillm.compile.fusion)
-and requires the unfused model's logits and greedy tokens. The `*_rejects_wrong_answers` tests run the checks on
-common mistakes (skipped when grading exercises/).
+rms_norm in float32 and bfloat16. The real-model task fuses SmolLM2 with your functions (swapped into
+minillm.compile.fusion) and requires the unfused model's logits and greedy tokens. The `*_rejects_wrong_answers` tests
+run the checks on common mistakes (skipped when grading exercises/).
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def check_add_norm(add_rms_norm) -> None:
         assert isinstance(out, tuple) and len(out) == 2, "return (normalised sum, sum)"
         normed, h = out
         assert h.dtype == normed.dtype == dtype, f"{dtype} in, got {h.dtype}/{normed.dtype} out"
-        torch.testing.assert_close(h, x + r, atol=tol, rtol=tol, msg=f"{dtype}: the second output is the sum x + residual")
+        torch.testing.assert_close(h, x + r, atol=tol, rtol=tol,
+                                   msg=f"{dtype}: the second output is the sum x + residual")
         torch.testing.assert_close(normed, rms_norm(x + r, w, 1e-5), atol=tol, rtol=tol,
                                    msg=f"{dtype}: the first output is rms_norm(x + residual)")
 

@@ -1,7 +1,7 @@
 """Grader for exercise 09: the distillation loss, the learning-rate schedule and one training step.
 
-Everything is compared with oracles written here, not with minillm.compress.distill. `kd_oracle` writes the KL out in float64
-(log-softmax by subtracting the row max, p * (log p - log q) summed over the vocabulary, the mean over every
+Everything is compared with oracles written here, not with minillm.compress.distill. `kd_oracle` writes the KL out in
+float64 (log-softmax by subtracting the row max, p * (log p - log q) summed over the vocabulary, the mean over every
 position, times T^2); the loss's gradient is checked against its closed form T / N * (q - p). `lr_oracle` is the
 schedule step by step. `oracle_step` does a training step by hand on a copy of the student (the models' own stages
 with the teacher under no_grad, the terms written out, the clip as a formula) with an identical SGD optimizer:
@@ -178,7 +178,8 @@ def test_distillation_loss_named_cases():
     wide = torch.randn(3, 64, generator=g) * 5
     check_kd(wide.clone(), wide, 2.0, "identical logits (the KL is 0)")
     check_kd(torch.randn(4, 2, generator=g), torch.randn(4, 2, generator=g), 1.0, "a vocabulary of 2")
-    bf_s, bf_t = (torch.randn(2, 4, 32, generator=g) * 4).bfloat16(), (torch.randn(2, 4, 32, generator=g) * 4).bfloat16()
+    bf_s, bf_t = ((torch.randn(2, 4, 32, generator=g) * 4).bfloat16(),
+                  (torch.randn(2, 4, 32, generator=g) * 4).bfloat16())
     check_kd(bf_s, bf_t, 2.0, "bfloat16 logits (as under autocast): compute in float32", grad=False)
     check_kd(bf_s[0], bf_t[0], 1.0, "bfloat16 logits (as under autocast): compute in float32", grad=False)
     forbid_calls(impl.distillation_loss, LIBRARY)
@@ -593,8 +594,8 @@ _CFG = {"steps": 10, "batch_size": 2, "seq_len": 64, "warmup": 1, "eval_every": 
 @pytest.mark.task_09_real_model
 def test_your_distillation_heals_a_pruned_smollm2(real_model, monkeypatch):
     """SmolLM2 with its 10 least important blocks dropped, distilled for 10 steps (2 x 64 tokens each) by
-    minillm.compress.distill.distill with your distillation_loss, lr_at and train_step swapped in: its KL to the teacher on
-    128 held-apart tokens must fall by at least 10%, and the teacher's weights must not change."""
+    minillm.compress.distill.distill with your distillation_loss, lr_at and train_step swapped in: its KL to the teacher
+    on 128 held-apart tokens must fall by at least 10%, and the teacher's weights must not change."""
     from minillm.compress.pruning import block_importance, drop_blocks, least_important
     from minillm.compress.quality import calibration_ids, eval_ids
 
@@ -608,13 +609,14 @@ def test_your_distillation_heals_a_pruned_smollm2(real_model, monkeypatch):
         drop = least_important(block_importance(teacher, calibration_ids(tok, _CALIB_TOKENS), window=_CALIB_TOKENS),
                                _DROP)
         student = drop_blocks(copy.deepcopy(teacher), drop)
-        before = minillm.compress.distill.evaluate(student, teacher, held_apart)  # minillm's own, nothing swapped in yet
+        # minillm's own, nothing swapped in yet
+        before = minillm.compress.distill.evaluate(student, teacher, held_apart)
         said_before = minillm.generate(student, tok, _SAYS, max_new_tokens=8).text
         with monkeypatch.context() as m:
             for name in ("distillation_loss", "lr_at", "train_step"):
                 m.setattr(minillm.compress.distill, name, getattr(impl, name))
-            history = minillm.compress.distill.distill(student, teacher, minillm.compress.distill.train_ids(tok), held_apart,
-                                              DistillConfig(**_CFG), progress=False)
+            history = minillm.compress.distill.distill(student, teacher, minillm.compress.distill.train_ids(tok),
+                                                       held_apart, DistillConfig(**_CFG), progress=False)
         after = minillm.compress.distill.evaluate(student, teacher, held_apart)
         return drop, before, after, history, said_before, minillm.generate(student, tok, _SAYS, max_new_tokens=8).text
 

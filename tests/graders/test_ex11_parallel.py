@@ -9,9 +9,10 @@ soon as the previous stage has finished it and the stage itself is free), and it
 random sizes, so a wrong grid is named by the rule it breaks.
 
 The real-model task first runs your slices of SmolLM2's first block as three simulated ranks here (fast, with a
-precise message), then launches three real ranks (minillm.parallel.distributed.launch, gloo on CPU): each imports your module
-by name, puts your column_slice and row_slice into minillm.parallel.tensor, and runs minillm.parallel.launch.rank_generate
-with tp=3. The ranks must decode the single-process model's 16 greedy tokens of "The capital of France is".
+precise message), then launches three real ranks (minillm.parallel.distributed.launch, gloo on CPU): each imports your
+module by name, puts your column_slice and row_slice into minillm.parallel.tensor, and runs
+minillm.parallel.launch.rank_generate with tp=3. The ranks must decode the single-process model's 16 greedy tokens of
+"The capital of France is".
 """
 
 from __future__ import annotations
@@ -173,7 +174,8 @@ def column_cases(draw):
     """out_features a multiple of degree; in_features anything (column_slice must not care)."""
     degree = draw(st.sampled_from([1, 2, 3]))
     return (degree, degree * draw(st.integers(1, 6)), draw(st.integers(1, 13)),
-            draw(st.sampled_from([(3,), (2, 3), (1, 1, 2)])), draw(st.sampled_from(DTYPES)), draw(st.integers(0, 2**16)))
+            draw(st.sampled_from([(3,), (2, 3), (1, 1, 2)])), draw(st.sampled_from(DTYPES)),
+            draw(st.integers(0, 2**16)))
 
 
 @st.composite
@@ -181,7 +183,8 @@ def row_cases(draw):
     """in_features a multiple of degree; out_features anything (row_slice must not care)."""
     degree = draw(st.sampled_from([1, 2, 3]))
     return (degree, draw(st.integers(1, 13)), degree * draw(st.integers(1, 6)),
-            draw(st.sampled_from([(3,), (2, 3), (1, 1, 2)])), draw(st.sampled_from(DTYPES)), draw(st.integers(0, 2**16)))
+            draw(st.sampled_from([(3,), (2, 3), (1, 1, 2)])), draw(st.sampled_from(DTYPES)),
+            draw(st.integers(0, 2**16)))
 
 
 @pytest.mark.task_11_shard
@@ -223,7 +226,8 @@ def test_column_then_row_is_an_mlp_without_communication():
     down = torch.randn(dim, ffn, generator=g, dtype=torch.float64)
     x = torch.randn(2, 5, dim, generator=g, dtype=torch.float64)
     want = (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ down.T
-    got = sum((torch.nn.functional.silu(x @ impl.column_slice(gate, r, degree).T) * (x @ impl.column_slice(up, r, degree).T))
+    got = sum((torch.nn.functional.silu(x @ impl.column_slice(gate, r, degree).T)
+               * (x @ impl.column_slice(up, r, degree).T))
               @ impl.row_slice(down, r, degree).T for r in range(degree))
     assert _close64(got, want), ("a SwiGLU MLP on 3 simulated ranks (gate and up by column_slice, down by row_slice, "
                                  "partials summed) differs from the whole MLP: the channels rank r computes must be "
