@@ -22,7 +22,7 @@ from typing import TypeVar
 
 from minillm.cache.block_allocator import blocks_needed
 from minillm.cache.paged import PagedKVCache
-from minillm.request import RequestOutput, make_request
+from minillm.request import RequestOutput, make_request, params_per_prompt
 from minillm.sampling import SamplingParams
 from minillm.engine.block_manager import BlockManager
 from minillm.engine.model_runner import ModelRunner
@@ -73,10 +73,9 @@ class StaticBatchEngine:
         self.step_log: list[dict] = []
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts) or not prompts:
-            raise ValueError("give one SamplingParams per prompt and at least one prompt")
+        params = params_per_prompt(prompts, params)
+        if not prompts:
+            raise ValueError("give at least one prompt")
         ctx = self.model.config.max_seq_len
         now = time.perf_counter()
         seqs = []

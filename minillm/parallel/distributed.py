@@ -64,6 +64,20 @@ def without_main_reimport():
         main.__file__ = path
 
 
+def stop_processes(processes, timeout_s: float = 10.0) -> None:
+    """Wait up to timeout_s (all together) for the processes to exit, then terminate, then kill what is left:
+    none outlives the call. One shutdown sequence for launch's ranks and serving/workers.py's workers."""
+    deadline = time.monotonic() + timeout_s
+    for p in processes:
+        if p.pid is not None:
+            p.join(max(0.0, deadline - time.monotonic()))
+    for stop in ("terminate", "kill"):
+        for p in processes:
+            if p.pid is not None and p.is_alive():
+                getattr(p, stop)()
+                p.join(2.0)
+
+
 def init_group(rank: int | None = None, world_size: int | None = None, port: int | None = None,
                backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     """Join the default process group (arguments default to torchrun's environment). Returns (rank, world_size)."""
@@ -134,6 +148,8 @@ def launch(fn: Callable, world_size: int, *args, backend: str | None = None, tim
         drain()
         rank, why = _first_failure(e, errors, context.processes)
         raise RuntimeError(f"rank {rank} of {world_size} failed, the others were stopped:\n{why}") from None
+    finally:  # interrupted (Ctrl-C, an unreadable result): no rank is left running
+        stop_processes(context.processes, timeout_s=0.0)
     drain()
     missing = [r for r in range(world_size) if r not in out]
     if missing:
@@ -156,7 +172,8 @@ def _first_failure(exc, errors: dict[int, tuple[float, str]], processes) -> tupl
     silent = [r for r, p in enumerate(processes) if r not in errors and p.exitcode not in (None, 0, -signal.SIGTERM)]
     if silent:
         code = processes[silent[0]].exitcode
-        return silent[0], (f"it was killed by {signal.Signals(-code).name}" if code < 0 else f"it exited with code {code}")
+        how = f"it was killed by {signal.Signals(-code).name}" if code < 0 else f"it exited with code {code}"
+        return silent[0], how
     if errors:
         rank, (_, tb) = min(errors.items(), key=lambda kv: kv[1][0])
         return rank, tb
@@ -260,5 +277,5 @@ def check_same_weights(model, comm: Comm) -> None:
     comm.reset()
 
 
-__all__ = ["Comm", "DEFAULT_TIMEOUT_S", "check_same_weights", "free_port", "init_group", "launch", "rank_device",
-           "weights_checksum"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Comm", "check_same_weights", "free_port", "init_group", "launch",
+           "rank_device", "stop_processes", "weights_checksum", "without_main_reimport"]

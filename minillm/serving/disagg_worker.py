@@ -1,14 +1,12 @@
-"""Inside the two worker processes of disaggregated serving: the wire and the prefill / decode loops (lesson 13).
+"""Inside the two worker processes of disaggregated serving (lesson 13): the wire and the two loops.
 
-minillm/serving/disagg.py's DisaggregatedLLM starts one process per role with `_worker_main`. Each loads the model, builds
-its own minillm LLM (own KV pool), joins a two-rank torch.distributed group (gloo on CPU, NCCL on GPU) and loops:
-  prefill (rank 0)  requests from its inbox -> LLM.add_prefill -> step -> each KVHandoff: tell the coordinator the
-                    first token, then send the handoff to rank 1 (a length, a pickled header, the KV tensors);
-  decode (rank 1)   a receiver thread takes handoffs off the wire; the loop adds each with LLM.add_prefilled when
-                    the pool has room (queued until then, never dropped), steps, and streams tokens to the
-                    coordinator. A payload that fails to land (checksum, unpack) ends that request with an error
-                    and its blocks go back to the pool.
-Control messages and events are plain Python objects on multiprocessing queues; only the KV takes the wire.
+DisaggregatedLLM (disagg.py) runs `_worker_main` in each worker of a serving/workers.py WorkerPool: it loads
+the model, builds its own LLM (own KV pool), joins a two-rank torch.distributed group (gloo / NCCL) and loops:
+  prefill (rank 0)  requests -> LLM.add_prefill -> step -> each KVHandoff: its first token to the coordinator,
+                    the handoff to rank 1 (a length, a pickled header, the KV tensors);
+  decode (rank 1)   a receiver thread takes handoffs off the wire; each is added (LLM.add_prefilled) when the
+                    pool has room (queued until then), and its tokens streamed back; one that fails to land
+                    (checksum, unpack) ends its request with an error and gives its blocks back.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ import pickle
 import queue
 import threading
 import time
-import traceback
 from collections import deque
 
 import torch
@@ -29,9 +26,9 @@ from minillm.cache.kv_transfer import KVHandoff
 PREFILL, DECODE = 0, 1  # ranks
 ENGINE_KWARGS = ("num_blocks", "kv_cache_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens",
                  "kv_cache_dtype", "enable_prefix_caching")
-_GROUP_TIMEOUT_S = 24 * 3600  # the receiver waits idle for the next handoff; liveness is the coordinator's job
+_GROUP_TIMEOUT_S = 24 * 3600  # the receiver idles until the next handoff; liveness is the coordinator's job
 
-# ------------------------------------------------------------------------------------------------------ the wire
+# -------------------------------------------------------------------------------------------------- the wire
 
 
 def send_handoff(h: KVHandoff, dst: int, device) -> None:
@@ -59,47 +56,36 @@ def recv_handoff(src: int, device) -> KVHandoff | None:
     return KVHandoff.from_header(head, payload)
 
 
-# --------------------------------------------------------------------------------------------------- the workers
+# ----------------------------------------------------------------------------------------------- the workers
 
 
-def _worker_main(rank: int, spec, dtype: str, threads: int, engine_kwargs: dict, port: int, device: str,
-                 inbox, events, fault: str | None) -> None:
+def _worker_main(link, rank: int, spec, dtype: str, threads: int, engine_kwargs: dict, port: int, device: str,
+                 fault: tuple[str, int] | None) -> None:
+    """One worker (serving/workers.py runs it; an exception is sent to the coordinator as "fatal")."""
+    from minillm.engine import LLM
+    from minillm.gguf.loader import load_spec
+    from minillm.parallel.distributed import init_group, weights_checksum
+
     torch.set_num_threads(threads)
-    role = "prefill" if rank == PREFILL else "decode"
+    dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if device == "cuda" else "cpu")
+    model, tok = load_spec(spec, dtype, dev)
+    llm = LLM.from_model(model, tok, **engine_kwargs)
+    pool = llm.cache.spec
+    link.send("ready", {"checksum": weights_checksum(model), "block_size": pool.block_size,
+                        "kv_dtype": str(pool.storage_dtype), "layers": pool.n_layers,
+                        "kv_heads": pool.n_kv_heads, "head_dim": pool.head_dim, "num_blocks": pool.num_blocks,
+                        "vocab_size": model.config.vocab_size})
+    init_group(rank, 2, port, "nccl" if device == "cuda" else "gloo", _GROUP_TIMEOUT_S)
     try:
-        from minillm.parallel.distributed import init_group, weights_checksum
-        from minillm.engine import LLM
-        from minillm.gguf.loader import load_spec
-
-        dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if device == "cuda" else "cpu")
-        model, tok = load_spec(spec, dtype, dev)
-        llm = LLM.from_model(model, tok, **engine_kwargs)
-        pool = llm.cache.spec
-        events.put(("ready", role, {"checksum": weights_checksum(model), "block_size": pool.block_size,
-                                    "kv_dtype": str(pool.storage_dtype), "layers": pool.n_layers,
-                                    "kv_heads": pool.n_kv_heads, "head_dim": pool.head_dim,
-                                    "num_blocks": pool.num_blocks, "vocab_size": model.config.vocab_size}))
-        init_group(rank, 2, port, "nccl" if device == "cuda" else "gloo", _GROUP_TIMEOUT_S)
-        try:
-            (_prefill_loop if rank == PREFILL else _decode_loop)(llm, dev, inbox, events, fault)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        events.put(("fatal", role, traceback.format_exc()))
-        raise
+        (_prefill_loop if rank == PREFILL else _decode_loop)(llm, dev, link, fault)
+    finally:
+        dist.destroy_process_group()
 
 
-def _next_message(inbox, busy: bool):
-    try:
-        return inbox.get_nowait() if busy else inbox.get(timeout=0.02)
-    except queue.Empty:
-        return None
-
-
-def _prefill_loop(llm, device, inbox, events, fault) -> None:
+def _prefill_loop(llm, device, link, fault) -> None:
     decode_alive, n_sent = True, 0
     while True:
-        msg = _next_message(inbox, llm.has_unfinished())
+        msg = link.recv(0.0 if llm.has_unfinished() else 0.02)
         while msg is not None:
             if msg[0] == "stop":
                 if decode_alive:  # tell the receiver thread to stop
@@ -112,20 +98,20 @@ def _prefill_loop(llm, device, inbox, events, fault) -> None:
             try:
                 llm.add_prefill(prompt, params, request_id=rid)
             except (ValueError, TypeError) as e:
-                events.put(("error", rid, f"refused: {e}"))
-            msg = _next_message(inbox, True)
+                link.send("error", rid, f"refused: {e}")
+            msg = link.recv()
         if llm.has_unfinished():
             llm.step()
         for h in llm.pop_handoffs():
-            events.put(("prefilled", h.request_id, {"prompt_ids": h.prompt_ids, "nbytes": h.nbytes,
-                                                    "t": time.perf_counter()}))
+            link.send("prefilled", h.request_id, {"prompt_ids": h.prompt_ids, "nbytes": h.nbytes,
+                                                  "t": time.perf_counter()})
             if h.finish_reason is not None:  # the first token ended it: nothing to move
                 tok = llm.tokenizer
                 text = tok.decode([t for t in h.output_ids if t not in h.stop_ids]) if tok is not None else ""
-                events.put(("token", h.request_id, h.output_ids[0], text, True, h.finish_reason))
+                link.send("token", h.request_id, h.output_ids[0], text, True, h.finish_reason)
                 continue
             if not decode_alive:
-                events.put(("error", h.request_id, "the decode worker is gone: cannot hand the KV over"))
+                link.send("error", h.request_id, "the decode worker is gone: cannot hand the KV over")
                 continue
             injected = fault[0] if fault is not None and fault[1] == n_sent else None  # tests only
             n_sent += 1
@@ -137,14 +123,14 @@ def _prefill_loop(llm, device, inbox, events, fault) -> None:
                     dist.send(torch.tensor([10**6], dtype=torch.int64, device=device), DECODE)
                     os._exit(3)
                 send_handoff(h, DECODE, device)
-                events.put(("sent", h.request_id, {"t_send": t0}))
+                link.send("sent", h.request_id, {"t_send": t0})
             except Exception as e:  # the peer died: report, keep prefilling what can end here
                 decode_alive = False
-                events.put(("error", h.request_id, f"KV transfer to the decode worker failed: {e}"))
+                link.send("error", h.request_id, f"KV transfer to the decode worker failed: {e}")
 
 
-def _decode_loop(llm, device, inbox, events, fault) -> None:
-    if fault is not None and fault[0] == "unpack":  # write part of the KV, then fail: the engine must give the blocks back
+def _decode_loop(llm, device, link, fault) -> None:
+    if fault is not None and fault[0] == "unpack":  # write part of the KV, then fail: blocks must come back
         from minillm.cache import kv_transfer
         real_unpack = kv_transfer.unpack_kv_blocks
 
@@ -165,7 +151,7 @@ def _decode_loop(llm, device, inbox, events, fault) -> None:
     sink: queue.SimpleQueue = queue.SimpleQueue()
     pending: deque = deque()  # handoffs with no room yet: kept in order, never dropped
     while True:
-        msg = _next_message(inbox, True)
+        msg = link.recv()
         if msg is not None and msg[0] == "stop":
             return
         if msg is not None and msg[0] == "abort":
@@ -175,7 +161,7 @@ def _decode_loop(llm, device, inbox, events, fault) -> None:
             item = arrived.get_nowait() if busy else arrived.get(timeout=0.02)
             while True:
                 if isinstance(item, Exception):
-                    events.put(("link_lost", "decode", f"{item}"))
+                    link.send("link_lost", f"{item}")
                 else:
                     pending.append(item)
                 item = arrived.get_nowait()
@@ -188,15 +174,15 @@ def _decode_loop(llm, device, inbox, events, fault) -> None:
             pending.popleft()
             try:
                 llm.add_prefilled(h, sink)
-                events.put(("received", h.request_id, {"t_recv": t_recv, "t_added": time.perf_counter()}))
+                link.send("received", h.request_id, {"t_recv": t_recv, "t_added": time.perf_counter()})
             except Exception as e:
-                events.put(("error", h.request_id, f"the decode worker refused the KV: {e}",
-                            {"free_blocks": llm.num_free_blocks()}))
+                link.send("error", h.request_id, f"the decode worker refused the KV: {e}",
+                          {"free_blocks": llm.num_free_blocks()})
         if llm.has_unfinished():
             llm.step()
         while not sink.empty():
             ev = sink.get()
-            events.put(("token", ev.request_id, ev.token_id, ev.text, ev.finished, ev.finish_reason))
+            link.send("token", ev.request_id, ev.token_id, ev.text, ev.finished, ev.finish_reason)
             if ev.finished:
                 llm.pop_output(ev.request_id)
-                events.put(("free_blocks", llm.num_free_blocks()))
+                link.send("free_blocks", llm.num_free_blocks())

@@ -1,49 +1,35 @@
-"""A pool of engine replicas behind a router: N processes, each its own LLM with prefix caching (lesson 13).
+"""A pool of engine replicas behind a router (lesson 13): N processes, each its own LLM with prefix caching.
 
     with ReplicaPool("smollm2-135m", n_replicas=2, policy="prefix_affinity") as pool:
         outs = pool.generate(prompt_ids_list, SamplingParams(max_tokens=32), arrival_times=[0.0, 0.3, ...])
         outs[0].token_ids, outs[0].replica, outs[0].metrics["ttft"]; pool.stats()
 
-Data parallelism for serving: one engine's throughput is bounded by its hardware, so copies of it run side by side
-and a router (minillm/serving/router.py) decides where each request goes. Each replica is a spawned process that loads the
-model (a name, or a minillm.gguf.loader.load_spec spec {"tiny": {...}, "seed": s}), builds
-LLM.from_model(..., enable_prefix_caching=True) and runs server.py's EngineThread: it steps the engine while requests
-are unfinished and takes commands between steps (minillm/serving/replica_worker.py: the replica's side; this file is the
-pool's). The pool talks to each replica over two pipes: commands in (add, abort, reset, stop), events out (one per
-token; the last one of a request carries the replica's prefix-cache stats).
-Latencies are measured on the pool's clock, from each request's arrival to the event's receipt: what a client sees.
-
-What can go wrong, and what happens then:
-  * replicas loaded different weights: their checksums (distributed.weights_checksum) differ at startup: error;
-  * a replica is slow: its requests wait; nothing is dropped (a request older than `timeout` s ends with an error);
-  * a replica dies (its pipe closes / its process exits / its engine fails): the router stops choosing it and its
-    in-flight requests start again on a live replica (their tokens so far are dropped: greedy decoding regenerates
-    them), at most `max_attempts` replicas per request, then the request ends with an error naming what happened;
-  * no replica left alive: RuntimeError, never a hang.
+The replicas are a serving/workers.py WorkerPool running replica_worker.py; router.py picks each request's
+replica. Latencies are on the pool's clock, from arrival to the token's receipt: what a client sees.
+Replicas with different weights are refused at startup; a slow one delays, never drops; a dead one's requests
+start again on a live replica (at most `max_attempts`, then an error); none left alive is a RuntimeError.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait
 from types import SimpleNamespace
 
 from minillm.cache.block_allocator import blocks_needed
-from minillm.parallel.distributed import without_main_reimport
-from minillm.serving.replica_worker import Fault, _replica_main
-from minillm.request import RequestOutput, make_request
-from minillm.serving.router import ReplicaState, Router, make_router
+from minillm.request import RequestOutput, make_request, params_per_prompt
 from minillm.sampling import SamplingParams
+from minillm.serving.replica_worker import Fault, _replica_main
+from minillm.serving.router import ReplicaState, Router, make_router
+from minillm.serving.workers import WorkerPool, require_same_weights
 
 
 @dataclass
 class RoutedOutput(RequestOutput):
-    """A RequestOutput plus where it ran: the replica, how many replicas it took, its error if it failed, and that
-    replica's prefix-cache stats when it finished."""
+    """A RequestOutput plus where it ran: the replica, how many replicas it took, its error if it failed, and
+    that replica's prefix-cache stats when it finished."""
 
     replica: int = -1
     attempts: int = 0
@@ -51,7 +37,7 @@ class RoutedOutput(RequestOutput):
     prefix_cache: dict | None = field(default=None, repr=False)
 
 
-# ------------------------------------------------------------------------------------------------- the pool
+# ------------------------------------------------------------------------------------------------ the pool
 
 @dataclass
 class _Job:
@@ -71,77 +57,43 @@ class _Job:
 class ReplicaPool:
     """N engine replicas (processes) behind a router. `model`: a name or a load_spec spec (or a list, one per
     replica); `policy`: "round_robin" | "least_tokens" | "prefix_affinity" | a Router; `engine_kwargs`: for
-    LLM.from_model (num_blocks, block_size, max_num_seqs, ...); `timeout`: seconds a request may take from arrival
-    (also the startup limit); `faults`: {replica: Fault} for tests."""
+    LLM.from_model (num_blocks, block_size, max_num_seqs, ...); `timeout`: seconds a request may take from
+    arrival (also the startup limit); `faults`: {replica: Fault} for tests."""
 
     def __init__(self, model="smollm2-135m", n_replicas: int = 2, policy: str | Router = "prefix_affinity",
-                 engine_kwargs: dict | None = None, threads: int = 1, timeout: float = 300.0, dtype: str = "float32",
-                 max_attempts: int | None = None, faults: dict[int, Fault] | None = None):
-        import torch.multiprocessing as mp
-
+                 engine_kwargs: dict | None = None, threads: int = 1, timeout: float = 300.0,
+                 dtype: str = "float32", max_attempts: int | None = None,
+                 faults: dict[int, Fault] | None = None):
         if not isinstance(n_replicas, int) or n_replicas < 1:
             raise ValueError(f"n_replicas must be an integer >= 1, got {n_replicas!r}")
         specs = model if isinstance(model, list) else [model] * n_replicas
         if len(specs) != n_replicas:
-            raise ValueError(f"got {len(specs)} model specs for {n_replicas} replicas: give one, or one per replica")
+            raise ValueError(f"got {len(specs)} model specs for {n_replicas} replicas: give one, or one per "
+                             f"replica")
         if timeout <= 0 or threads < 1:
             raise ValueError(f"need timeout > 0 and threads >= 1, got {timeout}, {threads}")
         self.policy, self.timeout = policy, timeout
         self.max_attempts = max_attempts or n_replicas
         self.replicas = [ReplicaState(i) for i in range(n_replicas)]
-        self._procs, self._inbox, self._outbox, self._closed = [], [], [], False
+        self._closed = False
         self._exit_why: dict[int, str] = {}
         self._call, self._active = 0, {}
-        ctx = mp.get_context("spawn")
+        self._workers = WorkerPool(_replica_main, [(i, spec, dtype, dict(engine_kwargs or {}), threads,
+                                                    (faults or {}).get(i)) for i, spec in enumerate(specs)],
+                                   [f"replica {i}" for i in range(n_replicas)])
+        self._procs = self._workers.processes
         try:
-            for i, spec in enumerate(specs):
-                cmd_r, cmd_w = ctx.Pipe(duplex=False)
-                ev_r, ev_w = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_replica_main, name=f"minillm-replica-{i}", daemon=True,
-                                   args=(i, spec, dtype, dict(engine_kwargs or {}), threads, (faults or {}).get(i),
-                                         os.getpid(), cmd_r, ev_w))
-                with without_main_reimport():
-                    proc.start()
-                cmd_r.close(), ev_w.close()  # the child's ends: closing ours makes a dead child read as EOF
-                self._procs.append(proc), self._inbox.append(cmd_w), self._outbox.append(ev_r)
-            ready = [self._expect(i, "ready") for i in range(n_replicas)]
+            ready = [info for (info,) in self._workers.expect("ready", timeout)]
+            require_same_weights("replicas", [r["checksum"] for r in ready])
         except BaseException:
             self.close()
             raise
-        sums = [r[0] for r in ready]
-        if any(s != sums[0] for s in sums):
-            self.close()
-            raise RuntimeError(f"replicas loaded different weights (checksums {sums}): every replica must load the "
-                               f"same model file with the same dtype")
-        _, self.num_blocks, self.block_size, vocab, ctx_len = ready[0]
-        self._config = SimpleNamespace(vocab_size=vocab, max_seq_len=ctx_len)
+        self.num_blocks, self.block_size = ready[0]["num_blocks"], ready[0]["block_size"]
+        self._config = SimpleNamespace(vocab_size=ready[0]["vocab_size"], max_seq_len=ready[0]["max_seq_len"])
         self.router = make_router(policy, self.block_size, self.num_blocks)
         self._reset_counters()
 
-    # ---------------------------------------------------------------------------------------- plumbing
-
-    def _expect(self, i: int, kind: str) -> tuple:
-        """Wait for replica i's answer `kind` (startup, reset), skipping late events of requests given up."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            if not self._outbox[i].poll(max(0.0, deadline - time.monotonic())):
-                raise RuntimeError(f"replica {i} did not answer within {self.timeout:.0f} s (waiting for {kind!r})")
-            try:
-                got, *args = self._outbox[i].recv()
-            except EOFError:
-                self._procs[i].join(5)
-                raise RuntimeError(f"replica {i} exited (code {self._procs[i].exitcode}) before {kind!r}") from None
-            if got == kind:
-                return tuple(args)
-            if got not in ("event", "rejected"):
-                raise RuntimeError(f"replica {i} failed instead of answering {kind!r}:\n{args[-1]}")
-
-    def _send(self, i: int, *msg) -> bool:
-        try:
-            self._inbox[i].send(msg)
-            return True
-        except OSError:
-            return False
+    # --------------------------------------------------------------------------------------------- plumbing
 
     def _reset_counters(self) -> None:
         self._requests = [0] * len(self.replicas)
@@ -149,42 +101,44 @@ class ReplicaPool:
         self._cache_stats: list[dict | None] = [None] * len(self.replicas)
 
     def reset(self, policy: str | Router | None = None) -> None:
-        """Empty every live replica's KV cache (a fresh engine over the same weights), zero the stats, and start a
-        fresh router (`policy`, or the current one): policies compared one after another start equal."""
-        for r in self.replicas:
-            if r.alive and self._send(r.id, "reset"):
-                self._expect(r.id, "reset_done")
+        """Empty every live replica's KV cache (a fresh engine over the same weights), zero the stats, and
+        start a fresh router (`policy`, or the current one): policies compared in turn start equal."""
+        sent = [r.id for r in self.replicas if r.alive and self._workers.send(r.id, "reset")]
+        # late events of requests given up may come first: skipped
+        self._workers.expect("reset_done", self.timeout, sent, skip=("event", "rejected"))
         self.policy = self.policy if policy is None else policy
         self.router = make_router(self.policy, self.block_size, self.num_blocks)
         self._reset_counters()
 
-    # --------------------------------------------------------------------------------------- generate
+    # --------------------------------------------------------------------------------------------- generate
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  arrival_times: list[float] | None = None) -> list[RoutedOutput]:
-        """Run token-id prompts on the replicas; each is sent when its arrival time (seconds after the call) comes.
-        Outputs in input order; a request that failed has `error` set and finish_reason "error"."""
+        """Run token-id prompts on the replicas; each is sent when its arrival time (seconds after the call)
+        comes. Outputs in input order; a request that failed has `error` set and finish_reason "error"."""
         if self._closed:
             raise RuntimeError("this ReplicaPool is closed: make a new one")
         if not isinstance(prompts, list) or (prompts and isinstance(prompts[0], int)):
             raise TypeError("pass a list of prompts, each a list of token ids, e.g. [ids]")
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        params = [SamplingParams() if p is None else p for p in params]
+        params = params_per_prompt(prompts, params)
         arrival_times = [0.0] * len(prompts) if arrival_times is None else list(arrival_times)
-        if len(params) != len(prompts) or len(arrival_times) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts, {len(params)} params, {len(arrival_times)} arrival times")
+        if len(arrival_times) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts and {len(arrival_times)} arrival times")
         for i, (p, sp, a) in enumerate(zip(prompts, params, arrival_times)):
             try:  # the engine's own checks, here, so a bad request fails the call before anything is sent
                 make_request(p, sp, None, self._config)
                 if sp.max_tokens < 1 or not a >= 0:
-                    raise ValueError(f"need max_tokens >= 1 and an arrival time >= 0, got {sp.max_tokens}, {a}")
+                    raise ValueError(f"need max_tokens >= 1 and an arrival time >= 0, got {sp.max_tokens}, "
+                                     f"{a}")
                 if blocks_needed(len(p) + sp.max_tokens - 1, self.block_size) > self.num_blocks:
-                    raise ValueError(f"prompt + max_tokens need more KV blocks than a replica has ({self.num_blocks}"
-                                     f" x {self.block_size} tokens): lower max_tokens or give the replicas more")
+                    raise ValueError(f"prompt + max_tokens need more KV blocks than a replica has "
+                                     f"({self.num_blocks} x {self.block_size} tokens): lower max_tokens or "
+                                     f"give the replicas more")
             except (ValueError, TypeError) as e:
                 raise type(e)(f"request {i}: {e}") from None
         t0 = time.perf_counter()
-        jobs = [_Job(i, list(p), sp, t0 + a) for i, (p, sp, a) in enumerate(zip(prompts, params, arrival_times))]
+        jobs = [_Job(i, list(p), sp, t0 + a)
+                for i, (p, sp, a) in enumerate(zip(prompts, params, arrival_times))]
         pending = deque(sorted(jobs, key=lambda j: j.arrival))
         self._call += 1
         self._active: dict[str, _Job] = {}
@@ -195,18 +149,17 @@ class ReplicaPool:
                 while pending and pending[0].arrival <= now:
                     self._dispatch(pending.popleft())
                 for job in [j for j in self._active.values() if now - j.arrival > self.timeout]:
-                    self._send(job.replica, "abort", job.rid)
+                    self._workers.send(job.replica, "abort", job.rid)
                     self._end(job, f"timed out after {self.timeout:.0f} s on replica {job.replica}")
                 wait_s = min(0.05, max(0.0, pending[0].arrival - now)) if pending else 0.05
                 live_ids = [r.id for r in self.replicas if r.alive]
-                ready = wait([self._outbox[i] for i in live_ids] + [self._procs[i].sentinel for i in live_ids],
-                             wait_s)
-                for i in live_ids:
-                    if self._outbox[i] in ready or self._procs[i].sentinel in ready:
-                        self._read(i)
+                for i, msg in self._workers.poll(wait_s, live_ids):
+                    self._handle(i, *msg)
+                for i in self._workers.dead(live_ids):
+                    self._down(i, f"replica {i} exited with code {self._workers.exitcode(i)}")
         finally:  # an error ends the call: what is still in flight is aborted, not left running unseen
             for job in list(self._active.values()):
-                self._send(job.replica, "abort", job.rid)
+                self._workers.send(job.replica, "abort", job.rid)
                 self.replicas[job.replica].on_finish(job.rid)
             self._active = {}
         return [self._results[j.index] for j in jobs]
@@ -225,23 +178,11 @@ class ReplicaPool:
         self.replicas[i].on_dispatch(job.rid, len(job.prompt_ids), job.params.max_tokens)
         self.router.on_dispatch(i, job.prompt_ids)
         self._active[job.rid] = job
-        if not self._send(i, "add", job.rid, job.prompt_ids, job.params):
+        if not self._workers.send(i, "add", job.rid, job.prompt_ids, job.params):
             self._down(i, f"replica {i}'s command pipe is closed")  # which sends this job elsewhere too
 
-    def _read(self, i: int) -> None:
-        conn = self._outbox[i]
-        try:
-            while conn.poll():
-                self._handle(i, *conn.recv())
-        except (EOFError, OSError):
-            pass
-        proc = self._procs[i]
-        if proc.exitcode is not None or proc.sentinel in wait([proc.sentinel], 0):
-            proc.join(1)
-            self._down(i, f"replica {i} exited with code {proc.exitcode}")
-
     def _handle(self, i: int, kind: str, *args) -> None:
-        if kind == "failed":
+        if kind in ("failed", "fatal"):
             self._down(i, f"replica {i} failed: {args[-1]}")
             return
         rid = args[0]
@@ -301,11 +242,13 @@ class ReplicaPool:
             str(job.index), job.prompt_ids, list(job.tokens), "".join(job.text), reason, metrics, rel,
             replica=job.replica, attempts=job.attempts, error=error, prefix_cache=stats)
 
-    # ------------------------------------------------------------------------------------------ stats, close
+    # ----------------------------------------------------------------------------------------- stats, close
 
     def stats(self) -> list[dict]:
-        """Per replica since the last reset: alive, requests finished, output tokens, prefix-cache hit rate."""
-        return [{"replica": r.id, "alive": r.alive, "requests": self._requests[r.id], "tokens": self._tokens[r.id],
+        """Per replica since the last reset: alive, requests finished, output tokens, prefix-cache hit
+        rate."""
+        return [{"replica": r.id, "alive": r.alive, "requests": self._requests[r.id],
+                 "tokens": self._tokens[r.id],
                  "hit_rate": (self._cache_stats[r.id] or {}).get("hit_rate", 0.0),
                  "prefix_cache": self._cache_stats[r.id]} for r in self.replicas]
 
@@ -314,17 +257,8 @@ class ReplicaPool:
         if self._closed:
             return
         self._closed = True
-        for i in range(len(self._procs)):
-            self._send(i, "stop")
-        deadline = time.monotonic() + 10.0
-        for proc in self._procs:
-            proc.join(max(0.1, deadline - time.monotonic()))
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5.0)
-        for conn in self._inbox + self._outbox:
-            conn.close()
+        if getattr(self, "_workers", None) is not None:
+            self._workers.close(10.0)
 
     def __enter__(self):
         return self
@@ -333,7 +267,7 @@ class ReplicaPool:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_procs", None) is not None and not getattr(self, "_closed", True):
+        if not getattr(self, "_closed", True):
             self.close()
 
 
