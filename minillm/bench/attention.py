@@ -1,21 +1,11 @@
 """Benchmark "attention": peak memory and time of naive vs flash attention as the sequence grows (lesson 03).
 
-Shapes are SmolLM2-135M's attention at batch 1: 9 query heads, 3 KV heads, head_dim 64, causal prefill of N tokens.
-
-Peak memory is *measured*, not computed:
-  - on a GPU, torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus what was allocated before;
-  - on a CPU, the process's resident-set high-water mark (VmHWM in /proc/self/status) in a fresh worker process:
-    before each call the worker resets the mark to the current RSS (writing 5 to /proc/self/clear_refs), then
-    reads how far the call pushed it. The worker runs with a fixed malloc mmap threshold so that freed tensors go
-    back to the OS between measurements instead of being recycled by the next call (which would hide its peak).
-    Inputs are allocated before the reset; the output (the same size for every method) is included.
-Naive attention materialises (B, H, N, N) float32 scores (and the masked and softmaxed copies): O(N^2) memory.
-The flash loop's biggest temporaries are block x block tiles: O(N) memory, dominated by the output itself.
-
-Time is measured side by side in this process. On a CPU the torch flash loop is *slower* than naive: it runs a
-Python iteration with ~10 small torch ops per (query block, key block) tile, and each op pays dispatch overhead
-that a single big matmul pays once. Flash attention's speed comes from one fused GPU kernel that keeps tiles in
-SRAM (kernels/flash_attn.py; scripts/gpu_check_flash.py measures it); torch's SDPA is such a fused kernel on CPU.
+SmolLM2-135M's attention shapes at batch 1 (9 query heads, 3 KV heads, head_dim 64), causal prefill of N
+tokens. Peak memory is measured, not computed: CUDA's max_memory_allocated on a GPU, on a CPU the RSS
+high-water mark one call adds in a fresh worker process (`measure_cpu_peaks`). Naive attention materialises
+the N x N scores, O(N^2); the flash loop's tiles are O(N). Time is measured side by side in this process: on a
+CPU the torch flash loop is slower than naive, the fused kernels are what is fast (torch's SDPA;
+kernels/flash_attn.py on a GPU).
 """
 
 from __future__ import annotations
@@ -77,6 +67,8 @@ def cpu_peak_worker(cases: list[tuple[str, int]]) -> list[dict]:
 
 def measure_cpu_peaks(cases: list[tuple[str, int]]) -> list[dict]:
     """cpu_peak_worker in a fresh Python process (so nothing cached by this process pollutes the numbers)."""
+    # a fixed mmap threshold: freed tensors go back to the OS between calls instead of being recycled by the next
+    # call, which would hide its peak
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
     code = ("import json, sys; from minillm.bench.attention import cpu_peak_worker; "
             "print('RESULT' + json.dumps(cpu_peak_worker(json.loads(sys.argv[1]))))")

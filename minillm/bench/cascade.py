@@ -1,17 +1,11 @@
-"""Benchmark part "cascade" of `minillm bench disagg` (lesson 13): the small model answers first, SmolLM2 when unsure.
+"""Part "cascade" of `minillm bench disagg` (lesson 13): the small model answers first, SmolLM2 when unsure.
 
-Large: SmolLM2-135M (float32). Small: the distilled student of lesson 09 ("smollm2-135m-student", 16 blocks) when it
-is saved on this machine, else a stand-in (the target's first 16 blocks and its head, untrained: the notes say so).
-A fixed set of short factual/chat questions, greedy, chat template, one request at a time. Each model answers every
-question once per repeat (the two alternate per question, so a slow moment of a shared machine hits both; a request's
-seconds are its minimum over repeats). From those answers `minillm.serving.cascade.sweep` computes the cascade at every
-threshold without running a model again: agreement with the large model (exact greedy answer, token prefix, KL on the
-large answer), mean cost (seconds and analytic FLOPs), escalation rate, for each confidence signal. Then one live
-cascade run at the best threshold found checks the sweep's prediction: same answers, same escalations.
-
-Target (issue 17): a threshold keeping >= 95% agreement with the large model at <= 70% of its mean cost (seconds).
-A perfect signal would escalate exactly the disagreeing answers; its cost, small + (1 - agreement) x large, bounds
-what any signal can reach on this pair.
+Large: SmolLM2-135M. Small: lesson 09's distilled student ("smollm2-135m-student") when saved on this machine,
+else an untrained early-exit stand-in (the notes say which). Both answer a fixed set of short chat questions,
+greedy, one at a time; `minillm.serving.cascade.sweep` turns those answers into the cascade at every
+threshold, per confidence signal: agreement with the large model vs mean cost (seconds, FLOPs), escalation
+rate. A perfect-signal row bounds what any signal can reach; one live cascade run checks the sweep. Target:
+>= 95% agreement at <= 70% of the cost.
 """
 
 from __future__ import annotations
@@ -72,6 +66,8 @@ def measure(quick: bool = False, threads: int = 1) -> dict:
         cascade.answer(which, prompts[:1], SamplingParams(max_tokens=2))
 
     answers: dict[str, list] = {"small": [None] * len(prompts), "large": [None] * len(prompts)}
+    # the two models alternate per question (a slow moment of a shared machine hits both); a request's seconds are
+    # its best over the repeats
     for rep in range(b["repeats"]):
         for i, prompt in enumerate(prompts):
             for which in (("small", "large") if (rep + i) % 2 == 0 else ("large", "small")):

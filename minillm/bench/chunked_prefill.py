@@ -1,13 +1,10 @@
-"""Benchmark "chunked-prefill" (lesson 12): what the per-step token budget does to decode latency (Sarathi-Serve).
+"""Benchmark "chunked-prefill" (lesson 12): the per-step token budget vs decode latency (Sarathi-Serve).
 
-SmolLM2-135M, float32, greedy, fixed lengths (ignore_eos). A few short requests are decoding when long prompts
-arrive, one every few seconds. The engine runs the decodes first in every step and fills the rest of the step's
-token budget (max_num_batched_tokens) with prefill; a prompt longer than what is left is split into chunks over
-several steps. With a budget larger than the prompt, the step that prefills it takes as long as the whole prefill,
-and every running decode waits for it: a stall in their token stream (inter-token latency, ITL). A small budget
-bounds every step's length, so decodes keep flowing, at the price of more steps (the weights are read once per
-step) and a later first token for the long prompt. The sweep measures both sides for each budget, back to back in
-one process on the same requests.
+SmolLM2-135M, float32, greedy, fixed lengths (ignore_eos): a few short requests decode while long prompts
+arrive. Each step runs the decodes first and fills the rest of its budget (max_num_batched_tokens) with
+prefill chunks. The sweep runs every budget back to back on the same requests: a small budget bounds the
+decodes' stalls (inter-token latency, ITL), paid for with more steps and a later first token for the long
+prompts.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Benchmark "decode": the anatomy of plain inference on this hardware (lesson 00).
 
-Prefill pushes many tokens through every weight at once: a big matmul, compute-bound, judged by MFU (achieved
-FLOP/s over the measured matmul peak). Decode pushes one token through every weight per step: each weight byte is
-read for 2 FLOPs, memory-bound, judged by MBU (bytes the step must read per second over the measured bandwidth).
-So per token, prefill is many times faster than decode; halving the bytes (bfloat16) speeds decode up; and the
-no-cache baseline, which re-runs the whole sequence each step, is what lesson 01 removes.
-
-On a CPU without bf16 instructions torch emulates bf16 GEMMs (60-70x slower than fp32 on such a CPU): the
-bf16 rows then measure the emulation. bf16 decode (matrix-vector, bound by bytes) is still informative; bf16 prefill
-gets no MFU (there is no bf16 compute roof to divide by) and is timed at the smallest size only.
+Prefill (many tokens through every weight at once) is compute-bound, judged by MFU; decode (one token per
+step, each weight byte read for 2 FLOPs) is memory-bound, judged by MBU; both against the roofs
+minillm.bench.hardware measures. Rows: prefill and cached decode in float32 and bfloat16, and the no-cache
+decode lesson 01 removes. Where the CPU emulates bf16, the bf16 rows measure the emulation (prefill at one
+size, no MFU; the notes say so).
 """
 
 from __future__ import annotations
@@ -82,6 +78,7 @@ def run(quick: bool = False) -> BenchResult:
                  "ms": fp32_model.load_seconds * 1e3})
     for dtype in ("float32", "bfloat16"):
         model = fp32_model if dtype == "float32" else cast_model(fp32_model, torch.bfloat16)
+        # emulated bf16 GEMMs are tens of times slower than fp32: one prefill size, no MFU
         for n in prefill_sizes if dtype == "float32" or bf16_gemm else prefill_sizes[:1]:
             rows.append({"dtype": dtype, **measure_prefill(model, n, repeat)})
             by[dtype, "prefill", n] = rows[-1]

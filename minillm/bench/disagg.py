@@ -1,16 +1,10 @@
 """Benchmark "disagg" (lesson 13): three ways to spend a fixed set of cores on many requests, in one run.
 
-  pd        prefill and decode in separate worker processes (the KV cache moves between them over torch.distributed)
-            vs one colocated engine on the same cores, with and without chunked prefill: decode TPOT/ITL, TTFT,
-            goodput, and what the KV transfer costs (minillm/bench/disagg_pd.py);
-  routing   two engine replicas behind a router: round-robin vs least-outstanding-tokens vs prefix-affinity on a
-            shared-prefix workload: TTFT, throughput, prefix hit rate, load imbalance (minillm/bench/routing.py);
-  cascade   the distilled student answers first and escalates to SmolLM2 when unsure: agreement with the large
-            model vs average cost, per confidence signal and threshold (minillm/bench/cascade.py).
-
-Each part is measured side by side within itself (the same workload, back to back); the parts share nothing but the
-machine. `parts` picks a subset (e.g. run(parts=("routing",)); `minillm bench disagg --part routing`). Every worker and
-replica runs `threads` torch threads (default 1: on a 2-core machine the colocated baseline then gets 2).
+  pd        prefill and decode workers vs one colocated engine, chunked prefill or not (disagg_pd.py);
+  routing   two engine replicas behind round-robin, least-tokens or prefix-affinity routing (routing.py);
+  cascade   the distilled student answers first, SmolLM2 when it is unsure (cascade.py).
+Each part is measured side by side within itself; the parts share only the machine. `parts` picks a subset
+(`minillm bench disagg --part routing`); every worker and replica runs `threads` torch threads (default 1).
 """
 
 from __future__ import annotations

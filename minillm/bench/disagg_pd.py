@@ -1,19 +1,11 @@
-"""Benchmark "disagg" part 1 (lesson 13): prefill/decode interference, colocated vs disaggregated, on the same 2 cores.
+"""Part "pd" of `minillm bench disagg` (lesson 13): prefill/decode interference, colocated vs disaggregated.
 
-SmolLM2-135M, float32, greedy, fixed lengths (ignore_eos). The chunked-prefill bench's interference workload
-(minillm/bench/chunked_prefill.py): a few chat requests decode from t=0 while long prompts arrive one after another.
-Three ways to serve it with the same total cores (2 x `threads`):
-  colocated           one LLM, 2x threads, a step budget that holds a whole long prompt: each arrival stalls every
-                      running decode for its whole prefill;
-  colocated, chunked  the same with max_num_batched_tokens 64 (Sarathi): stalls are bounded by one chunk, paid for
-                      with more steps;
-  disaggregated 1+1   minillm.serving.disagg.DisaggregatedLLM: a prefill worker and a decode worker of `threads`
-                      threads each; the prompt's KV moves over gloo after its prefill. Decodes never share a step
-                      with a prompt.
-Reported per mode: TTFT p50/p99 (all requests; the coordinator's clock for disaggregated, the engine's for colocated),
-decode TPOT and ITL p50/p99 (the chat requests), the long prompts' mean TTFT, goodput under a TTFT + TPOT SLO, and for
-disaggregated the KV bytes moved per prompt token (vs 2 x layers x kv_heads x head_dim x bytes), the transfer time and
-its share of TTFT. Greedy outputs are compared across the three modes.
+The chunked-prefill bench's workload (chat requests decoding while long prompts arrive), SmolLM2-135M,
+float32, greedy, served three ways on 2 x `threads` cores in all: one colocated LLM whose step holds a whole
+prompt; the same chunked at 64 tokens a step (Sarathi); minillm.serving.disagg.DisaggregatedLLM, a prefill and
+a decode worker, the KV moved over gloo. Per mode: TTFT, the chat requests' TPOT and ITL, goodput under an
+SLO; for disaggregated, the KV bytes moved per prompt token against the formula and the transfer's share of
+TTFT. Outputs compared.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
-"""`minillm bench distill` (lesson 09): heal a structurally pruned SmolLM2 by distillation, against fine-tuning on
-the text alone with the same token budget, in one run.
+"""`minillm bench distill` (lesson 09): heal a pruned SmolLM2 by distillation vs fine-tuning on the text.
 
-The teacher is SmolLM2-135M (float32). The student is the teacher with its least important blocks dropped
-(lesson 08's block importance). Three students train from that same start, on the same batches (a pure function of
-seed and step): KD (soft targets at T = 1), CE-only (the text's labels), and — full mode — KD at T = 2 and
-DistilBERT's triple loss (KD + CE + hidden-state cosine). Training data: the pydoc text after its first 8,192 tokens,
-plus continuations the teacher samples from prompts taken from that text (generated once with the batching engine,
-cached). Evaluation: the first 512 tokens of the pydoc text, never trained on. Per student: parameters, weight bytes,
-batch-1 decode tok/s (round-robin with the teacher, best round), perplexity, KL to the teacher and top-1 agreement
-with the teacher. The KD student is saved as "smollm2-135m-student" (load_model loads it by name; lesson 10 uses it as
-the draft model).
+Teacher SmolLM2-135M; student the teacher minus its least important blocks (lesson 08). From that one start,
+on the same batches: KD at T = 1, CE-only and (full mode) KD at T = 2 and DistilBERT's triple loss. Data: the
+pydoc text plus continuations the teacher samples (cached); evaluation on its first 512 tokens, never trained
+on. Per student: size, decode tok/s, perplexity, KL and top-1 agreement with the teacher. The KD student is
+saved as "smollm2-135m-student": load_model loads it by name, lesson 10 drafts with it, lesson 13 cascades
+with it.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Benchmark "gqa" (lesson 02): MHA vs GQA vs MQA on the real model, converted from its trained weights.
 
-SmolLM2-135M is GQA with 3 KV heads for 9 query heads. `minillm.compress.gqa` turns it into MHA (9 KV heads,
-repeated: exact) and MQA (1 KV head, mean-pooled: approximate). For each variant:
-- KV bytes per token (3 : 9 : 1) and the largest batch at a given context that fits a fixed KV budget;
-- decode tokens/s at batch 1 with a long context already in the cache (2048 tokens; quick mode 256). The cache is
-  filled with random keys/values instead of a real prefill: a step's cost does not depend on the values, and it
-  saves three long prefills;
-- quality: mean KL(original || variant) of the next-token distributions, and perplexity, on the pydoc topics text.
-It runs in bfloat16 where the CPU computes it natively, else in float32 (emulated bf16 GEMMs are tens of times slower
-and nothing here depends on bf16: the KV-byte ratios are the same in any dtype).
+SmolLM2-135M is GQA (3 KV heads for 9 query heads); `minillm.compress.gqa` makes it MHA (9 KV heads, repeated:
+exact) and MQA (1, mean-pooled: approximate). Per variant: KV bytes per token and the largest batch a 1 GiB KV
+budget holds at a long context, batch-1 decode tok/s at that context, KL to the original and perplexity on the
+pydoc text. bfloat16 where the CPU computes it natively, else float32.
 """
 
 from __future__ import annotations
@@ -37,6 +32,7 @@ def variants(model) -> dict:
 def decode_step_seconds(model, context: int, steps: int = 8, repeat: int = 3) -> float:
     """Median seconds of one batch-1 decode step with `context` tokens already cached (random K/V)."""
     cache = KVCache.for_model(model, 1, context + steps)
+    # random K/V, not a real prefill: a step's cost does not depend on the values (and three prefills are saved)
     g = torch.Generator().manual_seed(0)
     cache.k.copy_(torch.randn(cache.k.shape, generator=g).to(cache.k.dtype))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g).to(cache.v.dtype))

@@ -1,18 +1,10 @@
-"""What a measurement ran on: the machine's names, whether it computes bfloat16 natively, how busy it is, and its
-*measured* roofs (memory bandwidth, matmul FLOP/s), every probe bounded in time.
+"""What a measurement ran on: the machine's names, native bf16 or not, how busy it is, its *measured* roofs.
 
-Why bounded. Machines of the same kind do not all have the same CPU. Where the CPU has bf16 instructions
-(AVX512-BF16 or AMX on x86, the BF16 extension on ARM) torch's bf16 matmuls are fast; where it has not, torch
-emulates them, and a bf16 GEMM runs tens of times slower than fp32 (on a 2-core AMD EPYC without AVX-512: 0.9-1.3
-GFLOP/s bf16 against 54-74 GFLOP/s fp32 at 512^3-1024^3, where a fixed 2048^3 bf16 probe took minutes). So each probe
-starts small and grows only while the next size fits its time budget: a fast machine reaches the large sizes that
-show its peak, a slow one stops early with a smaller but honest figure.
-
-Why cached. `minillm generate` prints an MBU figure, which needs the memory bandwidth and nothing else. That one
-probe is cheap (< 1 s) and its result is kept on disk per machine (under the weights cache folder), so ordinary
-commands pay for it once. Benchmarks measure afresh in every process: their roofs belong to that run.
-
-Lesson 00 explains the roofs; `minillm info` prints what this module detects.
+`hardware_info` measures memory bandwidth (`probe_bandwidth`) and matmul FLOP/s (`probe_matmul`), each probe
+bounded in time: it starts small and grows only while the next size fits its budget (a CPU that emulates bf16
+spends minutes on one large bf16 GEMM). `bandwidth`, the one roof the MBU of `minillm generate` needs, is
+cached on disk per machine; `native_bf16` and `preferred_dtype` say whether bf16 pays here. Lesson 00 explains
+the roofs; `minillm info` prints what this module detects.
 """
 
 from __future__ import annotations
@@ -296,6 +288,8 @@ def _save_bandwidth(dev: torch.device, value: float) -> None:
             pass
 
 
+# `minillm generate`'s MBU needs only the bandwidth: kept on disk per machine, ordinary commands probe once.
+# Benchmarks call hardware_info, which measures afresh in every process: their roofs belong to their run.
 def bandwidth(device: str | torch.device = "cpu") -> float:
     """Measured memory bandwidth of `device`, bytes/s: this process's measurement if there is one, else this
     machine's from the disk cache, else a new bounded probe (< 1 s) that is then cached."""

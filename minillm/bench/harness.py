@@ -1,11 +1,9 @@
-"""The benchmark harness: time a function, report a table of results with ratios vs targets.
+"""The benchmark harness: time a function, report a table of results with ratios vs targets (every bench).
 
-Every technique in the course is judged the same way: the previous step and the next one are measured side by side
-in one run (so a noisy machine slows both), and the claim is a ratio (speedup, memory saved) compared with a target.
-Absolute numbers are only meaningful next to the hardware's own roofs, which minillm.bench.hardware measures
-rather than looks up; minillm.bench.metrics divides what a run achieved by them (MBU, MFU) and has the timer.
+Every technique is judged the same way: the previous step and the next measured side by side in one run (a
+noisy machine slows both), the claim a ratio compared with a target. The roofs: minillm.bench.hardware; MBU,
+MFU and the timer: minillm.bench.metrics.
 
-    from minillm.bench.harness import BenchResult, time_fn
     t = time_fn(lambda: model(ids), warmup=1, repeat=5)      # Timing: median/min/max seconds
     BenchResult(name="x", rows=[...], ratios={"speedup": 3.1}, targets={"speedup": (">=", 2.0)}).print_table()
 """

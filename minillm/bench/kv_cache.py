@@ -1,12 +1,9 @@
 """Benchmark "kv-cache" (lesson 01): what the KV cache buys, and how close cached decode gets to the hardware.
 
-1. No cache vs contiguous cache: greedy decode of N new tokens after a 32-token prompt, batch 1, float32, one
-   run each side by side (identical tokens checked). Target: >= 5x faster decode with the cache at 256 tokens.
-2. minillm vs Hugging Face transformers `generate` on the same GGUF weights (float32 and bfloat16, 128 new tokens,
-   greedy, batch 1): tokens/s ratio, target >= 1.0 (full mode only: loading transformers' copy takes ~10-30 s).
-3. Decode MBU at batch 1 (float32 and bfloat16): (weight bytes + KV bytes read per step) / time per token / measured
-   copy bandwidth (minillm.bench.hardware.hardware_info). Target >= 60% in bfloat16. Next to it, the same
-   figure for the bare matmuls of the model's weights: the ceiling torch's kernels allow on this machine.
+1. No cache vs contiguous cache: greedy batch-1 decode after a 32-token prompt, identical tokens checked.
+2. minillm vs transformers' `generate` on the same GGUF weights, float32 and bfloat16 (full mode only).
+3. Decode MBU at batch 1, beside it the same figure for bare matmuls over the model's weights: the ceiling
+   torch's kernels allow on this machine.
 """
 
 from __future__ import annotations

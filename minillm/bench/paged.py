@@ -1,16 +1,11 @@
 """Benchmark "paged": what a paged KV cache saves, what it costs (lesson 04).
 
-Memory side (bookkeeping through the real BlockAllocator, bytes from the model's KV size per token, bfloat16):
-a seeded workload of sequences with long-tailed prompt and output lengths (max 2048 tokens). The contiguous cache
-reserves max_len slots per sequence; the paged cache holds ceil(len / block_size) blocks. We report the share of
-reserved memory that is wasted, how many of the workload's sequences fit at their final length in the KV budget of
-32 contiguous reservations, and the block-size trade-off (waste vs block-table entries).
-
-Speed side (real model, float32, greedy): the same prompt with cache="contiguous" and cache="paged" must produce
-identical tokens; decode tokens/s of both, and one layer's decode attention at a long context, contiguous SDPA vs
-the torch gather. On a CPU the gather is slower: it copies every cached key and value into a new buffer before
-attending (a read, a write and a read again), while the contiguous cache attends in place. The Triton kernel
-(kernels/paged_decode.py) reads the blocks where they are; scripts/gpu_check_paged.py measures that on a GPU.
+Memory (the real BlockAllocator's bookkeeping, a seeded long-tailed workload): the share of reserved KV memory
+a contiguous cache (max_len slots a sequence) wastes against a paged one (ceil(len / block_size) blocks), how
+many sequences fit one budget, and the block-size trade-off. Speed (float32, greedy): identical tokens from
+cache="contiguous" and "paged", decode tok/s of both, and one layer's decode attention at a long context,
+contiguous SDPA vs the torch gather (slower on a CPU: it copies the cache; on a GPU kernels/paged_decode.py
+reads the blocks in place, scripts/gpu_check_paged.py times it).
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""`minillm bench parallel` (lesson 11): tensor, sequence and pipeline parallelism against one process, in one run.
+"""`minillm bench parallel` (lesson 11): tensor, sequence and pipeline parallelism against one process.
 
-Target: SmolLM2-135M, float32, greedy, ranks started with torch.multiprocessing on gloo, one torch thread per rank.
-The honest limit comes first: on a 2-core CPU, ranks share the same two cores, so no split can beat one process
-using both of them; the bench measures by how much they lose and where the time goes (the share spent inside
-collectives), rather than claim a speedup. What it does verify: every configuration produces the single process's
-tokens; the bytes every collective moved per token equal the formula exactly; the pipeline's measured bubble
-against (p - 1) / (m + p - 1); and an analytic model (labelled as such) of what TP would cost for Llama-2-7B/70B on
-8 GPUs, using the same byte formulas, over NVLink and over PCIe. Quick mode runs a tiny random model.
+SmolLM2-135M, float32, greedy, gloo ranks of one torch thread each (quick mode: a tiny random model). On a
+2-core CPU the ranks share the cores, so no split beats one process: the bench measures how much they lose and
+the share spent in collectives. It verifies the single process's tokens in every configuration, the bytes each
+collective moved against the formula, the pipeline bubble against (p - 1) / (m + p - 1), and models
+(analytically, labelled so) what TP would cost for Llama-2-7B/70B on 8 GPUs over NVLink and over PCIe.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""Benchmark "prefix-cache" (lesson 12): the engine with and without prefix caching on a shared-system-prompt workload.
+"""Benchmark "prefix-cache" (lesson 12): the engine with and without prefix caching, one shared system prompt.
 
-SmolLM2-135M, float32, greedy, exactly `max_tokens` output tokens per request (ignore_eos). Every request is a chat:
-the same long system prompt (real English from CPython's pydoc topics) and a short question of its own. Two
-patterns, each run with caching off and on, back to back in one process:
-  * one at a time (concurrency 1): TTFT is the cost of one request's prefill, no queueing; the cache leaves only the
-    question and the chat markers to compute, after the first request filled it;
-  * a burst (every request at t=0, the engine batching them): mean TTFT includes the queue in front of each request,
-    which is made of the other requests' prefills.
-Both engines get the same KV pool, big enough for max_num_seqs full requests, so neither preempts: the comparison
-is compute saved, not memory. Greedy tokens are compared request by request.
+SmolLM2-135M, float32, greedy, fixed lengths (ignore_eos). Every request is a chat: one long system prompt
+(pydoc text) and a short question of its own. Two patterns, each with caching off and on, back to back in one
+process: one at a time (TTFT is the prefill the cache leaves to compute) and a burst at t=0 (TTFT includes the
+queue of the other requests' prefills). Both engines get the same KV pool, so neither preempts. Greedy tokens
+compared.
 """
 
 from __future__ import annotations
@@ -77,6 +73,7 @@ def run(quick: bool = False, dtype: str = "float32") -> BenchResult:
     prompts, n_shared = shared_prefix_prompts(tok, n_burst, system_tokens)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     longest = max(map(len, prompts)) + max_tokens
+    # one pool for both engines, max_num_seqs full requests: neither preempts, the comparison is compute saved
     num_blocks = max_seqs * blocks_needed(longest, block_size)
 
     def engine(caching: bool) -> LLM:

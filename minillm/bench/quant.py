@@ -1,13 +1,10 @@
-"""`minillm bench quant` (lesson 07): bytes, speed and quality of each quantization scheme, side by side in one run.
+"""`minillm bench quant` (lesson 07): bytes, speed and quality of each quantization scheme, side by side.
 
-Every variant is the same SmolLM2 file: the fp32 dequantized model is the reference (it *is* the file's Q4_1 weights
-expanded), bf16 the path the quantized kernels replace. Per variant: weight bytes (counted from the tensors), batch-1
-decode tok/s (greedy, the same prompt ids; variants timed round-robin, best round), prefill tok/s, perplexity on the
-head of the pydoc text, mean KL(reference || variant) per token and the teacher-forced top-1 agreement with the
-reference on the same text. AWQ calibrates on the pydoc text's tail (held apart). 3-bit rows are quality only (the
-weights are rounded to 3 bits and stored in float: there is no 3-bit kernel). Then the int8 KV cache: how many
-sequences the engine admits at once in the same KV byte budget, and its throughput. torchao runs beside minillm
-when installed; llama.cpp (llama-cpp-python, an optional extra that compiles for minutes) likewise.
+Every variant is the same SmolLM2 file; the reference is its fp32 dequantization (the file's Q4_1 weights
+expanded), bf16 the path the quantized kernels replace. Per variant: weight bytes, batch-1 decode and prefill
+tok/s, perplexity, KL to the reference and top-1 agreement on the pydoc text (AWQ calibrates on its held-apart
+tail). 3-bit rows are quality only. Then the int8 KV cache: sequences admitted in the same KV byte budget, and
+throughput. torchao and llama.cpp (llama-cpp-python, an optional extra) run beside minillm when installed.
 """
 
 from __future__ import annotations
@@ -73,6 +70,7 @@ def variants(quick: bool, calib: list[int]):
         out["int4 g32 RTN"] = (lambda: quantize(fresh(), "int4", group_size=32), False)
         out["Q4_1 from the file"] = (lambda: fresh(weights="q4"), False)
         out["LLM.int8() fp32"] = (lambda: quantize(fresh("float32"), "llm.int8"), False)
+        # 3-bit: rounded to 3 bits and stored in float (there is no 3-bit kernel), so quality only
         out["3-bit g64 RTN"] = (lambda: fake_quantize_int4(fresh("float32"), 64, 3), True)
         out["3-bit g64 AWQ"] = (lambda: fake_quantize_int4(awq("float32", 64, 3), 64, 3), True)
     return out

@@ -1,19 +1,11 @@
-"""Benchmark "routing" (lesson 13): three routing policies over 2 engine replicas on a shared-prefix chat workload.
+"""Part "routing" of `minillm bench disagg` (lesson 13): three policies over 2 replicas, shared prefixes.
 
-SmolLM2-135M, float32, greedy, exactly `max_tokens` output tokens per request (ignore_eos). Requests come from several
-groups (think: apps), each with its own long system prompt (real English from CPython's pydoc topics, a different
-slice per group) and a short question of its own; the groups are interleaved in a seeded random order and arrive as
-a Poisson stream. Two replicas (processes, 1 torch thread each on this 2-core machine), each an engine with prefix
-caching, behind round-robin, least-outstanding-tokens or prefix-affinity routing (minillm/serving/router.py). One
-pool runs all three policies in turn; before each, every replica's engine is rebuilt (empty cache) and the router
-starts fresh, and the same requests arrive at the same times.
-
-Round-robin makes every replica compute and cache every group's system prompt (the fleet caches what one replica
-can); affinity splits the groups, so each prefix is computed once in the fleet. Each replica's KV pool is sized for
-its running requests plus about half of the groups' system prompts: enough for the groups affinity gives it; when
-the replicas are full of running requests, round-robin's replicas must also evict (the `evictions` column).
-Measured per policy: TTFT p50/p99/mean on the pool's clock, output throughput, the replicas' prefix-cache hit rate,
-load imbalance (max/mean requests and prompt tokens per replica); greedy outputs compared across policies.
+SmolLM2-135M, float32, greedy, fixed lengths (ignore_eos). Requests come from several groups, each with its
+own long system prompt, interleaved, arriving as a Poisson stream; a ReplicaPool of two replicas with prefix
+caching serves them behind round-robin, least-outstanding-tokens and prefix-affinity routing
+(serving/router.py), the same requests for each. Round-robin makes every replica cache every group's prompt;
+affinity computes each once in the fleet. Per policy: TTFT p50/p99/mean, throughput, prefix hit rate,
+evictions, load imbalance; outputs compared.
 """
 
 from __future__ import annotations
@@ -87,7 +79,7 @@ def measure(quick: bool = False, threads: int = 1) -> dict:
     with pool:
         pool.generate([p[-40:] for p in prompts[:n_replicas]], SamplingParams(max_tokens=2))  # warm-up, each replica
         for policy in POLICIES:
-            pool.reset(policy)
+            pool.reset(policy)  # every replica's engine rebuilt (empty cache), the router fresh: same start
             t0 = time.perf_counter()  # also the origin of the output throughput (to the last token)
             outs = pool.generate(prompts, params, arrival_times=arrivals)
             wall = time.perf_counter() - t0

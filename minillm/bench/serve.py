@@ -1,21 +1,11 @@
-"""Benchmark "serve": the OpenAI-compatible server (minillm/serving/server.py) under load, measured where users are:
-the client.
+"""Benchmark "serve" (lesson 12): the OpenAI-compatible server (serving/server.py) under load, at the client.
 
-An asyncio load generator streams requests (SSE, stream_options.include_usage) with Poisson arrivals at a given rate
-(or a fixed concurrency) and times every chunk as it arrives:
-  TTFT = first content chunk - send;  ITL = gaps between content chunks;  TPOT = (last - first chunk) / (tokens - 1);
-  E2E = send to [DONE].  Throughput: completed requests/s and output tokens/s; goodput: requests/s meeting the SLO.
-Every request must end with a finish_reason and [DONE]: `lost` = sent - completed (a 4xx/5xx is counted as well, by
-kind). Outputs have fixed lengths (vLLM's `ignore_eos` extra parameter), so runs at different rates do the same work.
+An asyncio load generator streams requests (SSE) at Poisson arrivals or a fixed concurrency and times every
+chunk: TTFT, ITL, TPOT, E2E, throughput, goodput under `SLO`, `lost` requests; fixed output lengths
+(`ignore_eos`). Workloads: short chats, chats sharing one system prompt, long documents. Given no URL it
+starts its own `minillm serve` and measures the server's overhead against `LLM.generate` (`overhead`).
 
-Workloads, all real English (CPython's pydoc text, minillm.bench.workload.corpus_ids): short chats; chats that share one
-long system prompt (what prefix caching serves); long documents to continue (prefill-heavy). Given no URL the bench
-starts its own `minillm serve` on a free 127.0.0.1 port (and always stops it), then measures the server's overhead:
-the same requests one at a time through HTTP and through `LLM.generate` in this process, alternated (the server sits
-idle meanwhile, so the two never compute at the same time).
-
-    minillm bench serve --quick                       minillm bench serve --threads 1
-    minillm bench serve --url http://127.0.0.1:8000 --rate 0.5 --rate 1
+    minillm bench serve --quick          minillm bench serve --url http://127.0.0.1:8000 --rate 0.5 --rate 1
 """
 
 from __future__ import annotations

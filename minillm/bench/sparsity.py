@@ -1,14 +1,10 @@
 """`minillm bench sparsity` (lesson 08): what pruning costs in quality, and what it buys in speed, in one run.
 
-Three parts, all on SmolLM2-135M in float32 (the reference is the unpruned model):
-
-1. Unstructured and 2:4 curves: perplexity (head of the pydoc text), mean KL to the reference and top-1 agreement,
-   for magnitude pruning (compared per matrix, the classic baseline) and Wanda (per output row, activation norms
-   from the pydoc text's tail, held apart) at each sparsity. No speed column: a dense matmul multiplies the zeros.
-2. Structured pruning: dropped blocks, fewer KV groups, narrower FFN — parameters removed, perplexity, batch-1
-   decode tok/s (variants timed round-robin, best round) and prefill tok/s.
-3. The 2:4 format's bytes for the model's linear shapes; on CUDA, torch's semi-structured sparse matmul
-   (to_sparse_semi_structured) against dense fp16 at decode and prefill sizes. CPUs have no such kernel.
+SmolLM2-135M, float32, against the unpruned model:
+1. unstructured and 2:4 curves, magnitude vs Wanda: perplexity, KL and top-1 agreement at each sparsity (no
+   speed column: a dense matmul multiplies the zeros);
+2. structured pruning (dropped blocks, fewer KV groups, narrower FFN): parameters removed, perplexity, tok/s;
+3. the 2:4 format's bytes; on CUDA, torch's semi-structured sparse matmul vs dense fp16 (CPUs have none).
 """
 
 from __future__ import annotations

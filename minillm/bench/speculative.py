@@ -1,15 +1,11 @@
-"""`minillm bench speculative` (lesson 10): speculative decoding against target-only greedy decode, in one run.
+"""`minillm bench speculative` (lesson 10): speculative decoding against target-only greedy decode.
 
-Target: SmolLM2-135M (float32), batch 1, greedy, the same prompts and token counts for every variant, each variant
-timed right after its own target-only baseline on the same prompt (so a slow moment of a shared machine hits both).
-Draft sources: prompt lookup (n-gram, k = 2/4/8), the distilled student of lesson 09 ("smollm2-135m-student", when
-saved on this machine: `minillm bench distill` makes it) and an early-exit self-draft (the target's first blocks and
-its own head, untrained). Workloads: input-grounded chat prompts (repeat, correct, extract from a given text: the
-answer copies its input), open chat prompts, and plain-text continuations of the pydoc text lesson 09 evaluated on
-(where the student's acceptance rate can be set against its measured top-1 agreement). Also measured: what a target
-forward over k + 1 tokens costs next to a one-token decode (the premise), the acceptance rate a and the tokens per
-step against (1 - a^(k+1)) / (1 - a), and the batching engine's throughput at batch 1/4/16 with and without
-prompt-lookup speculation.
+Target SmolLM2-135M, batch 1, greedy; each variant timed right after its own target-only baseline on the same
+prompt. Drafts: prompt lookup (n-gram, k = 2/4/8), lesson 09's distilled student (when saved: `minillm bench
+distill` makes it) and an untrained early-exit self-draft. Workloads: input-grounded chat, open chat, pydoc
+text continuations. Also: a (k + 1)-token forward's cost next to a one-token decode, the acceptance rate a and
+tokens per step against (1 - a^(k+1)) / (1 - a), and the engine's throughput at batch 1/4/16 with prompt
+lookup.
 """
 
 from __future__ import annotations

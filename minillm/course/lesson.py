@@ -1,7 +1,8 @@
-"""Small helpers shared by the lesson notebooks: quick mode, sizes, where results go.
+"""Small helpers shared by the lesson notebooks (every lesson): quick mode, sizes, the hardware line.
 
-A lesson run with MINILLM_QUICK=1 (CI does) uses small sizes so every notebook executes headless in seconds; the
-numbers a learner reads come from full mode on their own hardware.
+Under MINILLM_QUICK=1 (CI sets it) `QUICK` is true and `pick(full, quick)` gives the small sizes, so every
+notebook executes headless in seconds; the numbers a learner reads come from full mode on their own hardware.
+`hardware_line` names the machine above every table.
 """
 
 from __future__ import annotations

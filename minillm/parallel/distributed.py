@@ -1,19 +1,11 @@
-"""Running one model on several processes: start the ranks, fail fast, and count every byte they exchange (lesson 11).
+"""Running one model on several processes: start the ranks, fail fast, count the bytes exchanged (lesson 11).
 
-A real distributed engine, not a simulation: torch.distributed process groups (gloo on CPU, NCCL on GPU), one
-process per rank, started by `launch` (torch.multiprocessing) or by `torchrun` (which sets RANK / WORLD_SIZE /
-MASTER_ADDR / MASTER_PORT; `init_group` reads them). What this file adds around torch.distributed:
-
-  launch(fn, world_size, ...)  starts the ranks on a free port, returns rank 0's result, and if any rank raises or dies
-                               stops the others and raises, naming the rank and its error (no orphan processes);
-  init_group(...)              every group has a timeout: a rank whose peer died fails within it instead of hanging;
-  Comm                         the collectives the parallel model calls (all_reduce, all_gather, reduce_scatter,
-                               send/recv), each counted: how many, how many bytes handed to it, the bytes a ring
-                               implementation moves per rank (all-reduce 2(p-1)/p x size; all-gather and reduce-scatter
-                               (p-1)/p x the full tensor; a send its size), and the time spent inside them;
-  check_same_weights(...)      a checksum of the weights compared across ranks before the first collective: ranks
-                               that loaded different files would otherwise compute silently wrong results.
-The parallel transformations themselves are tensor_parallel.py, sequence_parallel.py and pipeline_parallel.py.
+Real torch.distributed process groups (gloo on CPU, NCCL on GPU), one process per rank, started by `launch` or
+by `torchrun` (whose RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT `init_group` reads). `launch` returns rank
+0's result, or stops every rank and raises naming the one that failed; every group has a timeout. `Comm`: the
+collectives the parallel model calls, each counted (calls, bytes, the bytes a ring moves per rank, time
+inside). `check_same_weights` compares a weight checksum across ranks before the first collective. The
+parallel transformations are tensor_parallel.py, sequence_parallel.py and pipeline_parallel.py.
 """
 
 from __future__ import annotations

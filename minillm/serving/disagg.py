@@ -1,13 +1,11 @@
 """Disaggregated prefill/decode (lesson 13): one process prefills, another decodes, the KV moves between them.
 
-DisaggregatedLLM is the coordinator: an LLM-like API (generate / submit / stream / serve / stats) over a
-serving/workers.py WorkerPool of two workers, each with its own minillm LLM and KV pool (disagg_worker.py: the
-wire and both loops). Requests go to the prefill worker, the KV to the decode worker over a gloo (CPU) / NCCL
-(GPU) group, tokens come back from the decode worker: TTFT = queue + prefill + transfer (`stats()` splits it).
-Every wait has a timeout: a worker that dies ends its requests with an error, not a hang.
-
-    with DisaggregatedLLM("smollm2-135m", threads=1, prefill={"max_num_batched_tokens": 256}) as llm:
-        outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
+`DisaggregatedLLM` is the coordinator: an LLM-like API (generate / submit / stream / serve / stats) over a
+serving/workers.py WorkerPool of a prefill and a decode worker, each with its own LLM and KV pool (`prefill=`
+and `decode=` take their engine arguments; disagg_worker.py is the wire and both loops). The KV crosses over
+gloo (CPU) or NCCL (GPU), tokens come back from the decode worker: TTFT = queue + prefill + transfer
+(`stats()` splits it). Every wait has a timeout: a worker that dies ends its requests with an error, not a
+hang.
 """
 
 from __future__ import annotations

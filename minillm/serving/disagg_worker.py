@@ -1,12 +1,11 @@
 """Inside the two worker processes of disaggregated serving (lesson 13): the wire and the two loops.
 
-DisaggregatedLLM (disagg.py) runs `_worker_main` in each worker of a serving/workers.py WorkerPool: it loads
-the model, builds its own LLM (own KV pool), joins a two-rank torch.distributed group (gloo / NCCL) and loops:
+`_worker_main` (one per worker of disagg.py's WorkerPool) loads the model, builds its own LLM and KV pool,
+joins a two-rank torch.distributed group (gloo / NCCL) and loops:
   prefill (rank 0)  requests -> LLM.add_prefill -> step -> each KVHandoff: its first token to the coordinator,
-                    the handoff to rank 1 (a length, a pickled header, the KV tensors);
-  decode (rank 1)   a receiver thread takes handoffs off the wire; each is added (LLM.add_prefilled) when the
-                    pool has room (queued until then), and its tokens streamed back; one that fails to land
-                    (checksum, unpack) ends its request with an error and gives its blocks back.
+                    the handoff to rank 1 (`send_handoff`: a length, a pickled header, the KV tensors);
+  decode (rank 1)   a receiver thread takes handoffs off the wire (`recv_handoff`); each joins the engine
+                    (LLM.add_prefilled) once the pool has room, and its tokens stream back to the coordinator.
 """
 
 from __future__ import annotations
@@ -175,7 +174,7 @@ def _decode_loop(llm, device, link, fault) -> None:
             try:
                 llm.add_prefilled(h, sink)
                 link.send("received", h.request_id, {"t_recv": t_recv, "t_added": time.perf_counter()})
-            except Exception as e:
+            except Exception as e:  # it failed to land (checksum, unpack): add_prefilled gave its blocks back
                 link.send("error", h.request_id, f"the decode worker refused the KV: {e}",
                           {"free_blocks": llm.num_free_blocks()})
         if llm.has_unfinished():

@@ -1,13 +1,11 @@
 """A pool of engine replicas behind a router (lesson 13): N processes, each its own LLM with prefix caching.
 
-    with ReplicaPool("smollm2-135m", n_replicas=2, policy="prefix_affinity") as pool:
-        outs = pool.generate(prompt_ids_list, SamplingParams(max_tokens=32), arrival_times=[0.0, 0.3, ...])
-        outs[0].token_ids, outs[0].replica, outs[0].metrics["ttft"]; pool.stats()
-
-The replicas are a serving/workers.py WorkerPool running replica_worker.py; router.py picks each request's
-replica. Latencies are on the pool's clock, from arrival to the token's receipt: what a client sees.
-Replicas with different weights are refused at startup; a slow one delays, never drops; a dead one's requests
-start again on a live replica (at most `max_attempts`, then an error); none left alive is a RuntimeError.
+`ReplicaPool` is a serving/workers.py WorkerPool running replica_worker.py; router.py picks each request's
+replica. `generate(prompts, params, arrival_times=...)` returns `RoutedOutput`s (tokens, replica, metrics),
+timed on the pool's clock from arrival: what a client sees; `stats()` has each replica's prefix-cache
+counters. Replicas with different weights are refused at startup; a slow one delays, never drops; a dead one's
+requests start again on a live replica (at most `max_attempts`, then an error); none left alive is a
+RuntimeError.
 """
 
 from __future__ import annotations

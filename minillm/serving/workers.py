@@ -1,10 +1,9 @@
-"""One worker-process lifecycle for serving (lesson 13): DisaggregatedLLM's prefill and decode workers and
-ReplicaPool's replicas are each a WorkerPool of spawned processes.
+"""One worker-process lifecycle for serving (lesson 13): `WorkerPool`, under DisaggregatedLLM and ReplicaPool.
 
   start     spawned (the caller's script not run again), a command pipe in and an event pipe out each;
   ready     `expect("ready", timeout)`: each one's ("ready", info); failing or exiting first is an error;
-  liveness  `poll` hands over what they sent, `dead` names those that exited; their requests are the
-            caller's to fail (DisaggregatedLLM) or retry elsewhere (ReplicaPool);
+  liveness  `poll` hands over what they sent, `dead` names those that exited: their requests are the caller's
+            to fail (DisaggregatedLLM) or retry elsewhere (ReplicaPool);
   close     ask each to stop, join, then terminate, then kill: no worker outlives its pool.
 Inside a worker, `WorkerLink` is its end of the pipes; the pool gone reads as a "stop".
 """
