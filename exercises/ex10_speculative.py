@@ -15,15 +15,15 @@ your work:
 - 10.rejection: `rejection_sample(p, q, draft, generator)`, the exact rule of speculative sampling. p is
   (k + 1, vocab), the target's probabilities at the k draft positions and after the last draft; q is (k, vocab), the
   probabilities the drafter drew draft[i] from (row i), or None for a drafter without a distribution (n-gram): a
-  one-hot q, q(draft[i]) = 1. Other row counts (of p or of q) are a ValueError. For i = 0, 1, ...: draw u uniform in [0, 1) and
-  accept draft[i] when u < min(1, p[i, x] / q[i, x]) (x = draft[i]; compare u * q < p to avoid dividing by a zero q).
-  At the first rejection stop, and draw the replacement from the residual normalize(max(0, p[i] - q[i])): the mass
-  the target has and the drafter over-proposed away from (for a one-hot q that is p[i] with the draft token's entry
-  set to 0). If the residual has no mass left (p <= q everywhere, which float rounding can produce), draw from
-  p[i] itself. When all k drafts pass, draw a bonus token from p[k]. Return the accepted drafts plus that one
-  token, as a list of ints. Every random number comes from `generator` (the given `sample(probs, generator)` draws
-  one token per row of a (rows, vocab) tensor of probabilities), so a seeded generator reproduces the result; p and q
-  are left unchanged (clone before writing into a row of p).
+  one-hot q, q(draft[i]) = 1. Other row counts (of p or of q) are a ValueError. For i = 0, 1, ...: draw u uniform in
+  [0, 1) and accept draft[i] when u < min(1, p[i, x] / q[i, x]) (x = draft[i]; compare u * q < p to avoid dividing
+  by a zero q). At the first rejection stop, and draw the replacement from the residual
+  normalize(max(0, p[i] - q[i])): the mass the target has and the drafter over-proposed away from (for a one-hot q
+  that is p[i] with the draft token's entry set to 0). If the residual has no mass left (p <= q everywhere, which
+  float rounding can produce), draw from p[i] itself. When all k drafts pass, draw a bonus token from p[k]. Return
+  the accepted drafts plus that one token, as a list of ints. Every random number comes from `generator` (the given
+  `sample(probs, generator)` draws one token per row of a (rows, vocab) tensor of probabilities), so a seeded
+  generator reproduces the result; p and q are left unchanged (clone before writing into a row of p).
 - 10.ngram: `propose_ngram(ids, k, max_n, min_n)`, prompt lookup. Take the last n tokens of ids as a pattern, trying
   n = max_n first and going down to min_n (a longer match is better evidence: it wins over any shorter one, however
   recent). For a given n, find the most recent earlier occurrence of the pattern that has at least one token after
@@ -37,10 +37,10 @@ every earlier occurrence for the n-gram lookup, and for rejection sampling craft
 zeros on either side, one-hot) plus exact distribution tests: on a 6-token vocabulary with drafts drawn from q,
 20,000 seeded calls must give every outcome (first token, second token, ...) its exact probability within a bound
 that a correct rule exceeds with probability below 1e-6. The real-model task swaps your three functions into
-minillm.speculative.decoding and minillm.speculative.drafters and runs SmolLM2 with n-gram speculation (k = 4) on a "repeat this text"
-prompt: greedy must give exactly the target's own greedy tokens with at least half the drafts accepted and fewer
-target forwards than tokens, and a seeded sampled run must complete. Calling minillm.speculative.decoding or minillm.speculative.drafters
-inside your answers is rejected.
+minillm.speculative.decoding and minillm.speculative.drafters and runs SmolLM2 with n-gram speculation (k = 4) on a
+"repeat this text" prompt: greedy must give exactly the target's own greedy tokens with at least half the drafts
+accepted and fewer target forwards than tokens, and a seeded sampled run must complete. Calling
+minillm.speculative.decoding or minillm.speculative.drafters inside your answers is rejected.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from minillm.cache.block_allocator import BlockAllocator, OutOfBlocksError, blocks_needed
+from minillm.cache.block_allocator import BlockAllocator, BlockTable, OutOfBlocksError, blocks_needed
 
 
 def test_blocks_needed():
@@ -72,6 +72,41 @@ def test_bad_ids_and_sizes():
     with pytest.raises(ValueError):
         BlockAllocator(0, 16)
     assert a.allocate(0) == []
+
+
+def test_block_table_grows_truncates_and_frees():
+    a = BlockAllocator(5, 4)
+    ids: list[int] = []
+    t = BlockTable(a, ids)  # works on the caller's list in place (a Sequence's block_table)
+    assert t.missing(0) == 0 and t.missing(5) == 2 and t.can_grow(20) and not t.can_grow(21)
+    t.grow(5)
+    assert ids == t.block_ids and len(t) == 2 and a.num_free() == 3
+    t.grow(8)  # still two blocks
+    assert len(t) == 2 and t.missing(8) == 0
+    with pytest.raises(OutOfBlocksError):
+        t.grow(24)  # 4 more blocks, 3 free: takes none
+    assert len(t) == 2 and a.num_free() == 3
+    t.grow(9)
+    head = list(ids)
+    t.truncate(4)  # positions 0..3: the first block stays
+    assert ids == head[:1] and a.num_free() == 4
+    t.truncate(4)
+    assert ids == head[:1]
+    t.grow(12)
+    t.free()
+    assert ids == [] and a.num_free() == 5
+    t.free()  # nothing held: nothing to do
+    assert a.num_free() == 5
+
+
+def test_block_table_frees_tail_first():
+    a = BlockAllocator(4, 2)
+    t = BlockTable(a)
+    t.grow(6)
+    blocks = list(t.block_ids)
+    a.allocate(1)
+    t.free()
+    assert a.allocate(3) == blocks[::-1]  # the free list now hands them out tail first
 
 
 class AllocatorMachine(RuleBasedStateMachine):

@@ -10,14 +10,15 @@ import importlib
 import pytest
 import torch
 
-import minillm.attention
-import minillm.engine.scheduler
 import minillm.api
-import minillm.decode_loop
-import minillm.kv_cache
-import minillm.model
+import minillm.attention
 import minillm.cache.paged
 import minillm.cache.paged_attention
+import minillm.decode_loop
+import minillm.engine.llm
+import minillm.engine.scheduler
+import minillm.kv_cache
+import minillm.model
 from minillm.course.ladder import STANDS_ON, check_on_ladder, implemented, pieces, use_exercises
 from minillm.kv_cache import KVCache
 from tests.conftest import tiny_model
@@ -27,7 +28,8 @@ sol = {k: importlib.import_module(f"solutions.{k}") for k in STANDS_ON}
 
 def _originals():
     return (minillm.model.rms_norm, minillm.model.apply_rope, minillm.decode_loop.sample_from_logits,
-            minillm.kv_cache.append_kv, minillm.kv_cache.KVCache, minillm.api.KVCache, minillm.cache.paged.BlockAllocator,
+            minillm.kv_cache.append_kv, minillm.kv_cache.KVCache, minillm.api.KVCache,
+            minillm.cache.paged.BlockAllocator, minillm.engine.llm.BlockAllocator,
             minillm.cache.paged_attention.slot_mapping, minillm.cache.paged_attention.context_slots,
             minillm.cache.paged.PagedKVCache.__init__, minillm.engine.scheduler.schedule_step,
             minillm.engine.scheduler.postprocess_step, set(minillm.attention._REGISTRY))
@@ -56,6 +58,9 @@ def test_everything_is_swapped_in_and_restored():
         assert minillm.cache.paged_attention.context_slots is sol["ex04_paged"].context_slots  # StepPlan.build call
         cache = minillm.cache.paged.PagedSequenceCache.for_model(model, 1, 8)
         assert isinstance(cache.allocator, sol["ex04_paged"].BlockAllocator)
+        llm = minillm.engine.llm.LLM.from_model(model, num_blocks=4)  # the engine's own allocator, shared
+        assert isinstance(llm.cache.allocator, sol["ex04_paged"].BlockAllocator)
+        assert llm.block_manager.allocator is llm.cache.allocator
     assert _originals() == before and model.attn_backend == "sdpa"
 
 

@@ -9,13 +9,13 @@ import time
 import pytest
 import torch
 
-from minillm.config import ModelConfig
-from minillm.engine import LLM
-from minillm.engine.static import StaticBatchEngine, continuous_batching_loop, static_batching_loop
 from minillm.api import generate_ids
+from minillm.cache.prefix_cache import PrefixCachingAllocator
+from minillm.config import ModelConfig
+from minillm.engine import LLM, EngineConfig
+from minillm.engine.static import StaticBatchEngine, continuous_batching_loop, static_batching_loop
 from minillm.model import Transformer
 from minillm.sampling import SamplingParams
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -107,6 +107,22 @@ def test_context_limit_and_pool_rejections(tiny):
     out = llm.pop_output(keep)
     assert out.token_ids == solo(tiny, [1, 2, 3], SamplingParams(max_tokens=5))
     assert llm.num_free_blocks() == 10
+
+
+def test_engine_config_gathers_the_knobs_and_one_allocator_serves_both(tiny):
+    llm = LLM.from_model(tiny, num_blocks=12, block_size=4, max_num_seqs=3, enable_prefix_caching=True)
+    assert llm.config == EngineConfig(num_blocks=12, block_size=4, max_num_seqs=3, enable_prefix_caching=True)
+    assert isinstance(llm.cache.allocator, PrefixCachingAllocator)
+    assert llm.block_manager.allocator is llm.cache.allocator  # the engine built it, both use it
+    sized = LLM.from_model(tiny, kv_cache_bytes=1 << 20, block_size=4)
+    assert sized.config.pool_blocks(tiny) == sized.block_manager.num_blocks > 0
+    bad = (({"kv_cache_dtype": "int4"}, "kv_cache_dtype"), ({"kv_cache_bytes": 16}, "holds no block"),
+           ({"num_blocks": 4, "kv_cache_bytes": 64}, "not both"))
+    for kw, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            LLM.from_model(tiny, **kw)
+    with pytest.raises(TypeError, match="SpeculativeConfig"):
+        EngineConfig(speculative="ngram")
 
 
 def test_abort_returns_blocks_and_others_continue(tiny):

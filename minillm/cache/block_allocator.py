@@ -13,6 +13,9 @@ Invariants (tests/test_block_allocator.py checks them with a hypothesis state ma
   * `incref` adds an owner (a forked sequence or a shared prompt prefix); a shared block is written only after
     copy-on-write, which PagedKVCache.set_metadata checks for.
 
+`BlockTable` is one sequence's block ids over an allocator (grow to n tokens, truncate, free): the engine's
+block manager, the self-managed PagedSequenceCache and the draft model all keep their tables with it.
+
 Lesson 04 (lessons/04_paged_attention.py) teaches it; exercise 04 task_04_allocator asks you to write it.
 """
 
@@ -114,3 +117,52 @@ class BlockAllocator:
     def __repr__(self) -> str:
         return (f"BlockAllocator(num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"free={self.num_free()})")
+
+
+class BlockTable:
+    """One sequence's KV block ids, in token order: position p lives in block block_ids[p // block_size].
+
+    It grows a block at a time (`grow(n_tokens)` takes only the blocks n_tokens need beyond those it
+    holds, all or nothing), gives back the blocks past a shorter length (`truncate`, speculative rollback)
+    and frees everything (`free`, tail first: with prefix caching a chain's tail is evicted before its
+    head). `block_ids` may be a list the caller owns (a Sequence's block_table): it is changed in place."""
+
+    def __init__(self, allocator: BlockAllocator, block_ids: list[int] | None = None):
+        self.allocator = allocator
+        self.block_ids = [] if block_ids is None else block_ids
+
+    @property
+    def block_size(self) -> int:
+        return self.allocator.block_size
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    def missing(self, n_tokens: int) -> int:
+        """Blocks to add before the table holds n_tokens tokens (0 if it already does)."""
+        return max(blocks_needed(n_tokens, self.block_size) - len(self.block_ids), 0)
+
+    def can_grow(self, n_tokens: int) -> bool:
+        missing = self.missing(n_tokens)
+        return missing == 0 or self.allocator.can_allocate(missing)
+
+    def grow(self, n_tokens: int) -> None:
+        """Take the blocks n_tokens tokens need (OutOfBlocksError, and none taken, if too few are free)."""
+        missing = self.missing(n_tokens)
+        if missing:
+            self.block_ids += self.allocator.allocate(missing)
+
+    def truncate(self, n_tokens: int) -> None:
+        """Keep the blocks of positions [0, n_tokens); those wholly past them go back to the allocator."""
+        keep = blocks_needed(n_tokens, self.block_size)
+        self.allocator.free(self.block_ids[keep:])
+        del self.block_ids[keep:]
+
+    def free(self) -> None:
+        """Give every block back, tail first."""
+        if self.block_ids:
+            self.allocator.free(self.block_ids[::-1])
+        self.block_ids.clear()
+
+    def __repr__(self) -> str:
+        return f"BlockTable({self.block_ids})"

@@ -77,6 +77,7 @@ class KVBlockPool:
         for pool, scale in ((self.k, self.k_scale), (self.v, self.v_scale)):
             x = pool[layer_id].view(-1, *pool.shape[-2:]).index_select(0, slots.flatten())
             if scale is not None:
-                x = x.float() * scale[layer_id].view(-1, scale.shape[-1]).index_select(0, slots.flatten()).float()[..., None]
+                s = scale[layer_id].view(-1, scale.shape[-1]).index_select(0, slots.flatten())  # (n, n_kv_heads)
+                x = x.float() * s.float()[..., None]
             out.append(x.to(self.spec.dtype).view(*slots.shape, *pool.shape[-2:]))
         return out[0], out[1]

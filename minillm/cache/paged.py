@@ -1,36 +1,25 @@
-"""The paged KV cache: keys and values live in fixed-size blocks of one shared pool, found through a block table.
+"""The paged KV cache (lesson 04): keys and values in fixed-size blocks of one pool, read via block tables.
 
-The contiguous cache (kv_cache.py) reserves `max_len` token slots per sequence before it knows how long the
-sequence will get: most of that memory is never written (over-reservation), and a freed reservation only fits a
-request no longer than it (fragmentation). Paging (vLLM's PagedAttention) cuts the pool into blocks of
-`block_size` slots; a sequence takes a block only when it fills the last one, so at most `block_size - 1` slots per
-sequence are wasted and any free block fits any sequence. The cost is an indirection: attention reads keys through
-the sequence's block table instead of from one strided buffer. Lesson 04 measures both sides; exercise 04 asks for
-the allocator and the slots (where each new token is written, where each cached token is read).
-
-Split by job:
-  KVCacheSpec / KVBlockPool  the storage (kv_pool.py): K and V blocks in `kv_dtype`, read and written by slot,
-                             exported/imported as tensors (moving a request's KV between engines, lesson 13);
-  BlockAllocator             which blocks are free, and their owners (block_allocator.py);
-  PagedKVCache               pool + allocator, driven by the engine: the runner describes each packed forward with
-                             AttentionMetadata (`set_metadata`), the model then calls begin_forward / attend;
-  PagedSequenceCache         the same cache managing its own block tables for a fixed batch: what
-                             `minillm.generate(..., cache="paged")` uses, like KVCache.
-The attention functions it runs are in paged_attention.py; the GPU decode kernel in kernels/paged_decode.py.
+A contiguous cache reserves max_len slots per sequence up front; paging (vLLM's PagedAttention) hands out a
+block only when the last one fills: a sequence wastes at most block_size - 1 slots, any free block fits.
+  PagedKVCache        pool (kv_pool.py) + allocator (block_allocator.py), driven by the engine through
+                      AttentionMetadata (`set_metadata`); the model calls begin_forward / attend;
+  PagedSequenceCache  the same cache keeping its own BlockTables for a fixed batch (generate(cache="paged"));
+  PackedForward       the model over several sequences' new tokens packed in one row: the engine's runner and
+                      the draft model both run it. The attention it runs: paged_attention.py.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from minillm.attention import AttentionFn, get_attention
-from minillm.cache.block_allocator import BlockAllocator, OutOfBlocksError, blocks_needed
-from minillm.config import ModelConfig
+from minillm.cache.block_allocator import BlockAllocator, BlockTable, OutOfBlocksError, blocks_needed
 from minillm.cache.kv_pool import KVBlockPool, KVCacheSpec
-from minillm.cache.prefix_cache import PrefixCachingAllocator
 from minillm.cache.paged_attention import (  # noqa: F401
     AttentionMetadata,
     StepPlan,
@@ -40,6 +29,7 @@ from minillm.cache.paged_attention import (  # noqa: F401
     paged_attention,
     paged_prefill_attention,
 )
+from minillm.config import ModelConfig
 
 
 def _triton_usable(q: Tensor, pool: KVBlockPool) -> bool:
@@ -57,12 +47,16 @@ class PagedKVCache:
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", kv_dtype: torch.dtype | None = None, n_layers: int | None = None,
-                 decode_backend: str = "auto", prefix_caching: bool = False):
+                 decode_backend: str = "auto", allocator: BlockAllocator | None = None):
         self.spec = KVCacheSpec(n_layers or cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, num_blocks, block_size, dtype,
                                 kv_dtype)
         self.pool = KVBlockPool(self.spec, device)
-        # with prefix caching, freed full blocks keep their KV and can be found by hash (lesson 12)
-        self.allocator = (PrefixCachingAllocator if prefix_caching else BlockAllocator)(num_blocks, block_size)
+        # who owns which block: the engine hands in the allocator its BlockManager shares (with prefix
+        # caching a PrefixCachingAllocator, lesson 12); a cache built without one makes a plain one
+        self.allocator = BlockAllocator(num_blocks, block_size) if allocator is None else allocator
+        if (self.allocator.num_blocks, self.allocator.block_size) != (num_blocks, block_size):
+            raise ValueError(f"the allocator hands out {self.allocator.num_blocks} blocks of "
+                             f"{self.allocator.block_size} tokens, the pool has {num_blocks} of {block_size}")
         self.config, self.num_blocks, self.block_size = cfg, num_blocks, block_size
         # "auto": Triton on CUDA (float pools), the planned gather on CPU; or a registered "paged_decode" backend
         self.decode_backend = decode_backend
@@ -181,14 +175,23 @@ class PagedSequenceCache(PagedKVCache):
 
         cache = PagedSequenceCache.for_model(model, batch_size=1, max_len=prompt + new)
         model(ids, kv_cache=cache)   # blocks are allocated on demand as the sequences grow
-    `block_tables_host[b]` is sequence b's block table; `truncate(n)` frees the blocks past position n."""
+    `tables[b]` is sequence b's BlockTable (`block_tables_host[b]` its ids); `truncate(n)` frees the
+    blocks past position n."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", batch_size: int = 1, **kw):
         super().__init__(cfg, num_blocks, block_size, dtype, device, **kw)
         self.batch_size = batch_size
-        self.block_tables_host: list[list[int]] = [[] for _ in range(batch_size)]
+        self.tables = [BlockTable(self.allocator) for _ in range(batch_size)]
         self.seq_len = 0
+
+    @property
+    def block_tables_host(self) -> list[list[int]]:
+        return [t.block_ids for t in self.tables]
+
+    @block_tables_host.setter
+    def block_tables_host(self, tables: list[list[int]]) -> None:
+        self.tables = [BlockTable(self.allocator, ids) for ids in tables]
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_len: int, block_size: int = 16, **kw) -> PagedSequenceCache:
@@ -211,13 +214,14 @@ class PagedSequenceCache(PagedKVCache):
                 raise ValueError(f"this cache holds {self.seq_len} tokens per sequence: the next positions are "
                                  f"{self.seq_len}..{self.seq_len + n_new - 1} (truncate() to go back)")
         new_len = self.seq_len + n_new
-        missing = [blocks_needed(new_len, self.block_size) - len(t) for t in self.block_tables_host]
-        if not self.allocator.can_allocate(sum(missing)):
+        missing = sum(t.missing(new_len) for t in self.tables)
+        if not self.allocator.can_allocate(missing):  # all sequences or none
             raise OutOfBlocksError(
-                f"{batch} sequence(s) of {new_len} tokens need {sum(missing)} more blocks, {self.allocator.num_free()}"
-                f" are free: build the cache with a larger max_len (prompt + max_new_tokens)")
-        for table, n in zip(self.block_tables_host, missing):
-            table += self.allocator.allocate(max(n, 0))
+                f"{batch} sequence(s) of {new_len} tokens need {missing} more blocks, "
+                f"{self.allocator.num_free()} are free: build the cache with a larger max_len (prompt + "
+                f"max_new_tokens)")
+        for table in self.tables:
+            table.grow(new_len)
         self._start_step(AttentionMetadata.build(self.block_tables_host, [new_len] * batch, [n_new] * batch,
                                                  self.block_size, self.device), batch * n_new)
         start, self.seq_len = self.seq_len, new_len
@@ -227,13 +231,64 @@ class PagedSequenceCache(PagedKVCache):
         """Keep positions [0, n_tokens) of every sequence; blocks wholly past them go back to the pool."""
         if not 0 <= n_tokens <= self.seq_len:
             raise ValueError(f"can truncate to 0..{self.seq_len} tokens, got {n_tokens}")
-        keep = blocks_needed(n_tokens, self.block_size)
-        for table in self.block_tables_host:
-            self.allocator.free(table[keep:])
-            del table[keep:]
+        for table in self.tables:
+            table.truncate(n_tokens)
         self.seq_len = n_tokens
 
     def reset(self) -> None:
         super().reset()
-        self.block_tables_host = [[] for _ in range(self.batch_size)]
+        self.tables = [BlockTable(self.allocator) for _ in range(self.batch_size)]
         self.seq_len = 0
+
+
+class Chunk(NamedTuple):
+    """One sequence's share of a packed forward: `tokens` at positions start, start + 1, ... of the sequence
+    whose keys and values live in `block_table` (which covers them); logits come back at its last
+    `num_logits` tokens."""
+
+    block_table: list[int]
+    start: int
+    tokens: list[int]
+    num_logits: int = 1
+
+
+class PackedForward:
+    """Run a model over several sequences' new tokens packed in one row (1, N_total) through a PagedKVCache.
+
+    Prompts, chunks, decodes and drafts go in one forward, unpadded: AttentionMetadata tells the cache each
+    token's slot and each sequence's context. Only the rows asked for reach the LM head. Token ids and
+    positions are copied into buffers allocated once, so the model always reads the same storage (lesson 06).
+    """
+
+    def __init__(self, model, cache: PagedKVCache, max_tokens: int = 512, check_metadata: bool = False):
+        self.model, self.cache, self.check_metadata = model, cache, check_metadata
+        self._ids = torch.zeros(max_tokens, dtype=torch.long, device=model.device)
+        self._positions = torch.zeros(max_tokens, dtype=torch.long, device=model.device)
+
+    def _fill(self, name: str, values: list[int]) -> Tensor:
+        buf = getattr(self, name)
+        if len(values) > buf.numel():  # longer than planned (static baseline, a draft's prompt): grow once
+            buf = torch.zeros(len(values), dtype=buf.dtype, device=buf.device)
+            setattr(self, name, buf)
+        view = buf[: len(values)]
+        view.copy_(torch.tensor(values, dtype=buf.dtype), non_blocking=True)
+        return view
+
+    def __call__(self, chunks: list[Chunk]) -> Tensor:
+        """Logits (rows, vocab): each chunk's last num_logits rows, chunk after chunk."""
+        ids: list[int] = []
+        positions: list[int] = []
+        tables, context_lens, query_lens, rows = [], [], [], []
+        for c in chunks:
+            ids += c.tokens
+            positions += range(c.start, c.start + len(c.tokens))
+            tables.append(c.block_table)
+            context_lens.append(c.start + len(c.tokens))  # cached after this forward, the new ones included
+            query_lens.append(len(c.tokens))
+            rows += range(len(ids) - c.num_logits, len(ids))
+        device = self.model.device
+        meta = AttentionMetadata.build(tables, context_lens, query_lens, self.cache.block_size, device)
+        self.cache.set_metadata(meta, check=self.check_metadata)
+        input_ids, pos = self._fill("_ids", ids)[None], self._fill("_positions", positions)[None]
+        rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+        return self.model(input_ids, positions=pos, kv_cache=self.cache, logits_at=rows_t)[0]

@@ -1,20 +1,10 @@
 """Knowledge distillation: train a pruned student on the teacher's next-token distributions (lesson 09).
 
-A label says "the next token was ' Paris'". The teacher's distribution says more: ' Paris' 0.71, ' the' 0.05,
-' a' 0.03, ' Lyon' 0.002 ... — which wrong answers are nearly right (Hinton's "dark knowledge"). Training the
-student to match it (soft targets) carries that information in every position, so a small token budget goes further
-than cross-entropy on the text alone. Softening both distributions with a temperature T > 1 exposes the small
-probabilities; the loss is scaled by T^2 so that its gradients keep the same size whatever T is.
-
-    loss = a_kd * T^2 * KL(softmax(teacher / T) || softmax(student / T))      (forward KL: the teacher's mass)
-         + a_ce * cross_entropy(student, next token)                           (the text's labels)
-         + a_cos * (1 - cos(student's last hidden state, teacher's))           (DistilBERT's third term)
-
-The loop is plain PyTorch: AdamW, linear warm-up then cosine decay, gradient-norm clipping, periodic evaluation on the
-held-apart split, and a checkpoint (student, optimizer, step, history) written atomically. Batches are a pure
-function of (seed, step), so a run interrupted and resumed from its checkpoint sees the same batches and reproduces
-the same loss curve. bf16 autocast is the caller's choice (DistillConfig.autocast): worth it only where the
-device computes bf16 natively (minillm.bench.hardware.native_bf16 tells), far slower where it is emulated.
+The loss is DistilBERT's three terms, weighed by DistillConfig: kd * `distillation_loss` (T^2 * KL of the
+softened teacher to the softened student), ce * cross-entropy on the text, cos * `hidden_cosine_loss` (last
+hidden states). `distill` is a plain PyTorch loop (AdamW, warm-up then cosine, clipping, periodic `evaluate`,
+an atomic checkpoint); `batch_at` draws each step's batch from (seed, step) alone, so a resumed run reproduces
+the same loss curve. bf16 autocast is the caller's choice (DistillConfig.autocast).
 """
 
 from __future__ import annotations

@@ -63,7 +63,8 @@ HINTS: dict[str, tuple[str, str]] = {
                            "at decode (q_len 1 over a longer cache)."),
     "task_01_real_model": ("Nothing new to write: generate() decodes SmolLM2 through a cache using your two functions.",
                            "The cache's unwritten slots hold NaN; each decode step passes n_filled = what append_kv "
-                           "returned. If this fails after 00 changed, the message says whether exercise 00 is at fault."),
+                           "returned. If this fails after 00 changed, the message says "
+                           "whether exercise 00 is at fault."),
     "task_02_real_model": ("Nothing new to write: your grouped_attention becomes SmolLM2's attention backend.",
                            "It runs at prefill (q_len == kv_len) and at every decode step (q_len 1 over the cache): "
                            "the causal mask must be bottom-right aligned; 9 query heads read 3 KV heads."),
@@ -92,7 +93,8 @@ HINTS: dict[str, tuple[str, str]] = {
     "task_07_int8": ("Each output row gets one number that maps its integers back to floats. Which value of the "
                      "row should land on the edge of the int8 range?",
                      "scale = max|w| / 127 per row (float32, whatever w's dtype), q = round(w / scale) in [-127, 127] "
-                     "(never -128). An all-zero row must not compute 0 / 0 (NaN, then an undefined cast): e.g. scale 1."),
+                     "(never -128). An all-zero row must not compute 0 / 0 (NaN, then an undefined cast): "
+                     "e.g. scale 1."),
     "task_07_int4": ("Sixteen codes per group: where does code 0 sit, and how far apart are the codes?",
                      "Groups are group_size consecutive inputs of a row: minimum = group min, scale = (max - min) "
                      "/ 15, code = floor((w - min) / scale + 0.5) with the float32 scale (round() differs at .5); "
@@ -103,8 +105,8 @@ HINTS: dict[str, tuple[str, str]] = {
                          "Outliers: columns with any |x| > threshold (strictly). Zero them, quantize each token row "
                          "with its own scale, int8 x int8 -> int32 (_int8_mm), times the token's and the weight "
                          "row's scales; add x[:, outliers] @ the dequantized weight columns in float."),
-    "task_07_real_model": ("Nothing new to write: minillm.compress.quantize.quantize builds SmolLM2's int8 and int4 layers with "
-                           "your functions.",
+    "task_07_real_model": ("Nothing new to write: minillm.compress.quantize.quantize builds SmolLM2's int8 and int4 "
+                           "layers with your functions.",
                            "The file's weights are Q4_1 already, so your int4 must give them back to float32 "
                            "rounding; the int8 model must answer Paris, and perplexity may rise at most 2% (int8) "
                            "and 10% (int4). One real layer's input (values in the thousands) runs through your "
@@ -127,8 +129,8 @@ HINTS: dict[str, tuple[str, str]] = {
                             "ValueError, model untouched); then a new nn.ModuleList of the kept blocks in their "
                             "order (torch refuses a plain list there) and config.with_(n_layers=...); return the "
                             "same model."),
-    "task_08_real_model": ("Nothing new to write: minillm.compress.sparsity.prune and minillm.compress.pruning run SmolLM2 through your "
-                           "four functions.",
+    "task_08_real_model": ("Nothing new to write: minillm.compress.sparsity.prune and minillm.compress.pruning run "
+                           "SmolLM2 through your four functions.",
                            "Wanda at 50% must keep the perplexity within 2x the dense model's (the reference ~1.7x, "
                            "|W| alone ~15x); 2:4 must leave every block Linear 2:4 and half zeros; dropping the 4 "
                            "least important blocks must leave 26 in a ModuleList, a config that agrees, and the "
@@ -150,8 +152,8 @@ HINTS: dict[str, tuple[str, str]] = {
                      "cos each only when its weight is > 0, loss = their weighted sum; zero_grad, backward, "
                      "clip_grad_norm_ over every param group's params, optimizer.step(); return floats: loss, the "
                      "terms, the norm before clipping. Leave the lr alone."),
-    "task_09_real_model": ("Nothing new to write: minillm.compress.distill.distill trains a pruned SmolLM2 with your three "
-                           "functions.",
+    "task_09_real_model": ("Nothing new to write: minillm.compress.distill.distill trains a pruned SmolLM2 with "
+                           "your three functions.",
                            "Blocks dropped: the 10 least important (block_importance on 128 calibration tokens). 10 "
                            "steps of 2 x 64 tokens must lower the student's KL to the teacher on 128 held-apart "
                            "tokens by at least 10% (the reference: -22%), and the teacher's weights must not change. "
@@ -183,8 +185,8 @@ HINTS: dict[str, tuple[str, str]] = {
                            "target's own greedy tokens (48 at most), accept at least half the drafts (the reference: "
                            "all 36) and take fewer target forwards than tokens; a sampled run (temperature 0.8, seed "
                            "0) must finish, each verification keeping a prefix of its drafts plus one token."),
-    "task_11_shard": ("y = x @ W.T: which dimension of W indexes y's features, and which one meets x's? A rank holds one "
-                      "contiguous block of that dimension.",
+    "task_11_shard": ("y = x @ W.T: which dimension of W indexes y's features, and which one meets x's? "
+                      "A rank holds one contiguous block of that dimension.",
                       "column_slice: W[r * n:(r + 1) * n] with n = out_features // degree (rows: output features; the "
                       "ranks' x @ W_r.T concatenate to y). row_slice: W[:, r * n:(r + 1) * n] with n = in_features // "
                       "degree (columns: input features; x_r @ W_r.T summed over ranks is y). Block r, not every "
@@ -257,13 +259,15 @@ HINTS: dict[str, tuple[str, str]] = {
                            "Three chats (float32 and int8 KV) go LLM.add_prefill -> pop_handoffs -> add_prefilled "
                            "into an engine whose free blocks come in a scrambled order: the greedy tokens must be a "
                            "single engine's (KV written into the wrong blocks changes them). Then four waves of "
-                           "chats sharing two system prompts are routed over two engines (block_size 16, max_blocks 24, balance_abs 64, balance_rel 1.5): every choice and each "
+                           "chats sharing two system prompts are routed over two engines (block_size 16, "
+                           "max_blocks 24, balance_abs 64, balance_rel 1.5): every choice and each "
                            "engine's prefix-hit tokens must be minillm's router's."),
 }
 
 
 # level 3 of the tasks that have no stub of their own: they run the learner's other functions on the real model
-_REAL_MODEL_RECIPE = ("MINILLM_GRADE=exercises python -m pytest tests/graders/{file} -m {marker} -x shows the failing case; try it yourself "
+_REAL_MODEL_RECIPE = ("MINILLM_GRADE=exercises python -m pytest tests/graders/{file} -m {marker} -x "
+                      "shows the failing case; try it yourself "
                       "with minillm.course.ladder.use_exercises(model, exercises.{module}) around minillm.generate / "
                       "minillm.chat / LLM.from_model and compare with the same call outside the block.")
 _REAL_MODEL_MODULES = {"00": "ex00_decoder", "01": "ex01_kv_cache", "02": "ex02_gqa", "03": "ex03_flash",
@@ -278,43 +282,48 @@ RECIPES["task_06_real_model"] = (
     "minillm.compile.fusion.fuse and compare its logits with the original's.")
 RECIPES["task_07_real_model"] = (
     "MINILLM_GRADE=exercises python -m pytest tests/graders/test_ex07_quant.py -m task_07_real_model -x -rP shows "
-    "the failing case and the perplexities; by hand: set minillm.compress.quant's quantize_int8 ... unpack_int4 to yours, "
+    "the failing case and the perplexities; by hand: set minillm.compress.quant's quantize_int8 "
+    "... unpack_int4 to yours, "
     "quantize a bfloat16 copy of the model with minillm.compress.quantize.quantize(copy, 'int8') and compare "
     "minillm.compress.quality.perplexity with the float model's.")
 RECIPES["task_08_real_model"] = (
     "MINILLM_GRADE=exercises python -m pytest tests/graders/test_ex08_sparsity.py -m task_08_real_model -x -rP shows "
     "the failing case and what your pruned model says; by hand: set minillm.compress.sparsity's wanda_scores and "
     "unstructured_mask to yours, prune a float32 copy with minillm.compress.sparsity.prune(copy, 0.5, 'wanda', "
-    "calib_ids=minillm.compress.quality.calibration_ids(tok, 128), window=128) and compare minillm.compress.quality.perplexity with "
-    "the dense model's.")
+    "calib_ids=minillm.compress.quality.calibration_ids(tok, 128), window=128) and compare "
+    "minillm.compress.quality.perplexity with the dense model's.")
 RECIPES["task_09_real_model"] = (
     "MINILLM_GRADE=exercises python -m pytest tests/graders/test_ex09_distill.py -m task_09_real_model -x -rP shows "
     "the failing case, the KL before and after and what your student says; by hand: set minillm.compress.distill's "
     "distillation_loss, lr_at and train_step to yours, drop blocks from a float32 copy of the model "
-    "(minillm.compress.pruning.drop_blocks) and run minillm.compress.distill.distill on minillm.compress.distill.train_ids(tok), comparing "
-    "minillm.compress.distill.evaluate before and after.")
+    "(minillm.compress.pruning.drop_blocks) and run minillm.compress.distill.distill on "
+    "minillm.compress.distill.train_ids(tok), comparing minillm.compress.distill.evaluate before and after.")
 RECIPES["task_10_real_model"] = (
     "MINILLM_GRADE=exercises python -m pytest tests/graders/test_ex10_speculative.py -m task_10_real_model -x -rP "
     "shows the failing case and the acceptance counts; by hand: set minillm.speculative.decoding's verify_greedy and "
-    "rejection_sample and minillm.speculative.drafters' propose_ngram to yours, then compare minillm.generate(model, tok, prompt, "
+    "rejection_sample and minillm.speculative.drafters' propose_ngram to yours, then compare "
+    "minillm.generate(model, tok, prompt, "
     "chat=True, speculative=SpeculativeConfig('ngram', k=4), spec_stats=SpecStats()) with the same call without "
     "speculative=, and read the SpecStats.")
 RECIPES["task_11_real_model"] = (
     "MINILLM_GRADE=exercises python -m pytest tests/graders/test_ex11_parallel.py -m task_11_real_model -x -rP shows "
     "the failing case, the ranks' time and what they said. The ranks are fresh processes: each imports your module "
-    "by name and puts your two functions into minillm.parallel.tensor before minillm.parallel.launch.rank_generate (the "
+    "by name and puts your two functions into minillm.parallel.tensor before "
+    "minillm.parallel.launch.rank_generate (the "
     "grader's _tp_rank). In one process, _simulated_block0(model, ids, 3) from that grader, with "
     "minillm.parallel.tensor's column_slice and row_slice set to yours, runs SmolLM2's block 0 as three simulated "
     "ranks and names the part (attn or mlp) that differs.")
 RECIPES["task_12_real_model"] = (
     "MINILLM_GRADE=exercises python -m pytest tests/graders/test_ex12_prefix_cache.py -m task_12_real_model -x -rP "
     "shows the failing phase, its hits and evictions against minillm's; by hand: set "
-    "minillm.engine.block_manager.block_hashes and minillm.cache.paged.PrefixCachingAllocator to yours, serve the grader's "
+    "minillm.engine.block_manager.block_hashes and minillm.engine.llm.PrefixCachingAllocator to yours, "
+    "serve the grader's "
     "PHASES with its serve_phases(model, tok) and compare each phase with reference_phases(model, tok), taken "
     "before yours are swapped in.")
 RECIPES["task_13_real_model"] = (
     "MINILLM_GRADE=exercises python -m pytest tests/graders/test_ex13_disagg.py -m task_13_real_model -x -rP shows "
-    "the failing request (tokens, or the routing choice and hits); by hand: set minillm.cache.kv_transfer's pack_kv_blocks "
+    "the failing request (tokens, or the routing choice and hits); by hand: set "
+    "minillm.cache.kv_transfer's pack_kv_blocks "
     "and unpack_kv_blocks to yours and run the grader's disaggregated(model, tok, None) against "
     "single_engine(model, tok, None); run its route_stream(model, tok, YourRouterClass) against "
     "route_stream(model, tok, minillm.serving.router.PrefixAffinityRouter).")

@@ -1,23 +1,11 @@
-"""The checkpoint ladder: run the real model (SmolLM2-135M) on the learner's own exercise code.
+"""The checkpoint ladder: run SmolLM2-135M on the learner's own exercise code (`minillm grade 00` to `05`).
 
-    with use_exercises(model, exercises.ex00_decoder):   # your rms_norm, apply_rope, naive_attention, sampler
-        print(minillm.chat(model, tok, "What is the capital of France?", max_new_tokens=12).text)
-
-Each exercise module plugs into the seam the engine already has, never into an `if learner:` branch:
-
-| exercise        | what is swapped in                                                    | where                          |
-|-----------------|-----------------------------------------------------------------------|--------------------------------|
-| ex00_decoder    | rms_norm, apply_rope; naive_attention as the dense attention backend; sample_from_logits | minillm.model, registry, generate |
-| ex01_kv_cache   | a KVCache that writes with append_kv and decodes with decode_attention | minillm.kv_cache.KVCache       |
-| ex02_gqa        | grouped_attention as the dense attention backend                      | registry                       |
-| ex03_flash      | flash_attention (16 x 16 tiles) as the dense attention backend        | registry                       |
-| ex04_paged      | BlockAllocator in every paged cache; slot_mapping, context_slots in each step's metadata | minillm.cache.paged, minillm.cache.paged_attention |
-| ex05_batching   | schedule_step and postprocess_step of the engine's Scheduler          | minillm.engine.scheduler       |
-
-`skip_stubs=True` leaves out the pieces the learner has not written yet (their body is still the stub's
-`raise NotImplementedError`): the reference fills in for them. The graders' real-model tasks (task_NN_real_model in
-tests/graders/) put the exercise under test on top of the learner's earlier ones (`STANDS_ON`), and name an earlier
-exercise when it, not this one, is what breaks the model (`check_on_ladder`).
+`use_exercises(model, exercises.ex00_decoder, ...)` plugs each piece into a seam the engine has (`SEAMS`):
+  ex00  rms_norm, apply_rope -> minillm.model; naive_attention -> registry; sample_from_logits -> generate
+  ex01  a KVCache writing with append_kv, decoding with decode_attention -> minillm.kv_cache.KVCache
+  ex02, ex03  grouped_attention, flash_attention (16 x 16 tiles) as the dense attention backend -> registry
+  ex04  BlockAllocator -> engine.llm, cache.paged; slot_mapping, context_slots -> cache.paged_attention
+  ex05  schedule_step and postprocess_step of the engine's Scheduler -> minillm.engine.scheduler
 """
 
 from __future__ import annotations
@@ -36,6 +24,7 @@ import minillm.attention as attention
 import minillm.cache.paged as paged
 import minillm.cache.paged_attention as paged_attention
 import minillm.decode_loop as decode_loop
+import minillm.engine.llm as llm
 import minillm.engine.scheduler as scheduler
 import minillm.kv_cache as kv_cache
 import minillm.model as model_mod
@@ -75,7 +64,9 @@ SEAMS: dict[str, list[tuple[ModuleType, str]]] = {
     "apply_rope": [(model_mod, "apply_rope")],
     "sample_from_logits": [(decode_loop, "sample_from_logits"), (sampling, "sample_from_logits")],
     "append_kv": [(kv_cache, "append_kv")],  # KVCache.attend writes through the module-level function
-    "BlockAllocator": [(paged, "BlockAllocator")],  # every PagedKVCache (generate's and the engine's) builds one
+    # the engine builds its allocator (its BlockManager and its cache share it); any other PagedKVCache
+    # (generate's, the static baseline's, the drafter's) builds its own
+    "BlockAllocator": [(llm, "BlockAllocator"), (paged, "BlockAllocator")],
     # AttentionMetadata.build (write slots) and StepPlan.build (read slots) call the module globals
     "slot_mapping": [(paged_attention, "slot_mapping")],
     "context_slots": [(paged_attention, "context_slots")],
@@ -144,6 +135,7 @@ def use_exercises(model, *modules: ModuleType, skip_stubs: bool = False, only: s
 
         for module in modules:
             key = module_key(module)
+            # skip_stubs: leave out what is still the stub's `raise NotImplementedError`; the reference fills in
             for name in pieces(module, skip_stubs):
                 if only is not None and name not in only:
                     continue

@@ -3,11 +3,13 @@
     sequence.py      one request's state          block_manager.py  which KV blocks each sequence owns
     scheduler.py     who runs this step (plain data, no tensors)
     model_runner.py  schedule -> packed tensors -> model -> per-request sampling
+    config.py        EngineConfig: the engine's knobs
     llm.py           LLM: add_request / step / generate / stream / abort
     static.py        the static-batching baseline it is measured against
 """
 
+from minillm.engine.config import EngineConfig
 from minillm.engine.llm import LLM, RequestOutput, StreamEvent
 from minillm.engine.sequence import Sequence, SequenceStatus
 
-__all__ = ["LLM", "RequestOutput", "Sequence", "SequenceStatus", "StreamEvent"]
+__all__ = ["LLM", "EngineConfig", "RequestOutput", "Sequence", "SequenceStatus", "StreamEvent"]

@@ -1,6 +1,7 @@
 """The block manager: which KV blocks each sequence owns, in verbs that read like the scheduling algorithm.
 
-It sits on the paged cache's BlockAllocator (minillm/cache/block_allocator.py, lesson 04) and works on plain block ids:
+It sits on the engine's BlockAllocator (minillm/cache/block_allocator.py, lesson 04), shared with the
+paged cache, and keeps each sequence's `block_table` (plain ids) through a BlockTable:
   can_allocate(seq) / allocate(seq)  - blocks for everything the sequence has so far (prompt, or prompt + output
                                        when a preempted sequence is recomputed), on admission;
   can_append(seq, n) / may_append(seq, n) - before a step that writes the sequence's last token and n - 1 more
@@ -22,7 +23,7 @@ scheduling algorithm, only to what "allocate" finds.
 
 from __future__ import annotations
 
-from minillm.cache.block_allocator import BlockAllocator, blocks_needed
+from minillm.cache.block_allocator import BlockAllocator, BlockTable, blocks_needed
 from minillm.cache.prefix_cache import block_hashes
 from minillm.engine.sequence import Sequence
 
@@ -44,6 +45,10 @@ class BlockManager:
     def blocks_for(self, n_tokens: int) -> int:
         return blocks_needed(n_tokens, self.block_size)
 
+    def table(self, seq: Sequence) -> BlockTable:
+        """seq's block table over this manager's allocator (it changes seq.block_table in place)."""
+        return BlockTable(self.allocator, seq.block_table)
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks of seq's longest cached prefix, stopping before its last token ([] without caching)."""
         if not self.prefix_caching:
@@ -63,13 +68,14 @@ class BlockManager:
         if seq.block_table:
             raise ValueError(f"request {seq.request_id} already holds blocks {seq.block_table}")
         hit = self._cached_prefix(seq)
+        table = self.table(seq)
         if hit:
             self.allocator.acquire(hit)  # before allocating: allocation may evict unowned cached blocks
+            table.block_ids += hit
         try:
-            seq.block_table = hit + self.allocator.allocate(self.blocks_for(seq.num_tokens) - len(hit))
+            table.grow(seq.num_tokens)
         except Exception:
-            if hit:
-                self.allocator.free(hit[::-1])  # all or nothing: give the shared blocks back
+            table.free()  # all or nothing: give the shared blocks back
             raise
         seq.num_cached_tokens = len(hit) * self.block_size
         seq.num_named_blocks = len(hit)
@@ -81,14 +87,11 @@ class BlockManager:
 
     def can_append(self, seq: Sequence, n: int = 1) -> bool:
         """Can the next step write its n tokens? Needs free blocks only where the last one fills up."""
-        missing = self.blocks_for(seq.num_tokens + n - 1) - len(seq.block_table)
-        return missing <= 0 or self.allocator.can_allocate(missing)
+        return self.table(seq).can_grow(seq.num_tokens + n - 1)
 
     def may_append(self, seq: Sequence, n: int = 1) -> None:
         """Grow the block table if the n tokens about to be written start new blocks."""
-        missing = self.blocks_for(seq.num_tokens + n - 1) - len(seq.block_table)
-        if missing > 0:
-            seq.block_table += self.allocator.allocate(missing)
+        self.table(seq).grow(seq.num_tokens + n - 1)
 
     def truncate(self, seq: Sequence, n_tokens: int) -> None:
         """Keep the KV of seq's first n_tokens (speculative rollback): later blocks return to the pool."""
@@ -98,9 +101,7 @@ class BlockManager:
         if n_tokens < seq.num_named_blocks * self.block_size:  # a cached block may be shared: it never changes
             raise ValueError(f"request {seq.request_id}: its first {seq.num_named_blocks} blocks are in the prefix "
                              f"cache; cannot truncate to {n_tokens} tokens")
-        keep = self.blocks_for(n_tokens)
-        self.allocator.free(seq.block_table[keep:])
-        del seq.block_table[keep:]
+        self.table(seq).truncate(n_tokens)
         seq.num_cached_tokens = n_tokens
 
     def cache_blocks(self, seq: Sequence) -> None:
@@ -118,7 +119,6 @@ class BlockManager:
         prefix caching keeps its full blocks findable, the tail's first in line for eviction."""
         if seq.block_table:
             self.cache_blocks(seq)
-            self.allocator.free(seq.block_table[::-1] if self.prefix_caching else seq.block_table)
-        seq.block_table = []
+        self.table(seq).free()  # tail first
         seq.num_cached_tokens = 0
         seq.num_named_blocks = 0

@@ -21,9 +21,9 @@ import torch
 from minillm.cache import kv_transfer
 from minillm.cache.block_allocator import blocks_needed
 from minillm.cache.kv_transfer import KVHandoff
+from minillm.engine.sequence import Sequence, SequenceStatus
 from minillm.request import finish_reason
 from minillm.sampling import SamplingParams
-from minillm.engine.sequence import Sequence, SequenceStatus
 
 
 class HandoffMixin:
@@ -129,17 +129,17 @@ class HandoffMixin:
                 raise RuntimeError(f"request {h.request_id}: no free KV blocks or batch slot for it now "
                                    f"({self.num_free_blocks()} free blocks, {len(self.scheduler.running)} running): "
                                    f"keep the handoff and retry after a step")
-            allocator = self.block_manager.allocator
-            blocks = allocator.allocate(self.block_manager.blocks_for(seq.num_tokens))  # prompt + first token
+            table = self.block_manager.table(seq)
+            table.grow(seq.num_tokens)  # prompt + first token
             try:
-                kv_transfer.unpack_kv_blocks(self.cache.pool, blocks[:blocks_needed(h.num_computed_tokens,
-                                                                                    allocator.block_size)], h.payload)
+                n_blocks = blocks_needed(h.num_computed_tokens, table.block_size)
+                kv_transfer.unpack_kv_blocks(self.cache.pool, table.block_ids[:n_blocks], h.payload)
             except BaseException:
-                allocator.free(blocks)
+                table.free()
                 self._sinks.pop(seq.request_id, None)
                 self._decoders.pop(seq.request_id, None)
                 raise
-            seq.block_table, seq.num_cached_tokens = blocks, h.num_computed_tokens
+            seq.num_cached_tokens = h.num_computed_tokens
             self._seqs[seq.request_id] = seq
             self.scheduler.add_running(seq)
             self._emit(seq, seq.output_ids[0])

@@ -1,24 +1,11 @@
-"""`LLM`: the serving engine's front door. Requests in, tokens out, continuous batching in between.
+"""`LLM`, the serving engine (lesson 05): requests in, tokens out, continuous batching in between.
 
-    llm = minillm.LLM("smollm2-135m", dtype="bfloat16", max_num_seqs=16)
-    outs = llm.generate(["The capital of France is", "2 + 2 ="], SamplingParams(max_tokens=32))   # raw prompts
-    outs = llm.chat(["What is the capital of France?"], SamplingParams(max_tokens=32))           # chat template
-    for ev in llm.stream(["Tell me a story."], SamplingParams(max_tokens=64)): print(ev.text, end="")
+    llm = minillm.LLM("smollm2-135m", dtype="bfloat16", max_num_seqs=16)  # or LLM.from_model(model, tok)
+    outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=32))  # also chat, stream
 
-Each `step()` asks the Scheduler for work (plain data), has the ModelRunner run it as one packed forward over the
-paged KV cache, and hands the sampled tokens back to the scheduler, which retires finished requests at once.
-Requests go through the shared request layer (minillm/request.py) and are rejected when submitted (ValueError), so
-they never reach a running batch. The engine owns `step()` (one at a time, under a lock) and pushes every token as a
-StreamEvent into the output queue of the request it belongs to: any number of consumers (threads, interleaved
-iterators) each get all of their own events, whoever happens to drive the step. Lesson 05.
-
-With `speculative=SpeculativeConfig(...)` (lesson 10) a step also reserves KV slots for draft tokens, asks the
-drafter for every decoding sequence's guesses at once, and the runner verifies them all in the same packed forward;
-each sequence keeps its own number of accepted tokens. Above `max_batch` running sequences it decodes plainly.
-
-Disaggregation (lesson 13) uses two engines: `add_prefill` runs a prompt and its first sample here and packs the
-request's KV blocks into a KVHandoff (`pop_handoffs`) before they are freed; `add_prefilled` on another engine puts
-that KV into its own blocks and continues decoding (those methods: minillm/engine/handoff.py).
+Each step(): schedule (plain data) -> propose drafts (lesson 10) -> run one packed forward -> postprocess
+(append, retire, free blocks; hand off prefilled KV, lesson 13) -> emit each token into its request's queue.
+The knobs: EngineConfig (engine/config.py); the disaggregation methods: handoff.py.
 """
 
 from __future__ import annotations
@@ -30,22 +17,19 @@ import time
 from collections.abc import Iterator
 from typing import NamedTuple
 
-import torch
-
-from minillm.cache.block_allocator import blocks_needed
-from minillm.cache.kv_pool import KVCacheSpec
+from minillm.cache.block_allocator import BlockAllocator, blocks_needed
 from minillm.cache.kv_transfer import KVHandoff
 from minillm.cache.paged import PagedKVCache
+from minillm.cache.prefix_cache import PrefixCachingAllocator
+from minillm.engine.block_manager import BlockManager
+from minillm.engine.config import EngineConfig
+from minillm.engine.handoff import HandoffMixin
+from minillm.engine.model_runner import ModelRunner
+from minillm.engine.scheduler import Schedule, Scheduler
+from minillm.engine.sequence import Sequence, SequenceStatus
 from minillm.request import Request, RequestOutput, make_request, params_per_prompt
 from minillm.sampling import SamplingParams
 from minillm.speculative.decoding import SpecStats, SpeculativeConfig, make_drafter
-from minillm.engine.block_manager import BlockManager
-from minillm.engine.handoff import HandoffMixin
-from minillm.engine.model_runner import ModelRunner
-from minillm.engine.scheduler import Scheduler
-from minillm.engine.sequence import Sequence, SequenceStatus
-
-DEFAULT_KV_CACHE_BYTES = 256 << 20
 
 
 class StreamEvent(NamedTuple):
@@ -66,8 +50,10 @@ class LLM(HandoffMixin):
 
         model, tokenizer = load_model(model_name, dtype=dtype, device=device, attn_backend=attn_backend, fuse=fuse,
                                       weights=weights)
-        self._setup(model, tokenizer, num_blocks, kv_cache_bytes, block_size, max_num_seqs, max_num_batched_tokens,
-                    kv_cache_dtype, speculative, enable_prefix_caching)
+        self._setup(model, tokenizer, EngineConfig(
+            num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, speculative=speculative,
+            kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=enable_prefix_caching))
 
     @classmethod
     def from_model(cls, model, tokenizer=None, num_blocks: int | None = None, kv_cache_bytes: int | None = None,
@@ -75,44 +61,30 @@ class LLM(HandoffMixin):
                    kv_cache_dtype: str | None = None, speculative: SpeculativeConfig | None = None,
                    enable_prefix_caching: bool = False) -> LLM:
         """Serve an already loaded model (tokenizer None: prompts must be token ids; text comes back empty).
-        kv_cache_dtype="int8" stores the KV blocks in int8 with a scale per token and head (lesson 07);
-        speculative=SpeculativeConfig(...) drafts and verifies several tokens per decode step (lesson 10);
-        enable_prefix_caching=True reuses the KV blocks of prompt prefixes seen before (lesson 12)."""
+        The keywords are EngineConfig's (kv_cache_dtype="int8": lesson 07, speculative: lesson 10,
+        enable_prefix_caching: lesson 12)."""
         llm = cls.__new__(cls)
-        llm._setup(model, tokenizer, num_blocks, kv_cache_bytes, block_size, max_num_seqs, max_num_batched_tokens,
-                   kv_cache_dtype, speculative, enable_prefix_caching)
+        llm._setup(model, tokenizer, EngineConfig(
+            num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, speculative=speculative,
+            kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=enable_prefix_caching))
         return llm
 
-    def _setup(self, model, tokenizer, num_blocks, kv_cache_bytes, block_size, max_num_seqs, max_num_batched_tokens,
-               kv_cache_dtype=None, speculative=None, enable_prefix_caching=False):
-        cfg = model.config
-        kv_dtypes = {None: None, "int8": torch.int8, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        if kv_cache_dtype not in kv_dtypes:
-            raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or one of {list(kv_dtypes)[1:]}, "
-                             f"got {kv_cache_dtype!r}")
-        kv_dtype = kv_dtypes[kv_cache_dtype]  # a float kv dtype is storage only: attention computes in model.dtype
-        if num_blocks is None:  # size the pool by a byte budget, no bigger than max_num_seqs full contexts
-            budget = DEFAULT_KV_CACHE_BYTES if kv_cache_bytes is None else kv_cache_bytes
-            per_block = KVCacheSpec(len(model.layers), cfg.n_kv_heads, cfg.head_dim, 1, block_size, model.dtype,
-                                    kv_dtype).bytes_per_block()
-            num_blocks = min(budget // per_block, max_num_seqs * blocks_needed(cfg.max_seq_len, block_size))
-        elif kv_cache_bytes is not None:
-            raise ValueError("give num_blocks or kv_cache_bytes, not both")
-        if num_blocks < 1:
-            raise ValueError(f"the KV budget holds no block of {block_size} tokens: raise kv_cache_bytes/num_blocks")
-        self.model, self.tokenizer = model, tokenizer
-        self.cache = PagedKVCache(cfg, int(num_blocks), block_size, model.dtype, model.device, kv_dtype=kv_dtype,
-                                  n_layers=len(model.layers), prefix_caching=bool(enable_prefix_caching))
-        self.block_manager = BlockManager(self.cache.allocator)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.cache, max_num_batched_tokens)
-        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
-            raise TypeError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}")
-        self.speculative = speculative
-        # the draft model's own paged cache holds as many tokens as the target's
-        self.drafter = make_drafter(speculative, model, int(num_blocks), block_size) if speculative else None
+    def _setup(self, model, tokenizer, config: EngineConfig) -> None:
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        num_blocks, block_size = config.pool_blocks(model), config.block_size
+        # one allocator: the block manager decides who owns which block, the cache holds what is in each one
+        allocator = (PrefixCachingAllocator if config.enable_prefix_caching else BlockAllocator)(num_blocks,
+                                                                                                  block_size)
+        self.cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device,
+                                  kv_dtype=config.kv_dtype, n_layers=len(model.layers), allocator=allocator)
+        self.block_manager = BlockManager(allocator)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.cache, config.max_num_batched_tokens)
+        spec = config.speculative  # the draft model's own paged cache holds as many tokens as the target's
+        self.drafter = make_drafter(spec, model, num_blocks, block_size) if spec is not None else None
         self.spec_stats = SpecStats()
-        self.max_model_len = cfg.max_seq_len
+        self.max_model_len = model.config.max_seq_len
         self.step_log: list[dict] = []  # one entry per step: batch occupancy, tokens, preemptions
         self._seqs: dict[str, Sequence] = {}  # in flight
         self._finished: dict[str, RequestOutput] = {}
@@ -175,45 +147,29 @@ class LLM(HandoffMixin):
     # ---------------------------------------------------------------------------------------------------- steps
 
     def step(self) -> list[tuple[Sequence, int]]:
-        """One scheduler step + one forward. Returns (sequence, sampled token) for each token sampled."""
+        """One engine step: schedule -> propose drafts -> run one packed forward -> postprocess -> emit.
+        Returns (sequence, token) for each token emitted."""
         with self._lock:
-            spec = self.speculative
-            speculate = spec is not None and len(self.scheduler.running) <= spec.max_batch
-            schedule = self.scheduler.schedule(spec.k if speculate else 0)
-            t0 = time.perf_counter()
-            for item in schedule.scheduled:
-                if item.seq.first_scheduled_time is None:
-                    item.seq.first_scheduled_time = t0
-            draft_probs = self._propose(schedule) if speculate else None
+            schedule, t0 = self._schedule()
+            draft_probs = self._propose(schedule)
             sampled = self.runner.run(schedule, draft_probs)
-            now = time.perf_counter()
-            if self._prefill_only:  # before postprocess frees their blocks
-                self._pack_handoffs(schedule, sampled, now)
-            n_before = [item.seq.num_output_tokens for item in schedule.scheduled]
-            finished = self.scheduler.postprocess(schedule, sampled, now)
-            self.step_log.append({
-                "t_start": t0, "t_end": now, "num_seqs": len(schedule.scheduled),
-                "num_decodes": schedule.num_decodes, "num_prefill_tokens": schedule.num_prefill_tokens,
-                "num_tokens": schedule.num_batched_tokens, "num_preempted": len(schedule.preempted),
-                "num_waiting": len(self.scheduler.waiting),
-                "occupancy": len(schedule.scheduled) / self.scheduler.max_num_seqs,
-                "free_blocks": self.block_manager.num_free(),
-                "num_draft_tokens": sum(len(item.draft_ids) for item in schedule.scheduled),
-            })
-            out = []
-            for item, tokens in zip(schedule.scheduled, sampled):
-                if item.num_lookahead:
-                    self.spec_stats.record(len(item.draft_ids), len(tokens) - 1, len(tokens))
-            for item, n in zip(schedule.scheduled, n_before):
-                new = item.seq.output_ids[n:]  # what postprocess kept (a stop mid-list drops the tokens after it)
-                for i, tok in enumerate(new):
-                    out.append((item.seq, tok))
-                    self._emit(item.seq, tok, last=i == len(new) - 1)
-            for seq in finished:
-                self._retire(seq)
-            return out
+            new_tokens, finished = self._postprocess(schedule, sampled, t0)
+            return self._emit_step(new_tokens, finished)
 
-    def _propose(self, schedule) -> list:
+    def _schedule(self) -> tuple[Schedule, float]:
+        """The scheduler's plan for this step, and when it was made. With speculation (lesson 10) each
+        decode also gets KV slots for k draft tokens, while the batch is small enough for verifying to be
+        nearly free."""
+        spec = self.config.speculative
+        k = spec.k if spec is not None and len(self.scheduler.running) <= spec.max_batch else 0
+        schedule = self.scheduler.schedule(k)
+        t0 = time.perf_counter()
+        for item in schedule.scheduled:
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = t0
+        return schedule, t0
+
+    def _propose(self, schedule: Schedule) -> list:
         """Drafts for every decode that got lookahead slots (one batched call); their distributions, per item."""
         items = [i for i, item in enumerate(schedule.scheduled) if item.num_lookahead]
         probs: list = [None] * len(schedule.scheduled)
@@ -227,6 +183,43 @@ class LLM(HandoffMixin):
             schedule.scheduled[i].draft_ids = draft
             probs[i] = q
         return probs
+
+    def _postprocess(self, schedule: Schedule, sampled: list[list[int]], t0: float
+                     ) -> tuple[list[tuple[Sequence, list[int]]], list[Sequence]]:
+        """Hand the sampled tokens to the scheduler, which appends them and retires finished sequences (their
+        blocks are freed at once: a prefill-only request's KV is packed into its handoff first, lesson 13).
+        Returns each scheduled sequence's new tokens (a stop drops those after it) and the finished ones."""
+        now = time.perf_counter()
+        if self._prefill_only:
+            self._pack_handoffs(schedule, sampled, now)
+        n_before = [item.seq.num_output_tokens for item in schedule.scheduled]
+        finished = self.scheduler.postprocess(schedule, sampled, now)
+        for item, tokens in zip(schedule.scheduled, sampled):
+            if item.num_lookahead:
+                self.spec_stats.record(len(item.draft_ids), len(tokens) - 1, len(tokens))
+        self.step_log.append({
+            "t_start": t0, "t_end": now, "num_seqs": len(schedule.scheduled),
+            "num_decodes": schedule.num_decodes, "num_prefill_tokens": schedule.num_prefill_tokens,
+            "num_tokens": schedule.num_batched_tokens, "num_preempted": len(schedule.preempted),
+            "num_waiting": len(self.scheduler.waiting),
+            "occupancy": len(schedule.scheduled) / self.scheduler.max_num_seqs,
+            "free_blocks": self.block_manager.num_free(),
+            "num_draft_tokens": sum(len(item.draft_ids) for item in schedule.scheduled),
+        })
+        new_tokens = [(item.seq, item.seq.output_ids[n:]) for item, n in zip(schedule.scheduled, n_before)]
+        return new_tokens, finished
+
+    def _emit_step(self, new_tokens: list[tuple[Sequence, list[int]]], finished: list[Sequence]
+                   ) -> list[tuple[Sequence, int]]:
+        """Each new token into its request's queue, then the finished requests' outputs."""
+        out = []
+        for seq, tokens in new_tokens:
+            for i, tok in enumerate(tokens):
+                out.append((seq, tok))
+                self._emit(seq, tok, last=i == len(tokens) - 1)
+        for seq in finished:
+            self._retire(seq)
+        return out
 
     def _emit(self, seq: Sequence, token: int | None, last: bool = True) -> None:
         """Put one StreamEvent into the request's output queue (token None: it was aborted)."""

@@ -1,17 +1,9 @@
-"""The model runner: the only place that turns a schedule into tensors, runs the model and samples.
+"""The model runner (lesson 05): the only place that turns a schedule into tensors, runs the model, samples.
 
-Continuous batching mixes sequences at different stages in one forward: a new prompt (prefill), the next chunk of a
-long one, a preempted sequence being recomputed, and decodes of one token each. Padding them to one length would
-waste most of the batch, so the runner *packs* them: every scheduled sequence's new tokens go into a single row
-input_ids (1, N_total) with their own positions, and AttentionMetadata (minillm/cache/paged_attention.py) tells the paged
-cache where each token's key/value goes (slot_mapping) and what each sequence attends over (block tables, context
-lengths, cu_seqlens of the queries). Only each sequence's last row reaches the LM head (`logits_at`): the
-49152-wide projection of every prompt token would be wasted work.
-
-The step's token ids and positions are copied into buffers allocated once (max_num_batched_tokens long), so the
-model always reads the same storage: what CUDA graphs and a compiled decode need (lesson 06). Sampling is per
-request (sampling.sample_batch: all greedy rows in one argmax); the sampled ids come back to the host once per step,
-the one sync the scheduler needs. Lesson 05 explains the packing; lesson 04 the paged cache it writes into.
+Continuous batching mixes prompts, prompt chunks, recomputed sequences, decodes and drafts in one step: the
+runner makes each scheduled sequence a Chunk of one packed forward (cache/paged.py's PackedForward, which the
+draft model runs too), so nothing is padded; then it samples per request (sampling.sample_batch: all greedy
+rows in one argmax) or verifies drafts (lesson 10). The sampled ids come back to the host once per step.
 """
 
 from __future__ import annotations
@@ -21,10 +13,10 @@ import os
 import torch
 from torch import Tensor
 
-from minillm.cache.paged import AttentionMetadata, PagedKVCache
+from minillm.cache.paged import Chunk, PackedForward, PagedKVCache
+from minillm.engine.scheduler import Schedule
 from minillm.sampling import sample_batch
 from minillm.speculative.decoding import verify
-from minillm.engine.scheduler import Schedule
 
 
 def debug_checks_enabled() -> bool:
@@ -34,44 +26,26 @@ def debug_checks_enabled() -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache, max_num_batched_tokens: int = 512, check_metadata: bool | None = None):
+    def __init__(self, model, cache: PagedKVCache, max_num_batched_tokens: int = 512,
+                 check_metadata: bool | None = None):
         self.model = model
         self.cache = cache
-        self.check_metadata = debug_checks_enabled() if check_metadata is None else check_metadata
-        # preallocated step inputs: a step fills a prefix of each; the longest step decides the size (grown if needed)
-        self._ids = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=self.device)
-        self._positions = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=self.device)
+        check = debug_checks_enabled() if check_metadata is None else check_metadata
+        self.forward = PackedForward(model, cache, max_num_batched_tokens, check)
 
     @property
     def device(self) -> torch.device:
         return self.model.device
 
-    def _fill(self, name: str, values: list[int]) -> Tensor:
-        buf = getattr(self, name)
-        if len(values) > buf.numel():  # a step longer than max_num_batched_tokens (the static baseline): grow once
-            buf = torch.zeros(len(values), dtype=buf.dtype, device=buf.device)
-            setattr(self, name, buf)
-        view = buf[: len(values)]
-        view.copy_(torch.tensor(values, dtype=buf.dtype), non_blocking=True)
-        return view
-
-    def prepare(self, schedule: Schedule) -> tuple[Tensor, Tensor, AttentionMetadata, list[int]]:
-        """input_ids, positions (1, N_total) views of the step buffers, the attention metadata and the packed rows
-        whose logits are sampled (one per sampling sequence, its last token's row)."""
-        ids: list[int] = []
-        positions: list[int] = []
-        tables, context_lens, query_lens, sample_rows = [], [], [], []
-        for item in schedule.scheduled:
-            seq, start, n = item.seq, item.start, item.num_new_tokens + len(item.draft_ids)
-            ids += seq.all_ids[start:start + item.num_new_tokens] + item.draft_ids
-            positions += range(start, start + n)
-            tables.append(seq.block_table)
-            context_lens.append(start + n)  # cached tokens after this step, the new ones included
-            query_lens.append(n)
-            if item.samples:  # the last token predicts the next one; each draft is checked by the row before it
-                sample_rows += range(len(ids) - 1 - len(item.draft_ids), len(ids))
-        meta = AttentionMetadata.build(tables, context_lens, query_lens, self.cache.block_size, self.device)
-        return self._fill("_ids", ids)[None], self._fill("_positions", positions)[None], meta, sample_rows
+    @staticmethod
+    def chunks(schedule: Schedule) -> list[Chunk]:
+        """Each scheduled sequence's new tokens (and drafts) as one chunk; a sampling sequence wants the
+        logits of its last token (which predicts the next one) and of each draft (checked by the row before
+        it)."""
+        return [Chunk(item.seq.block_table, item.start,
+                      item.seq.all_ids[item.start:item.start + item.num_new_tokens] + item.draft_ids,
+                      1 + len(item.draft_ids) if item.samples else 0)
+                for item in schedule.scheduled]
 
     @torch.inference_mode()
     def run(self, schedule: Schedule, draft_probs: list[Tensor | None] | None = None) -> list[list[int]]:
@@ -82,10 +56,7 @@ class ModelRunner:
         guesses, e.g. n-gram)."""
         if not schedule.scheduled:
             return []
-        input_ids, positions, meta, sample_rows = self.prepare(schedule)
-        self.cache.set_metadata(meta, check=self.check_metadata)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model(input_ids, positions=positions, kv_cache=self.cache, logits_at=rows)[0]
+        logits = self.forward(self.chunks(schedule))
         out: list[list[int]] = [[] for _ in schedule.scheduled]
         plain, plain_rows, row = [], [], 0
         for i, item in enumerate(schedule.scheduled):

@@ -1,32 +1,11 @@
-"""A model cascade: the small model answers first, and only the answers it is unsure of go to the large one (lesson 13).
+"""A model cascade (lesson 13): the small model answers first, the large one only when it is unsure.
 
-Most requests are easy. Running every one of them through the largest model pays its full cost per token for
-answers a model a fraction of its size would have given word for word. A cascade (FrugalGPT, Chen et al. 2023;
-"speculative" routing in serving stacks) runs the small model first, scores how confident it was, and escalates to
-the large model only when that score falls below a threshold:
-
-    cost(request) = cost_small + [escalated] * cost_large        answer = large's if escalated, else small's
-
-The threshold buys quality with cost. Its two ends are the baselines, by definition:
-  threshold 0   never escalates (every confidence is >= 0): always-small, the large model is never run;
-  threshold 1   always escalates, even a confidence of exactly 1.0; the small model's answer could not change that,
-                so it is not run at all: always-large, answers and costs alike.
-In between, every escalated request pays for both models: a cascade only saves when the small model's cost is well
-below the large one's AND most of its answers are kept. The payoff is the escalation rate x the cost ratio.
-
-Confidence signals, each from the small model's own greedy answer and each in [0, 1], higher = more confident:
-  mean_logprob   exp(mean token log-prob): the geometric mean of the chosen tokens' probabilities;
-  min_prob       exp(min token log-prob): the weakest token decides (one unsure token can change the answer);
-  entropy        1 - mean normalised entropy H(p_t) / log(vocab) of each step's distribution (0 for a one-hot one).
-Generation goes through minillm's engine (greedy, SamplingParams(logprobs=True)); requests run one at a time so
-each has its own measured seconds. The engine reports only the chosen token's log-prob, so the entropy comes from a
-forward hook on the small model that sees each step's sampled logits rows: no extra forward.
-
-Cost is reported twice: measured seconds and an analytic count of matmul FLOPs, 2 x parameters x tokens processed
-(the body for every token run through the model, the LM head only for the tokens sampled).
-
-`sweep` turns both models' answers on a fixed prompt set into the whole quality/cost curve without running either
-model again: the cascade at threshold t only picks, per request, which of the two answers it would have returned.
+`Cascade(small, large, tokenizer, signal, threshold).generate(prompts)` (FrugalGPT-style) runs the small
+model, greedy and one request at a time, scores its confidence in [0, 1] and escalates below the threshold: 0
+is always-small, 1 always-large (the small model is not even run). `SIGNALS`: the chosen tokens' geometric
+mean probability, the least likely one's probability, 1 - mean normalised entropy. Cost: seconds and
+`analytic_flops`. `sweep` turns both models' answers on a prompt set into the whole quality/cost curve without
+running either again.
 """
 
 from __future__ import annotations
@@ -39,7 +18,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from minillm.compress.distill import check_same_vocabulary
 from minillm.sampling import SamplingParams
+from minillm.speculative.drafters import early_exit_model
 
 SIGNALS = ("mean_logprob", "min_prob", "entropy")
 STUDENT = "smollm2-135m-student"
@@ -152,40 +133,13 @@ class CascadeResult:
         return sum(a.flops for a in (self.small, self.large) if a is not None)
 
 
-def _vocabulary(tok) -> tuple:
-    return (len(tok), sorted(getattr(tok, "special_tokens", {}).items()), sorted(getattr(tok, "stop_ids", ())),
-            [tok.token_bytes(i) for i in range(len(tok))] if hasattr(tok, "token_bytes") else None)
-
-
 def check_pair(small, large, tokenizer=None, small_tokenizer=None) -> None:
     """Refuse a pair whose answers cannot be compared token for token: another vocabulary, tokenizer or device."""
-    s, big = small.config.vocab_size, large.config.vocab_size
-    if s != big:
-        raise ValueError(f"the small model's vocabulary has {s} tokens, the large one's {big}: a cascade compares "
-                         "token ids, so both models must share one tokenizer")
-    if tokenizer is not None and len(tokenizer) != big:
-        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the models {big}: pass the models' tokenizer")
-    if small_tokenizer is not None and small_tokenizer is not tokenizer and (
-            tokenizer is None or _vocabulary(small_tokenizer) != _vocabulary(tokenizer)):
-        raise ValueError("the small model's tokenizer differs from the large model's: a cascade needs one tokenizer "
-                         "for both (a distilled student keeps its teacher's)")
+    check_same_vocabulary(small, large, ("small model", "large one"), "a cascade compares token ids, so "
+                          "both models must share one tokenizer (a distilled student keeps its teacher's)",
+                          tokenizer, small_tokenizer)
     if small.device != large.device:
         raise ValueError(f"the small model is on {small.device}, the large one on {large.device}: put both on one")
-
-
-def early_exit_model(target, n_layers: int):
-    """A stand-in small model: the target's first n_layers blocks + its final norm and LM head, sharing its weights
-    (no training: the early-exit drafter of lesson 10 as a model of its own the engine can serve)."""
-    from minillm.model import Transformer
-
-    if not 1 <= n_layers < len(target.layers):
-        raise ValueError(f"n_layers must be in 1..{len(target.layers) - 1}, got {n_layers}")
-    with torch.device("meta"):
-        small = Transformer(target.config.with_(n_layers=n_layers), attn_backend=target.attn_backend)
-    small = small.to_empty(device=target.device)  # computes the RoPE tables; the weights are replaced below
-    small.embed, small.norm, small.lm_head = target.embed, target.norm, target.lm_head
-    small.layers = torch.nn.ModuleList(list(target.layers[:n_layers]))
-    return small.eval()
 
 
 def load_small(target, name: str = STUDENT, exit_layers: int = 16) -> tuple[object, str]:
@@ -246,6 +200,7 @@ class Cascade:
         engine = self.engines[which]
         entropies: list[float] = []
         hook = None
+        # the engine reports only the chosen token's log-prob: the entropy comes from a hook, no extra forward
         if which == "small":  # see each step's sampled logits rows (one row per step: one request at a time)
             hook = engine.model.register_forward_hook(
                 lambda module, args, logits: entropies.extend(token_entropy(logits[0]).tolist()))

@@ -122,8 +122,8 @@ class PrefixAffinityRouter(Router):
     replica's KV pool in blocks). Fallback to the least loaded replica (ties: the one remembering the fewest blocks,
     then the lowest id) when nothing matches, or when the best match's outstanding tokens exceed the least loaded
     replica's by more than `balance_abs` tokens AND more than `balance_rel` times (both must hold: a small absolute
-    gap is noise, a large gap between two busy replicas may be a small ratio). The defaults tolerate about one long prompt's prefill of imbalance: cheaper to queue behind it than
-    to compute the prefix again elsewhere."""
+    gap is noise, a large gap between two busy replicas may be a small ratio). The defaults tolerate about one long
+    prompt's prefill of imbalance: cheaper to queue behind it than to compute the prefix again elsewhere."""
 
     name = "prefix_affinity"
 

@@ -2,11 +2,12 @@
 
 Decode is memory bound: each step reads every weight to produce one token per sequence, and the matmul units idle.
 A forward over k + 1 tokens reads the same weights once, so on a GPU (and, less so, on a CPU) it costs about one
-decode step. Speculation spends that slack: a drafter (minillm/speculative/drafters.py: n-gram prompt lookup, a small draft
-model, an early-exit slice of the target) proposes d_1..d_k; the target runs [last token, d_1..d_k] over its KV cache
-and gets its own distribution p_0..p_k at every position. Each accepted draft is a decode step saved; the first
-rejected one is replaced by a token from the target, and when all k pass the target adds a bonus token from p_k.
-With acceptance rate a per token, a step yields (1 - a^(k+1)) / (1 - a) tokens on average (Leviathan et al. 2023).
+decode step. Speculation spends that slack: a drafter (minillm/speculative/drafters.py: n-gram prompt lookup, a
+small draft model, an early-exit slice of the target) proposes d_1..d_k; the target runs [last token, d_1..d_k] over
+its KV cache and gets its own distribution p_0..p_k at every position. Each accepted draft is a decode step saved;
+the first rejected one is replaced by a token from the target, and when all k pass the target adds a bonus token
+from p_k. With acceptance rate a per token, a step yields (1 - a^(k+1)) / (1 - a) tokens on average
+(Leviathan et al. 2023).
 
 The output is the target's, not an approximation of it:
   greedy       accept d_i while it equals argmax p_{i-1}; the first mismatch is replaced by that argmax. The tokens
@@ -30,9 +31,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from minillm.speculative.drafters import ModelDrafter, NgramDrafter
 from minillm.request import Request
 from minillm.sampling import SamplingParams, logits_to_probs, sample
+from minillm.speculative.drafters import ModelDrafter, NgramDrafter
 
 METHODS = ("ngram", "draft", "early_exit")
 

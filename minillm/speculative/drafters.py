@@ -1,21 +1,12 @@
-"""Where speculative decoding's guesses come from: three draft sources behind one `propose` call (lesson 10).
+"""Where speculative decoding's guesses come from (lesson 10): drafters behind one `propose` call.
 
-A drafter looks at a sequence's tokens so far and guesses the next k. The target model then checks all k in one
-forward (minillm/speculative/decoding.py); every guess it accepts is a decode step saved. A good drafter is cheap next to the
-target and often right; the three here sit at different points of that trade:
-
-  NgramDrafter    prompt lookup: find the most recent earlier occurrence of the sequence's last n tokens and propose
-                  what followed it. No model, no memory, ~free; right whenever the output copies its input
-                  (summaries, edits, extraction, code) and silent otherwise (it then proposes nothing).
-  ModelDrafter    a small language model decoding k tokens ahead: the distilled student of lesson 09, or
-                  early exit, the target's own first n blocks + its final norm and head (no training, shares
-                  the weights). It keeps its own paged KV cache per sequence, batched over every sequence it drafts
-                  for, and brings it in step with what the target accepted by itself: the cached prefix is compared
-                  with the sequence's tokens and cut where they differ (rejected drafts vanish, freed blocks return).
+  NgramDrafter  prompt lookup: what followed the latest earlier occurrence of the last n tokens (no model);
+  ModelDrafter  a small model decoding k tokens ahead (lesson 09's distilled student, or early_exit_model: the
+                target's first n blocks + its head), batched over its own paged cache, cut back to what the
+                target accepted before each proposal.
 
     drafter.propose([("req-0", ids, 4)], [params], [generator]) -> [(draft_ids, q)]
-q is (len(draft_ids), vocab): the distribution each draft token was drawn from (after the request's temperature,
-top-k and top-p), or None for a drafter with no distribution (n-gram: a one-hot guess).
+q (len(draft_ids), vocab): the distribution each draft was drawn from, or None (n-gram: a one-hot guess).
 """
 
 from __future__ import annotations
@@ -25,8 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from minillm.cache.block_allocator import OutOfBlocksError, blocks_needed
-from minillm.cache.paged import AttentionMetadata, PagedKVCache
+from minillm.cache.block_allocator import BlockTable, OutOfBlocksError
+from minillm.cache.paged import Chunk, PackedForward, PagedKVCache
+from minillm.compress.distill import check_same_vocabulary
+from minillm.model import Transformer
 from minillm.sampling import SamplingParams, logits_to_probs, sample
 
 Proposal = tuple[list[int], Tensor | None]
@@ -61,31 +54,46 @@ class NgramDrafter:
         pass
 
 
+def early_exit_model(target: Transformer, n_layers: int) -> Transformer:
+    """The target's first n_layers blocks + its final norm and LM head as a model of its own: a draft (lesson
+    10) or a cascade's small model that needs no training and no memory (every part is the target's own)."""
+    if not 1 <= n_layers < len(target.layers):
+        raise ValueError(f"n_layers must be in 1..{len(target.layers) - 1}, got {n_layers}")
+    with torch.device("meta"):
+        small = Transformer(target.config.with_(n_layers=n_layers), attn_backend=target.attn_backend)
+    small.embed, small.norm, small.lm_head = target.embed, target.norm, target.lm_head
+    small.layers = torch.nn.ModuleList(list(target.layers[:n_layers]))
+    small.rope_cos, small.rope_sin = target.rope_cos, target.rope_sin
+    small.training = target.training  # the shared modules keep their own mode: nothing of the target changes
+    return small
+
+
 @dataclass
 class _DraftState:
-    block_table: list[int] = field(default_factory=list)
+    block_table: BlockTable
     cached: list[int] = field(default_factory=list)  # the tokens whose keys/values the draft cache holds
 
 
 class ModelDrafter:
-    """A draft language model (or the first `n_layers` blocks of one) decoding k tokens ahead, batched.
+    """A draft language model (or the first `n_layers` blocks of one: early_exit_model) decoding k tokens
+    ahead, batched: one PackedForward over every drafting sequence's new tokens per draft step.
 
     `num_blocks` x `block_size` bounds the draft KV cache; when it runs out, sequences outside the current batch
     are evicted (they re-prefill later) and a sequence that still does not fit drafts fewer tokens."""
 
     def __init__(self, model, n_layers: int | None = None, num_blocks: int = 1024, block_size: int = 16):
-        n_layers = len(model.layers) if n_layers is None else n_layers
-        if not 1 <= n_layers <= len(model.layers):
-            raise ValueError(f"n_layers must be in 1..{len(model.layers)} (the draft model's blocks), got {n_layers}")
-        self.model, self.layers = model, slice(0, n_layers)
-        self.cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device, n_layers=n_layers)
+        if n_layers is not None and n_layers != len(model.layers):
+            model = early_exit_model(model, n_layers)
+        self.model = model
+        self.cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device,
+                                  n_layers=len(model.layers))
+        self.forward = PackedForward(model, self.cache)
         self.states: dict[str, _DraftState] = {}
 
     def check_target(self, target) -> None:
         """Refuse a draft that cannot speak for the target: another vocabulary or another device."""
-        if self.model.config.vocab_size != target.config.vocab_size:
-            raise ValueError(f"the draft model's vocabulary has {self.model.config.vocab_size} tokens, the target's "
-                             f"{target.config.vocab_size}: a draft must share the target's tokenizer")
+        check_same_vocabulary(self.model, target, ("draft model", "target"),
+                              "a draft must share the target's tokenizer")
         if self.model.device != target.device:
             raise ValueError(f"the draft model is on {self.model.device}, the target on {target.device}: move the "
                              f"draft with .to({str(target.device)!r})")
@@ -93,28 +101,27 @@ class ModelDrafter:
     def release(self, key: str) -> None:
         state = self.states.pop(key, None)
         if state is not None:
-            self.cache.allocator.free(state.block_table)
+            state.block_table.free()
 
     def _sync(self, key: str, ids: list[int]) -> _DraftState:
         """Keep the cached prefix the sequence still agrees with (at least one token is left to run)."""
-        state = self.states.setdefault(key, _DraftState())
+        state = self.states.get(key)
+        if state is None:
+            state = self.states[key] = _DraftState(BlockTable(self.cache.allocator))
         n, limit = 0, min(len(state.cached), len(ids) - 1)
         while n < limit and state.cached[n] == ids[n]:
             n += 1
-        keep = blocks_needed(n, self.cache.block_size)
-        self.cache.allocator.free(state.block_table[keep:])
-        del state.block_table[keep:], state.cached[n:]
+        state.block_table.truncate(n)
+        del state.cached[n:]
         return state
 
     def _reserve(self, state: _DraftState, n_tokens: int, busy: set[str]) -> bool:
-        missing = blocks_needed(n_tokens, self.cache.block_size) - len(state.block_table)
-        while missing > 0 and not self.cache.allocator.can_allocate(missing):
+        while not state.block_table.can_grow(n_tokens):  # evict draft caches of sequences not in the batch
             idle = next((k for k in self.states if k not in busy), None)
             if idle is None:
                 return False
             self.release(idle)
-        if missing > 0:
-            state.block_table += self.cache.allocator.allocate(missing)
+        state.block_table.grow(n_tokens)
         return True
 
     @torch.inference_mode()
@@ -149,21 +156,12 @@ class ModelDrafter:
 
     def _forward(self, states: list[_DraftState], new_tokens: list[list[int]]) -> Tensor:
         """Run each sequence's new tokens through the draft (one packed forward); logits at each one's last token."""
-        ids, positions, lens, rows = [], [], [], []
+        chunks = []
         for state, tokens in zip(states, new_tokens):
-            positions += range(len(state.cached), len(state.cached) + len(tokens))
-            ids += tokens
+            chunks.append(Chunk(state.block_table.block_ids, len(state.cached), tokens))
             state.cached += tokens
-            lens.append(len(tokens))
-            rows.append(len(ids) - 1)
-        meta = AttentionMetadata.build([s.block_table for s in states], [len(s.cached) for s in states], lens,
-                                       self.cache.block_size, self.model.device)
-        self.cache.set_metadata(meta, check=False)
-        dev = self.model.device
-        h = self.model.embed_tokens(torch.tensor([ids], device=dev))
-        pos = self.cache.begin_forward(1, len(ids), torch.tensor([positions], device=dev))
-        h = self.model.run_layers(h, pos, self.cache, layers=self.layers)
-        return self.model.logits(h, torch.tensor(rows, device=dev))[0].float()
+        return self.forward(chunks).float()
 
 
-__all__ = ["ModelDrafter", "NgramDrafter", "OutOfBlocksError", "Proposal", "propose_ngram"]
+__all__ = ["ModelDrafter", "NgramDrafter", "OutOfBlocksError", "Proposal", "early_exit_model",
+           "propose_ngram"]

@@ -1,14 +1,15 @@
 """Grader for exercise 10: greedy verification, the exact rejection-sampling rule and n-gram prompt lookup.
 
-Everything is compared with oracles written here, not with minillm.speculative.decoding or minillm.speculative.drafters. `greedy_oracle`
-is the acceptance loop; `ngram_oracle` lists every earlier occurrence of every suffix and keeps the longest n's most
-recent one. Rejection sampling is graded on crafted p and q whose outcomes are certain (q = p: everything passes;
-disjoint supports: nothing does; a token q over-covers is never the replacement) and by its exact distribution:
-`outcome_oracle` walks every accept / reject branch of the rule as the papers state it (Leviathan et al. 2023, Chen
-et al. 2023) and gives each outcome (first token, second token, ...) its probability, and thousands of seeded calls
-must hit every outcome's probability within a Bernstein bound that a correct rule exceeds with probability < 1e-6
-(see `bernstein_tolerance`). The real-model task runs SmolLM2 with n-gram speculation and your three functions
-swapped into minillm.speculative.decoding and minillm.speculative.drafters.
+Everything is compared with oracles written here, not with minillm.speculative.decoding or
+minillm.speculative.drafters. `greedy_oracle` is the acceptance loop; `ngram_oracle` lists every earlier occurrence
+of every suffix and keeps the longest n's most recent one. Rejection sampling is graded on crafted p and q whose
+outcomes are certain (q = p: everything passes; disjoint supports: nothing does; a token q over-covers is never the
+replacement) and by its exact distribution: `outcome_oracle` walks every accept / reject branch of the rule as the
+papers state it (Leviathan et al. 2023, Chen et al. 2023) and gives each outcome (first token, second token, ...)
+its probability, and thousands of seeded calls must hit every outcome's probability within a Bernstein bound that a
+correct rule exceeds with probability < 1e-6 (see `bernstein_tolerance`). The real-model task runs SmolLM2 with
+n-gram speculation and your three functions swapped into minillm.speculative.decoding and
+minillm.speculative.drafters.
 """
 
 from __future__ import annotations
@@ -605,11 +606,11 @@ def run_or_explain(broken: list[str], what: str, fn, *args, **kwargs):
 
 @pytest.mark.task_10_real_model
 def test_your_speculation_runs_smollm2(real_model, monkeypatch):
-    """Your verify_greedy, rejection_sample and propose_ngram swapped into minillm.speculative.decoding and minillm.speculative.drafters;
-    minillm.generate(..., speculative=SpeculativeConfig("ngram", k=4)) on a prompt that asks SmolLM2 to repeat a
-    paragraph. Greedy: exactly the target-only greedy tokens, at least half the drafts accepted, fewer target
-    forwards than tokens. Sampled (temperature 0.8, seeded): it completes, and every verification keeps a prefix of
-    its drafts plus one token."""
+    """Your verify_greedy, rejection_sample and propose_ngram swapped into minillm.speculative.decoding and
+    minillm.speculative.drafters; minillm.generate(..., speculative=SpeculativeConfig("ngram", k=4)) on a prompt
+    that asks SmolLM2 to repeat a paragraph. Greedy: exactly the target-only greedy tokens, at least half the drafts
+    accepted, fewer target forwards than tokens. Sampled (temperature 0.8, seeded): it completes, and every
+    verification keeps a prefix of its drafts plus one token."""
     model, tok = real_model
     vocab = model.config.vocab_size
     gen = one_thread(minillm.generate)
@@ -640,7 +641,8 @@ def test_your_speculation_runs_smollm2(real_model, monkeypatch):
         want = gen(model, tok, COPY_PROMPT, max_new_tokens=N_NEW, chat=True).token_ids
         assert not broken, f"greedy speculation: {broken[0]}"
         assert calls["verify_greedy"] and calls["propose_ngram"], (
-            f"your functions were not called ({dict(calls)}): is minillm.speculative.decoding / minillm.speculative.drafters unchanged?")
+            f"your functions were not called ({dict(calls)}): is minillm.speculative.decoding / "
+            f"minillm.speculative.drafters unchanged?")
         same_tokens(got, want, tok, "greedy n-gram speculation (k = 4) with your functions")
         print(f"\ngreedy: {len(got)} tokens in {stats.steps} verification steps (+ the prefill), "
               f"{stats.accepted}/{stats.proposed} drafts accepted, acceptance rate {stats.acceptance_rate:.2f}, "

@@ -1,21 +1,23 @@
 """Grader for exercise 12: the chained block hash, the longest cached prefix and LRU eviction of cached blocks.
 
-Everything is compared with oracles written here, not with minillm.cache.prefix_cache. The names: `name_oracle` is SHA-256
-over the parent's name and the ids as little-endian int32, `chain_oracle` chains it over the full blocks; before the
-exact bytes, each rule is checked on its own (32 bytes, the parent counts, the order counts, ids are not truncated,
-partial blocks have no name, `known` is continued, one changed token renames its block and every later one), so a
-wrong answer is named by the rule it breaks. The allocator's two tasks are graded apart: while match/acquire are
-graded, allocate/free/num_free are the grader's own (`_grader_allocate` ...), and while allocate/_evict/free/num_free
-are graded, match/acquire are; both run on your class and its state (`_free`, `_evictable`, `_block_of`, `_name_of`,
-the ref counts). Crafted caches and crafted free/allocate orders say which block must be found or evicted and why;
-hypothesis runs random operation sequences against a model of the three block states (free and unnamed, owned,
-unowned and named) and of the LRU order; the engine's BlockManager (given code) shows the sharing a request gets.
+Everything is compared with oracles written here, not with minillm.cache.prefix_cache. The names: `name_oracle` is
+SHA-256 over the parent's name and the ids as little-endian int32, `chain_oracle` chains it over the full blocks;
+before the exact bytes, each rule is checked on its own (32 bytes, the parent counts, the order counts, ids are not
+truncated, partial blocks have no name, `known` is continued, one changed token renames its block and every later
+one), so a wrong answer is named by the rule it breaks. The allocator's two tasks are graded apart: while
+match/acquire are graded, allocate/free/num_free are the grader's own (`_grader_allocate` ...), and while
+allocate/_evict/free/num_free are graded, match/acquire are; both run on your class and its state (`_free`,
+`_evictable`, `_block_of`, `_name_of`, the ref counts). Crafted caches and crafted free/allocate orders say which
+block must be found or evicted and why; hypothesis runs random operation sequences against a model of the three
+block states (free and unnamed, owned, unowned and named) and of the LRU order; the engine's BlockManager (given
+code) shows the sharing a request gets.
 
-The real-model task puts your block_hashes (and through it your hash_block) into minillm.engine.block_manager and
-your PrefixCachingAllocator into minillm.cache.paged, and serves SmolLM2-135M chat requests that share a system prompt on a
-10-block pool, one phase after another (c0; c1 and c2 at once; b0 with another system prompt, which must evict; c0
-again). Each answer must be the greedy answer of the engine without prefix caching, each phase must hit as many
-prompt tokens and evict as many blocks as minillm's own prefix cache, and every block must be back at the end.
+The real-model task puts your block_hashes (and through it your hash_block) into minillm.engine.block_manager
+and your PrefixCachingAllocator into minillm.engine.llm (the engine builds its allocator there), and serves
+SmolLM2-135M chat requests that share a system prompt on a 10-block pool, one phase after another (c0; c1 and
+c2 at once; b0 with another system prompt, which must evict; c0 again). Each answer must be the greedy answer
+of the engine without prefix caching, each phase must hit as many prompt tokens and evict as many blocks as
+minillm's own prefix cache, and every block must be back at the end.
 """
 
 from __future__ import annotations
@@ -835,7 +837,7 @@ def test_your_prefix_cache_serves_smollm2(real_model, monkeypatch):
     as minillm's prefix cache; every block is back at the end."""
     model, tok = real_model
     block_manager = importlib.import_module("minillm.engine.block_manager")
-    paged = importlib.import_module("minillm.cache.paged")
+    engine = importlib.import_module("minillm.engine.llm")
     calls = Counter()
 
     def your_block_hashes(*args, **kwargs):
@@ -844,11 +846,11 @@ def test_your_prefix_cache_serves_smollm2(real_model, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(block_manager, "block_hashes", your_block_hashes)
-        m.setattr(paged, "PrefixCachingAllocator", impl.PrefixCachingAllocator)
+        m.setattr(engine, "PrefixCachingAllocator", impl.PrefixCachingAllocator)
         got, llm = serve_phases(model, tok)
     assert isinstance(llm.cache.allocator, impl.PrefixCachingAllocator) and calls["block_hashes"], (
-        "your PrefixCachingAllocator / block_hashes were not used: is minillm.cache.paged / minillm.engine.block_manager "
-        "unchanged?")
+        "your PrefixCachingAllocator / block_hashes were not used: is minillm.engine.llm / "
+        "minillm.engine.block_manager unchanged?")
     want = reference_phases(model, tok)
     for i, (g, w) in enumerate(zip(got, want)):
         phase = f"phase {i + 1} ({' and '.join(PHASES[i])})"

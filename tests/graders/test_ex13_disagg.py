@@ -1,13 +1,13 @@
 """Grader for exercise 13: the KV-block transfer of disaggregated serving, and routing requests across replicas.
 
-Everything is compared with oracles written here, not with minillm.cache.kv_transfer or minillm.serving.router. pack and unpack:
-`oracle_pack` copies one pool block at a time (a Python loop over the table) and the receiver's expected state is
-built the same way; crafted pools (several layers, scattered and reversed tables, a partial last block, an int8 pool
-with its float16 scales, a receiver with other contents in every other block) say which rule a wrong answer breaks,
-then hypothesis draws shapes, tables and token counts. The router: crafted ReplicaStates (loads in tokens vs in
-requests, ties, dead replicas), crafted memories and request streams (the leading run of hashes, the longest match,
-a prompt shorter than a block, both balance thresholds at their boundaries, the LRU bound), then random streams
-against `OracleRouter`, a plain-list model of the memory and the rules.
+Everything is compared with oracles written here, not with minillm.cache.kv_transfer or minillm.serving.router. pack
+and unpack: `oracle_pack` copies one pool block at a time (a Python loop over the table) and the receiver's expected
+state is built the same way; crafted pools (several layers, scattered and reversed tables, a partial last block, an
+int8 pool with its float16 scales, a receiver with other contents in every other block) say which rule a wrong
+answer breaks, then hypothesis draws shapes, tables and token counts. The router: crafted ReplicaStates (loads in
+tokens vs in requests, ties, dead replicas), crafted memories and request streams (the leading run of hashes, the
+longest match, a prompt shorter than a block, both balance thresholds at their boundaries, the LRU bound), then
+random streams against `OracleRouter`, a plain-list model of the memory and the rules.
 
 The real-model task runs SmolLM2-135M (float32) through your code in one process: your pack_kv_blocks and
 unpack_kv_blocks take the place of minillm.cache.kv_transfer's while LLM.add_prefill runs on one engine and
