@@ -19,7 +19,7 @@ from minillm.compile.torch_compile import decode_tokens_compiled
 from minillm.compress.quant import Int4Linear
 from minillm.decode_loop import decode_tokens
 from minillm.gguf.loader import load_from_file, saved_model_exists
-from minillm.kv_cache import Int8KVCache, KVCache
+import minillm.kv_cache as kv_cache
 from minillm.request import Request, RequestOutput, finish_reason, make_request
 from minillm.sampling import SamplingParams
 from minillm.speculative.decoding import SpeculativeConfig, check_budget, generate_speculative, make_drafter
@@ -56,7 +56,8 @@ def make_cache(kind: str, model, max_len: int, batch_size: int = 1, kv_dtype: to
     if kind == "none":
         return None
     if kind == "contiguous":
-        cls = Int8KVCache if kv_dtype == torch.int8 else KVCache
+        # through the module, at call time: the course swaps a learner's KVCache in there (course/ladder.py)
+        cls = kv_cache.Int8KVCache if kv_dtype == torch.int8 else kv_cache.KVCache
         return cls.for_model(model, batch_size, max_len, kv_dtype=kv_dtype)
     if kind == "paged":
         return PagedSequenceCache.for_model(model, batch_size, max_len, kv_dtype=kv_dtype)

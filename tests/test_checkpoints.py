@@ -10,7 +10,6 @@ import importlib
 import pytest
 import torch
 
-import minillm.api
 import minillm.attention
 import minillm.cache.paged
 import minillm.cache.paged_attention
@@ -28,7 +27,7 @@ sol = {k: importlib.import_module(f"solutions.{k}") for k in STANDS_ON}
 
 def _originals():
     return (minillm.model.rms_norm, minillm.model.apply_rope, minillm.decode_loop.sample_from_logits,
-            minillm.kv_cache.append_kv, minillm.kv_cache.KVCache, minillm.api.KVCache,
+            minillm.kv_cache.append_kv, minillm.kv_cache.KVCache,
             minillm.cache.paged.BlockAllocator, minillm.engine.llm.BlockAllocator,
             minillm.cache.paged_attention.slot_mapping, minillm.cache.paged_attention.context_slots,
             minillm.cache.paged.PagedKVCache.__init__, minillm.engine.scheduler.schedule_step,

@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from types import ModuleType
 
-import minillm.api as api
 import minillm.attention as attention
 import minillm.cache.paged as paged
 import minillm.cache.paged_attention as paged_attention
@@ -149,9 +148,7 @@ def use_exercises(model, *modules: ModuleType, skip_stubs: bool = False, only: s
                 elif name == "flash_attention":  # small tiles, so a short prompt still spans several of them
                     attention_backend(f"exercise_{key}", functools.partial(fn, block_q=16, block_k=16))
                 elif name == "decode_attention":  # the class the front door's make_cache builds
-                    cls = _cache_with_decode(kv_cache.KVCache, fn)
-                    patch(kv_cache, "KVCache", cls)
-                    patch(api, "KVCache", cls)
+                    patch(kv_cache, "KVCache", _cache_with_decode(kv_cache.KVCache, fn))
         yield used
 
 
