@@ -1,6 +1,6 @@
 """Paged decode attention in Triton: one query per sequence, keys and values read through the block table.
 
-Same contract as minillm.cache.paged.paged_attention (the torch gather it replaces on the GPU):
+Same contract as minillm.cache.paged_attention.paged_attention (the torch gather it replaces on the GPU):
     q (num_seqs, n_heads, head_dim); k_pool, v_pool (num_blocks, block_size, n_kv_heads, head_dim), one layer;
     block_tables (num_seqs, max_blocks) int, -1 past a sequence's blocks; context_lens (num_seqs,) int.
     -> (num_seqs, n_heads, head_dim)

@@ -51,7 +51,8 @@ from minillm.config import SMOLLM2_135M, ModelConfig
 from minillm.kv_cache import kv_bytes_per_token
 from minillm.course.lesson import hardware_line, pick
 from minillm.model import Transformer
-from minillm.cache.paged import AttentionMetadata, PagedKVCache, PagedSequenceCache, paged_attention
+from minillm.cache.paged import PagedKVCache, PagedSequenceCache
+from minillm.cache.paged_attention import AttentionMetadata, paged_attention
 
 torch.manual_seed(0)
 print(hardware_line())
@@ -215,7 +216,7 @@ print("position 37 of sequence 0 -> block", [7, 2, 5][37 // 16], "offset", 37 % 
 
 # %%
 from minillm.attention import sdpa_attention
-from minillm.cache.paged import gather_sequence
+from minillm.cache.paged_attention import gather_sequence
 
 lens, block_size, n_kv_heads, head_dim = [1, 17, 40], 16, 3, 64
 num_blocks = 8

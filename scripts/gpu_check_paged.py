@@ -89,7 +89,7 @@ def reference(q, k, v, lens):
 def check_config(cfg) -> dict:
     from minillm_kernels.paged_decode import triton_paged_decode
 
-    from minillm.cache.paged import paged_attention
+    from minillm.cache.paged_attention import paged_attention
 
     batch, n_heads, n_kv_heads, head_dim = cfg
     rec: dict = {"batch": batch, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim,

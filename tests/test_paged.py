@@ -13,15 +13,9 @@ import minillm
 from minillm.config import ModelConfig
 from minillm.kv_cache import KVCache
 from minillm.model import Transformer
-from minillm.cache.paged import (
-    AttentionMetadata,
-    OutOfBlocksError,
-    PagedKVCache,
-    PagedSequenceCache,
-    blocks_needed,
-    paged_attention,
-    paged_prefill_attention,
-)
+from minillm.cache.block_allocator import OutOfBlocksError, blocks_needed
+from minillm.cache.paged import PagedKVCache, PagedSequenceCache
+from minillm.cache.paged_attention import AttentionMetadata, paged_attention, paged_prefill_attention
 
 
 def make_pool(context_lens, block_size, n_kv_heads, head_dim, seed, dtype=torch.float32, spare=3, junk=float("nan")):

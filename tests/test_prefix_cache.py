@@ -166,7 +166,7 @@ def _seq(rid, ids, max_tokens=4):
 
 
 def test_manager_shares_full_blocks_only_and_never_the_last_token():
-    bm = BlockManager(PrefixCachingAllocator(16, 4))
+    bm = BlockManager(PrefixCachingAllocator(16, 4), prefix_caching=True)
     a = _seq("a", range(10))  # blocks [0..3] [4..7] + a partial one
     bm.allocate(a)
     a.num_cached_tokens = 10
@@ -189,7 +189,7 @@ def test_manager_shares_full_blocks_only_and_never_the_last_token():
 
 
 def test_manager_truncate_never_cuts_a_cached_block():
-    bm = BlockManager(PrefixCachingAllocator(8, 4))
+    bm = BlockManager(PrefixCachingAllocator(8, 4), prefix_caching=True)
     a = _seq("a", range(9))
     bm.allocate(a)
     a.num_cached_tokens = 9
@@ -202,7 +202,7 @@ def test_manager_truncate_never_cuts_a_cached_block():
 
 def test_can_allocate_counts_the_cached_blocks_it_takes():
     """A hit on an unowned cached block uses up one free block: can_allocate must not promise it twice."""
-    bm = BlockManager(PrefixCachingAllocator(3, 2))
+    bm = BlockManager(PrefixCachingAllocator(3, 2), prefix_caching=True)
     a = _seq("a", [1, 2, 3, 4, 5])
     bm.allocate(a)
     a.num_cached_tokens = 5
@@ -321,7 +321,7 @@ def test_real_model_shared_system_prompt(real_model):
 
 
 def test_failed_allocation_gives_the_shared_blocks_back():
-    bm = BlockManager(PrefixCachingAllocator(3, 2))
+    bm = BlockManager(PrefixCachingAllocator(3, 2), prefix_caching=True)
     a = _seq("a", [1, 2, 3, 4, 5])
     bm.allocate(a)
     a.num_cached_tokens = 5

@@ -22,7 +22,8 @@ from minillm.attention.flash import flash_attention, merge_partials
 from minillm.kv_cache import KVCache
 from minillm.cache.kv_transfer import pack_kv_blocks, unpack_kv_blocks
 from minillm.model import Transformer, model_bytes, replace_linears
-from minillm.cache.paged import KVBlockPool, KVCacheSpec, PagedSequenceCache
+from minillm.cache.kv_pool import KVBlockPool, KVCacheSpec
+from minillm.cache.paged import PagedSequenceCache
 from minillm.sampling import SamplingParams, logits_to_probs, sample_batch
 from tests.conftest import tiny_model
 

@@ -110,7 +110,7 @@ def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> Be
          "slots (mean occupancy) while a batch waits for its longest request."),
         ("both engines run the same ModelRunner and PagedKVCache: ragged decode attention gathers each sequence's "
          "blocks once per layer through slot indices computed once per step, then one masked SDPA call "
-         "(minillm.cache.paged.gathered_decode_attention)."),
+         "(minillm.cache.paged_attention.gathered_decode_attention)."),
         f"goodput: requests/s meeting TTFT <= {slo['slo_ttft_s']} s and TPOT <= {slo['slo_tpot_s']} s.",
     ]
     return BenchResult(name="batching", rows=rows, ratios=ratios, targets=targets,

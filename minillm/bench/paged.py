@@ -83,7 +83,7 @@ def attention_step_rows(cfg: ModelConfig, context: int, block_size: int = 16, re
     """One layer's decode attention at `context` cached tokens, batch 1, one thread: contiguous SDPA vs the paged
     torch gather (median microseconds)."""
     from minillm.attention import sdpa_attention
-    from minillm.cache.paged import paged_attention
+    from minillm.cache.paged_attention import paged_attention
 
     g = torch.Generator().manual_seed(0)
     h, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim

@@ -40,7 +40,7 @@ def simulate_hit_rate(prompts: list[list[int]], num_blocks: int, block_size: int
     from minillm.cache.prefix_cache import PrefixCachingAllocator
     from minillm.sampling import SamplingParams
 
-    manager = BlockManager(PrefixCachingAllocator(num_blocks, block_size))
+    manager = BlockManager(PrefixCachingAllocator(num_blocks, block_size), prefix_caching=True)
     for i, ids in enumerate(prompts):
         if not ids:
             raise ValueError(f"prompt {i} is empty")

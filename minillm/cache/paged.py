@@ -20,15 +20,7 @@ from torch import Tensor
 from minillm.attention import AttentionFn, get_attention
 from minillm.cache.block_allocator import BlockAllocator, BlockTable, OutOfBlocksError, blocks_needed
 from minillm.cache.kv_pool import KVBlockPool, KVCacheSpec
-from minillm.cache.paged_attention import (  # noqa: F401
-    AttentionMetadata,
-    StepPlan,
-    context_slots,
-    gather_sequence,
-    gathered_decode_attention,
-    paged_attention,
-    paged_prefill_attention,
-)
+from minillm.cache.paged_attention import AttentionMetadata, StepPlan, gathered_decode_attention
 from minillm.config import ModelConfig
 
 

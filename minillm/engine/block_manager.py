@@ -29,11 +29,15 @@ from minillm.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, allocator: BlockAllocator):
+    def __init__(self, allocator: BlockAllocator, prefix_caching: bool = False):
+        """prefix_caching=True needs an allocator that registers and matches blocks (PrefixCachingAllocator, or
+        exercise 12's): the engine builds both from one setting."""
+        if prefix_caching and not all(callable(getattr(allocator, m, None)) for m in ("match", "acquire", "register")):
+            raise TypeError(f"prefix_caching=True needs an allocator with match(), acquire() and register() (a "
+                            f"PrefixCachingAllocator), got {type(allocator).__name__}")
         self.allocator = allocator
         self.block_size = allocator.block_size
-        # an allocator that can match cached prefixes (PrefixCachingAllocator, or exercise 12's) turns caching on
-        self.prefix_caching = callable(getattr(allocator, "match", None))
+        self.prefix_caching = prefix_caching
 
     @property
     def num_blocks(self) -> int:

@@ -78,7 +78,7 @@ class LLM(HandoffMixin):
                                                                                                   block_size)
         self.cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device,
                                   kv_dtype=config.kv_dtype, n_layers=len(model.layers), allocator=allocator)
-        self.block_manager = BlockManager(allocator)
+        self.block_manager = BlockManager(allocator, prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache, config.max_num_batched_tokens)
         spec = config.speculative  # the draft model's own paged cache holds as many tokens as the target's

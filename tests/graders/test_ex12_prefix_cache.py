@@ -472,7 +472,7 @@ def test_identical_prefixes_share_blocks_in_the_block_manager():
     last token: that one is always run) and shares the blocks with your acquire."""
     from minillm.engine.block_manager import BlockManager
 
-    bm = BlockManager(match_under_test()(24, 4))
+    bm = BlockManager(match_under_test()(24, 4), prefix_caching=True)
     a = _seq("a", range(10))  # blocks [0..3] [4..7] and a partial [8, 9]
     bm.allocate(a)
     a.num_cached_tokens = 10  # a's prefill ran: its two full blocks get names
@@ -665,7 +665,7 @@ def test_the_block_managers_tail_first_frees():
     tail, and a request with the same prefix still finds the head."""
     from minillm.engine.block_manager import BlockManager
 
-    bm = BlockManager(lru_under_test()(6, 4))
+    bm = BlockManager(lru_under_test()(6, 4), prefix_caching=True)
     a = _seq("a", range(14))  # 3 full blocks + 2 tokens
     bm.allocate(a)
     a.num_cached_tokens = 14
