@@ -1,22 +1,10 @@
-"""The block allocator behind the paged KV cache: fixed-size blocks, a free list and reference counts.
+"""The block allocator behind the paged KV cache (lesson 04): fixed-size blocks, a free list, ref counts.
 
-A paged cache splits the KV memory pool into `num_blocks` blocks of `block_size` token slots each. A sequence owns a
-list of block ids (its *block table*) and grows it one block at a time, so it never reserves more than one partly
-filled block. This module does only the bookkeeping, on plain Python ints: which blocks are free and how many owners
-each allocated block has. Tensors live in minillm.cache.paged.PagedKVCache; scheduling lives in minillm.engine.
-
-Invariants (tests/test_block_allocator.py checks them with a hypothesis state machine):
-  * a block is either on the free list (ref count 0) or allocated (ref count >= 1), never both, never twice;
-  * `allocate` is all-or-nothing: it hands out `n` blocks or raises OutOfBlocksError and changes nothing;
-  * `free` decrements ref counts; a block returns to the free list when its count reaches 0; freeing a free block
-    (a double free) raises ValueError instead of corrupting the free list;
-  * `incref` adds an owner (a forked sequence or a shared prompt prefix); a shared block is written only after
-    copy-on-write, which PagedKVCache.set_metadata checks for.
-
-`BlockTable` is one sequence's block ids over an allocator (grow to n tokens, truncate, free): the engine's
-block manager, the self-managed PagedSequenceCache and the draft model all keep their tables with it.
-
-Lesson 04 (lessons/04_paged_attention.py) teaches it; exercise 04 task_04_allocator asks you to write it.
+The KV pool is `num_blocks` blocks of `block_size` token slots; a sequence grows its list of block ids (its
+block table) a block at a time, so it never reserves more than one partly filled block. `BlockAllocator` is
+the bookkeeping on plain ints: all-or-nothing `allocate`, `free` (a double free raises), `incref` to share a
+block. `BlockTable` is one sequence's ids over it (grow, truncate, free), used by the block manager,
+PagedSequenceCache and the draft model. Tensors live in kv_pool.py. Exercise 04 asks you to write it.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
-"""Moving one request's KV cache from a prefill engine to a decode engine: the data plane of disaggregation.
+"""KV transfer for disaggregated serving (lesson 13): a request's KV blocks from a prefill to a decode pool.
 
-Prefill (the whole prompt in one or a few big forwards) is compute bound; decode (one token per sequence per step)
-is memory bound. In one engine they share every step, so a long prompt arriving stalls every running decode for as
-long as its prefill takes. Disaggregated serving (DistServe, Splitwise, vLLM's disaggregated prefill) runs them on
-different workers: the prefill worker computes the prompt's keys/values and the first token, then ships the KV
-blocks to a decode worker, which continues as if it had computed them itself. The cost it removes is the
-interference (decode inter-token latency no longer depends on other requests' prompts); the cost it adds is this
-transfer: 2 x layers x kv_heads x head_dim x bytes per prompt token (46 KiB for SmolLM2-135M in float32).
-
-Blocks are scattered over the source pool and land in other block ids of the destination pool, so the payload is
-the sequence's blocks gathered into contiguous tensors, in token order:
-
-    payload = pack_kv_blocks(prefill_pool, seq.block_table, num_tokens)   # {"k": (L, n_blocks, B, H, D), "v", ...}
-    unpack_kv_blocks(decode_pool, new_block_ids, payload)                 # same shapes, other ids
-
-Processes, queues and the wire are minillm/serving/disagg.py's business; the engine seam is LLM.add_prefill /
-LLM.add_prefilled (minillm/engine/handoff.py). Lesson 13; exercise 13 asks for pack_kv_blocks and
-unpack_kv_blocks.
+Disaggregation (DistServe, Splitwise) runs compute-bound prefill and memory-bound decode on separate workers,
+so a long prompt no longer stalls other requests' decodes; the price is shipping the prompt's KV. Blocks are
+scattered in both pools: `pack_kv_blocks` gathers a sequence's blocks into contiguous tensors in token order,
+`unpack_kv_blocks` writes them into the receiver's own blocks; `KVHandoff` is the request that travels with
+them. Engine seam: handoff.py; processes and the wire: serving/disagg.py. Exercise 13 asks for both functions.
 """
 
 from __future__ import annotations

@@ -2,11 +2,10 @@
 
 A contiguous cache reserves max_len slots per sequence up front; paging (vLLM's PagedAttention) hands out a
 block only when the last one fills: a sequence wastes at most block_size - 1 slots, any free block fits.
-  PagedKVCache        pool (kv_pool.py) + allocator (block_allocator.py), driven by the engine through
-                      AttentionMetadata (`set_metadata`); the model calls begin_forward / attend;
+  PagedKVCache        pool (kv_pool.py), allocator (block_allocator.py), attention (paged_attention.py); the
+                      engine drives it through `set_metadata`, the model calls begin_forward / attend;
   PagedSequenceCache  the same cache keeping its own BlockTables for a fixed batch (generate(cache="paged"));
-  PackedForward       the model over several sequences' new tokens packed in one row: the engine's runner and
-                      the draft model both run it. The attention it runs: paged_attention.py.
+  PackedForward       the model over several sequences' new tokens packed in one row (engine runner, drafter).
 """
 
 from __future__ import annotations

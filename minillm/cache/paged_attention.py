@@ -1,16 +1,11 @@
-"""Attention through block tables: the functions the paged KV cache (paged.py) runs, and the step metadata they read.
+"""Attention through block tables (lesson 04): what the paged KV cache (paged.py) runs, and its metadata.
 
-A paged cache keeps each sequence's keys/values in fixed-size blocks scattered over one pool (lesson 04). Attention
-therefore reads a sequence's context through its block table: token at position p of a sequence with table T lives
-in pool slot T[p // block_size] * block_size + p % block_size. This file holds
-  AttentionMetadata          one packed forward's batch: block tables, context/query lengths, slot of each new token;
-  slot_mapping               the write path: where each new token's key/value goes (exercise 04);
-  paged_attention            the readable reference: gather, upcast, mask, softmax, in separate steps;
-  context_slots +            the read path and CPU fast path (context_slots is exercise 04): slots computed once per
-                             step (StepPlan) and reused by every layer,
-  gathered_decode_attention  then one index_select per pool and one fused SDPA with a padding mask;
-  paged_prefill_attention    variable-length prompts (chunks) over their gathered context, one attention call each.
-The Triton decode kernel (kernels/paged_decode.py) is the GPU path; attention.py's registry names them all.
+Token p of a sequence with block table T lives in pool slot T[p // block_size] * block_size + p % block_size.
+`AttentionMetadata`: one packed forward's batch (block tables, context/query lengths, new tokens' slots);
+`slot_mapping`: the write path; `paged_attention`: the readable reference (gather, upcast, mask, softmax);
+`StepPlan`, `context_slots`, `gathered_decode_attention`: the CPU fast path (slots once per step, one SDPA);
+`paged_prefill_attention`: prompt chunks. GPU decode: kernels/paged_decode.py; attention.py's registry names
+them all. Exercise 04 asks for slot_mapping and context_slots.
 """
 
 from __future__ import annotations

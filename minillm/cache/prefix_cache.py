@@ -1,32 +1,11 @@
-"""Prefix caching: a prompt's keys and values are computed once and reused by every request that starts the same way.
+"""Prefix caching (lesson 12): a prompt's KV blocks are computed once, reused by requests that start alike.
 
-Serving traffic repeats itself: every chat request of an app carries the same system prompt, every question about a
-document carries the document, every turn of a conversation carries the turns before it. Without a cache each
-request prefills its whole prompt again; prefill is compute bound (~2 * params FLOPs per token), so a 1,000-token
-shared system prompt costs every request the same second or more of TTFT. Keys and values depend only on the tokens
-up to them (causal attention, RoPE at absolute positions), so a block of KV computed for one request is exactly the
-block another request with the same prefix would compute: keep it, and look it up.
-
-How (vLLM's automatic prefix caching; SGLang's RadixAttention does the same with a radix tree of tokens):
-  * a *full* block is named by a chained hash: hash(parent block's hash, this block's tokens). The chain makes the
-    name depend on every token before the block, so equal names mean equal prefixes: one differing token changes
-    its block's hash and every hash after it. A partly filled block has no name: it is still being written;
-  * a block gets its name once all its tokens are computed, and keeps it after its sequence finishes: with no owner
-    left it waits in an LRU list, still holding its KV, instead of going back to the plain free list;
-  * a new request looks up its prompt's hashes in order and takes every cached block up to the first miss (the
-    longest cached prefix: `match`), sharing them by reference count; it prefills only the rest. The lookup stops
-    one token short of the prompt's end: the last token must be run anyway, its logits sample the first output;
-  * allocation takes never-named free blocks first and only then evicts the least recently freed cached block
-    (its name is forgotten). Freeing a sequence's blocks tail first makes a chain's tail go before its head: a
-    chain is only ever matched from its first block.
-Shared blocks are never written: a sequence only writes past its cached tokens, and a cached block is full and
-fully computed. PagedKVCache.set_metadata checks it (MINILLM_DEBUG=1: every block written has one owner), so no
-copy-on-write is needed; BlockManager.truncate refuses to cut into a named block for the same reason.
-
-The hash is SHA-256, not Python's hash(): a collision would hand one user another user's keys and values, and
-hash() of ints is easy to collide on purpose (vLLM's CVE-2025-25183).
-
-Lesson 12 (lessons/12_serving.py) teaches it; exercise 12 asks for the hash chain, the prefix match and LRU eviction.
+System prompts, documents and earlier turns repeat across requests, and KV depends only on the tokens up to
+it. As in vLLM's automatic prefix caching, a full block is named by a chained SHA-256 hash (`block_hashes`:
+parent's name + its tokens), so equal names mean equal prefixes. `PrefixCachingAllocator` keeps named blocks
+after their owners finish (LRU, evicted only when no never-named block is free); `match` finds the longest
+cached prefix, `acquire` shares it, `register` names a full computed block. Exercise 12 asks for the hash
+chain, the prefix match and LRU eviction.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
-"""The block manager: which KV blocks each sequence owns, in verbs that read like the scheduling algorithm.
+"""The block manager (lesson 05): which KV blocks each sequence owns, in verbs that read like the scheduler.
 
-It sits on the engine's BlockAllocator (minillm/cache/block_allocator.py, lesson 04), shared with the
-paged cache, and keeps each sequence's `block_table` (plain ids) through a BlockTable:
-  can_allocate(seq) / allocate(seq)  - blocks for everything the sequence has so far (prompt, or prompt + output
-                                       when a preempted sequence is recomputed), on admission;
-  can_append(seq, n) / may_append(seq, n) - before a step that writes the sequence's last token and n - 1 more
-                                       (n > 1: verifying draft tokens, lesson 10): they may start new blocks;
-  truncate(seq, n_tokens)            - forget cached tokens from n_tokens on and free the blocks past them;
-  deallocate(seq)                    - give all of its blocks back (finished, aborted or preempted);
-  cache_blocks(seq)                  - with prefix caching (lesson 12): name the sequence's newly completed full
-                                       blocks, so later requests with the same prefix reuse them.
-
-A decode step writes the key/value of the sequence's last token (index num_tokens - 1), so it needs
-ceil(num_tokens / block_size) blocks: at most one more than before, and only every block_size tokens.
-That is paging's whole memory win: a sequence holds at most one partly filled block (lesson 04).
-
-With a PrefixCachingAllocator (minillm/cache/prefix_cache.py) `allocate` first takes the cached blocks of the longest
-cached prefix of the sequence's tokens (never its last token: that one is always run, to sample from) and sets
-num_cached_tokens past them, so the scheduler only schedules the rest: prefix caching needs no change to the
-scheduling algorithm, only to what "allocate" finds.
+On the engine's BlockAllocator (lesson 04), shared with the paged cache, it keeps each sequence's
+`block_table` through a BlockTable: `can_allocate` / `allocate` on admission (prompt, or prompt + output after
+a preemption), `can_append` / `may_append` before a step writes new tokens (several with drafts, lesson 10),
+`truncate` (speculative rollback), `deallocate`, `cache_blocks` (prefix caching, lesson 12). With a
+PrefixCachingAllocator `allocate` shares the longest cached prefix and marks it computed: prefix caching
+changes what "allocate" finds, not the scheduling algorithm.
 """
 
 from __future__ import annotations
@@ -91,6 +78,7 @@ class BlockManager:
 
     def can_append(self, seq: Sequence, n: int = 1) -> bool:
         """Can the next step write its n tokens? Needs free blocks only where the last one fills up."""
+        # the step writes the KV of the last sampled token (index num_tokens - 1) and of n - 1 drafts after it
         return self.table(seq).can_grow(seq.num_tokens + n - 1)
 
     def may_append(self, seq: Sequence, n: int = 1) -> None:
@@ -114,6 +102,7 @@ class BlockManager:
         if not self.prefix_caching or n_full <= seq.num_named_blocks:
             return
         seq.block_hashes = block_hashes(seq.all_ids, self.block_size, seq.block_hashes)
+        # a named block is full and computed, so nobody writes it again: sharing it needs no copy-on-write
         for i in range(seq.num_named_blocks, n_full):
             self.allocator.register(seq.block_table[i], seq.block_hashes[i])
         seq.num_named_blocks = n_full

@@ -1,13 +1,11 @@
 """The disaggregation seam of the engine (lesson 13): hand a request's KV cache from one LLM to another.
 
-    prefill_llm.add_prefill(prompt, params)        # runs the prompt (chunked, prefix-cached) and its first sample
-    for h in prefill_llm.pop_handoffs():           # KVHandoff: prompt, first token, params, generator state, KV
-        decode_llm.add_prefilled(h)                # own blocks, unpack, straight into the running queue
+    prefill_llm.add_prefill(prompt, params)   # runs the prompt (chunked, prefix-cached) and its first sample
+    for h in prefill_llm.pop_handoffs():      # KVHandoff: prompt, first token, params, generator state, KV
+        decode_llm.add_prefilled(h)           # own blocks, unpack, straight into the running queue
 
-`LLM` inherits these methods (minillm/engine/llm.py); LLM.step calls `_pack_handoffs` after the forward and before
-the scheduler frees the finished requests' blocks. The KV itself is packed and unpacked by minillm/cache/kv_transfer.py;
-processes and the wire are minillm/serving/disagg.py's business. The scheduler never sees any of it: a prefilled request
-enters the running queue as a decode.
+`LLM` inherits these methods; LLM.step calls `_pack_handoffs` after the forward, before finished blocks are
+freed. KV packing: cache/kv_transfer.py; processes and the wire: serving/disagg.py.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
-"""The scheduler of continuous (in-flight) batching: every step, decide which sequences run and how many tokens each.
+"""The continuous batching scheduler (lesson 05): each step, which sequences run and how many tokens each.
 
-Static batching fixes a batch, runs it until its longest request is done, and only then takes the next batch: a
-request that finishes early leaves an idle slot (a *bubble*) until the whole batch ends. Continuous batching
-re-decides at every step. Finished sequences leave at once (their KV blocks go back to the pool) and waiting ones take
-their place, so the batch stays full and every read of the weights (decode is memory bound: one read serves the whole
-batch) produces as many tokens as possible.
-
-One step here:
-  1. running sequences go first, oldest first: a decode costs one token; a prompt that did not fit the last step's
-     token budget gets its next chunk (chunked prefill). A decode may need a new KV block; when none is free, the most
-     recently admitted running sequence is *preempted*: its blocks are freed and it goes back to the head of the
-     waiting queue, to be *recomputed* later (its prompt + the tokens generated so far become its new prefill). The
-     oldest sequence therefore always makes progress, and no request is ever dropped.
-  2. then, if nothing was preempted, waiting sequences are admitted in arrival order while there are free blocks for
-     their tokens, a free slot (max_num_seqs) and token budget (max_num_batched_tokens) left.
-`postprocess_step` appends the sampled tokens, checks the stop conditions and retires finished sequences, freeing
-their blocks at once. With speculative decoding (lesson 10) `reserve_lookahead` gives decodes KV slots for draft
-tokens after the plan is made, and `rollback_drafts` gives back the slots of the rejected ones. With prefix caching
-(lesson 12) the block manager's `allocate` marks a request's cached prefix as computed, so the same algorithm
-schedules only the rest, and `postprocess` names the blocks each step completed. Everything here is plain Python: no
-tensors, testable without a model (tests/test_scheduler.py).
-
-Lesson 05 (lessons/05_continuous_batching.py) teaches it; exercise 05 task_05_schedule asks for schedule_step and
-postprocess_step.
+Static batching runs a batch until its longest request ends; continuous batching re-decides every step, so
+finished sequences free their KV blocks at once and waiting ones take their place. `schedule_step`: running
+sequences oldest first (a decode, or a chunked prefill's next chunk), the youngest preempted and recomputed
+later when blocks run out; then waiting ones in arrival order, within max_num_seqs and max_num_batched_tokens.
+`postprocess_step` appends sampled tokens and retires finished sequences; `reserve_lookahead` /
+`rollback_drafts` serve speculative decoding (lesson 10). Plain Python, no tensors. Exercise 05 asks for both.
 """
 
 from __future__ import annotations

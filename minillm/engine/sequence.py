@@ -1,16 +1,9 @@
-"""One request's state as it moves through the engine: tokens, status, block table, timestamps.
+"""One request's state as it moves through the engine (lesson 05): tokens, status, block table, timestamps.
 
-A `Sequence` is plain Python data. The scheduler moves it between the waiting and running queues, the block manager
-fills its block table, the model runner reads `all_ids[num_cached_tokens:...]` to build a batch, and the scheduler's
-postprocess appends each sampled token. Invariant: `num_cached_tokens <= num_tokens`; the tokens in between are the
-ones the next step must compute (a prefill chunk, the recomputed history after a preemption, or the last sampled
-token in decode).
-
-The timestamps give the serving metrics lesson 05 reports:
-  TTFT (time to first token) = first_token_time - arrival_time
-  TPOT (time per output token) = (finish_time - first_token_time) / (n_output - 1)
-  ITL (inter-token latencies) = differences of token_times
-  E2E (end to end latency) = finish_time - arrival_time
+`Sequence` is plain data: the scheduler moves it between the waiting and running queues, the block manager
+fills its `block_table`, the model runner computes tokens from `all_ids[num_cached_tokens:]` (a prefill chunk,
+the history recomputed after a preemption, or the last sampled token), postprocess appends each sampled token.
+`metrics()` turns its timestamps into TTFT, TPOT, ITL and E2E.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
-"""Static batching, the baseline continuous batching beats, and the two batching loops side by side.
+"""Static batching (lesson 05): the baseline continuous batching beats, and the two batching loops side by
+side.
 
-Static batching takes requests max_batch at a time in arrival order and runs each batch until its *longest* request
-is done. A request that finishes early leaves its slot idle (a bubble) until then, and the next batch waits for the
-whole batch: with long-tailed output lengths most slots idle most of the time. Continuous batching refills a slot the
-step after it frees up.
-
-`static_batching_loop` and `continuous_batching_loop` are the two policies with the model abstracted away as
-`step_fn(active) -> finished flags`: lesson 05 drives them with a fake model to count steps and occupancy, exercise
-05 (task_05_static_vs_continuous) asks for them. `StaticBatchEngine` drives `static_batching_loop` with the real
-model, through the same ModelRunner, sampler, paged cache and stop rules as the `LLM` engine, so the comparison
-measures the policy alone. It is the *favourable* static baseline: prompts are packed with their own lengths rather
-than padded, and a finished row stops computing (HF-style static batching keeps decoding padding for it).
+Static batching runs max_batch requests until the longest is done: one that finishes early leaves its slot
+idle (a bubble), and the next batch waits. `static_batching_loop` / `continuous_batching_loop` are the two
+policies over a fake `step_fn(active) -> finished flags` (exercise 05 asks for them). `StaticBatchEngine` runs
+the static one through the `LLM` engine's runner, sampler, paged cache and stop rules, so a comparison
+measures the policy alone; it is the favourable baseline (prompts unpadded, a finished row stops computing).
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
-"""Speculative decoding: a cheap drafter guesses k tokens, the target checks all of them in ONE forward (lesson 10).
+"""Speculative decoding (lesson 10): a cheap drafter guesses k tokens, the target checks all in one forward.
 
-Decode is memory bound: each step reads every weight to produce one token per sequence, and the matmul units idle.
-A forward over k + 1 tokens reads the same weights once, so on a GPU (and, less so, on a CPU) it costs about one
-decode step. Speculation spends that slack: a drafter (minillm/speculative/drafters.py: n-gram prompt lookup, a
-small draft model, an early-exit slice of the target) proposes d_1..d_k; the target runs [last token, d_1..d_k] over
-its KV cache and gets its own distribution p_0..p_k at every position. Each accepted draft is a decode step saved;
-the first rejected one is replaced by a token from the target, and when all k pass the target adds a bonus token
-from p_k. With acceptance rate a per token, a step yields (1 - a^(k+1)) / (1 - a) tokens on average
-(Leviathan et al. 2023).
-
-The output is the target's, not an approximation of it:
-  greedy       accept d_i while it equals argmax p_{i-1}; the first mismatch is replaced by that argmax. The tokens
-               are exactly those of target-only greedy decoding.
-  sampling     accept d_i with probability min(1, p(d_i) / q(d_i)); on rejection draw from normalize(max(0, p - q)).
-               P(token = x) = min(q(x), p(x)) + (1 - sum_y min(q(y), p(y))) * (p(x) - min(q(x), p(x))) / (same sum)
-               = p(x): every emitted token has the target's distribution (Chen et al. 2023). A drafter with no
-               distribution (n-gram) is a one-hot q. Temperature, top-k and top-p shape p and q alike.
-Rejected tokens were written to the KV cache by the verifying forward: `truncate` rolls the cache back (the paged
-cache frees whole blocks), and the draft model re-syncs its own cache on the next proposal.
-
-`generate_speculative` is the single-sequence loop behind `minillm.generate(..., speculative=...)`; the batching
-engine does the same per sequence in one packed forward (`LLM(..., speculative=...)`, engine/model_runner.py).
+Decode is memory bound, so a forward over k + 1 tokens costs about one decode step; each accepted draft is a
+step saved. The output is still the target's: greedy keeps drafts while they equal the target's argmax
+(`verify_greedy`); sampling accepts d with probability min(1, p(d) / q(d)), else draws from max(0, p - q)
+renormalized (`rejection_sample`, Chen et al. 2023; q is one-hot for n-gram drafts). `generate_speculative` is
+the single-sequence loop behind `generate(..., speculative=...)`; the engine verifies in its packed forward
+(engine/model_runner.py). Drafters: drafters.py; the knobs: `SpeculativeConfig`.
 """
 
 from __future__ import annotations

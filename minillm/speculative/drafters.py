@@ -1,9 +1,8 @@
 """Where speculative decoding's guesses come from (lesson 10): drafters behind one `propose` call.
 
   NgramDrafter  prompt lookup: what followed the latest earlier occurrence of the last n tokens (no model);
-  ModelDrafter  a small model decoding k tokens ahead (lesson 09's distilled student, or early_exit_model: the
-                target's first n blocks + its head), batched over its own paged cache, cut back to what the
-                target accepted before each proposal.
+  ModelDrafter  a small model decoding k tokens ahead (lesson 09's distilled student, or early_exit_model:
+                the target's first n blocks + head), on its own paged cache, cut back to what was accepted.
 
     drafter.propose([("req-0", ids, 4)], [params], [generator]) -> [(draft_ids, q)]
 q (len(draft_ids), vocab): the distribution each draft was drawn from, or None (n-gram: a one-hot guess).
