@@ -309,12 +309,17 @@ def test_save_and_load_round_trip_exactly(tmp_path, monkeypatch):
         assert k == k2 and torch.equal(a, b), k
     assert back.lm_head.weight is back.embed.weight
     assert torch.equal(logits(back), logits(m))
-    by_name, _ = loader.load_model("pruned")  # everything that loads a model by name finds a saved one
+    from minillm.api import load_model
+
+    by_name, _ = load_model("pruned")  # everything that loads a model by name finds a saved one
     assert by_name.config == m.config and torch.equal(logits(by_name), logits(m))
+    assert loader.load_from_file("pruned")[0].config == m.config
     with pytest.raises(ValueError, match="saved float model"):
-        loader.load_model("pruned", fuse=True)
+        load_model("pruned", fuse=True)
+    with pytest.raises(ValueError, match="saved float model"):
+        load_model("pruned", weights="q4")
     with pytest.raises(ValueError, match="not been made on this machine yet: train it"):
-        loader.load_model("smollm2-135m-student")
+        load_model("smollm2-135m-student")
     raw = bytearray((folder / "model.pt").read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     (folder / "model.pt").write_bytes(bytes(raw))
