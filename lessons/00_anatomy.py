@@ -325,7 +325,7 @@ print("RoPE: q.k at positions (5, 2), (15, 12), (40, 37) =", ", ".join(f"{rotate
 res = minillm.generate(model, tok, "What is the capital of France?", max_new_tokens=pick(32, 12), chat=True)
 print(repr(res.text))
 print(f"prompt {res.prompt_tokens} tokens, generated {len(res.token_ids)}, TTFT {res.ttft_s * 1e3:.0f} ms, "
-      f"decode {res.decode_tokens_per_s:.1f} tokens/s, stop: {res.finish_reason}")
+      f"decode {res.decode_tokens_per_s:.1f} tokens/s, finish_reason: {res.finish_reason}")
 if QUICK:
     print("[QUICK mode: small sizes; run without MINILLM_QUICK for the numbers the text discusses]")
 

@@ -197,7 +197,7 @@ def cmd_generate(args) -> int:
         stats.append(f"speculative {args.speculative} k={args.k}: acceptance {spec_stats.acceptance_rate:.2f}, "
                      f"{spec_stats.tokens_per_step:.2f} tokens per target forward")
     stats.append(f"{machine} at start")
-    stats.append(f"stop: {res.finish_reason}")
+    stats.append(f"finish_reason: {res.finish_reason}")
     print("--- " + " | ".join(stats))
     return 0
 
