@@ -39,7 +39,7 @@ def test_generate_streams_text_and_prints_stats():
     assert proc.returncode == 0, proc.stderr
     text, _, stats = proc.stdout.rpartition("--- ")
     assert "Paris" in text  # greedy answer of the real model
-    for field in ("load", "prompt", "TTFT", "tokens/s", "MBU", "stop:"):
+    for field in ("load", "prompt", "TTFT", "tokens/s", "MBU", "finish_reason:"):
         assert field in stats, f"{field!r} missing from stats line: {stats!r}"
     assert "Traceback" not in proc.stderr
 
