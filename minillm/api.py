@@ -77,6 +77,7 @@ def generate_request(model, req: Request, cache: str = "contiguous", compile: bo
             raise ValueError("compile=True and speculative decoding do not combine here: choose one")
         if not isinstance(speculative, SpeculativeConfig):
             raise TypeError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}")
+        # refused here too (generate_speculative checks both), before a draft model is loaded for nothing
         if cache == "none":
             raise ValueError("speculative decoding verifies drafts over a KV cache: use cache='contiguous' or 'paged'")
         k = speculative.k

@@ -22,7 +22,6 @@ from minillm.serving.cascade import (
     check_pair,
     common_prefix,
     default_thresholds,
-    early_exit_model,
     entropy_confidence,
     escalates,
     mean_logprob_confidence,
@@ -33,6 +32,7 @@ from minillm.serving.cascade import (
 )
 from minillm.engine import LLM
 from minillm.sampling import SamplingParams
+from minillm.speculative.drafters import early_exit_model
 from tests.conftest import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from minillm.cache.block_allocator import OutOfBlocksError
+from minillm.cache.block_allocator import BlockAllocator, OutOfBlocksError
 from minillm.config import ModelConfig
 from minillm.engine import LLM
 from minillm.engine.block_manager import BlockManager
@@ -332,3 +332,11 @@ def test_failed_allocation_gives_the_shared_blocks_back():
     assert b.block_table == [] and bm.num_free() == 3 and bm.allocator.num_cached() == 2
     with pytest.raises(ValueError, match="not a block"):
         bm.allocator.register(-1, b"x" * 32)
+
+
+def test_block_manager_says_whether_it_caches():
+    """Prefix caching is a setting, not guessed from the allocator: off by default even on a caching allocator,
+    and a plain allocator asked to cache is refused with what it lacks."""
+    assert not BlockManager(PrefixCachingAllocator(4, 2)).prefix_caching
+    with pytest.raises(TypeError, match="match\\(\\), acquire\\(\\) and register\\(\\)"):
+        BlockManager(BlockAllocator(4, 2), prefix_caching=True)

@@ -14,8 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from minillm.model import replace_linears
-
 INT4_GROUP_SIZES = (32, 64, 128)
 
 

@@ -314,5 +314,5 @@ def sweep(results: list[Outcome], thresholds: Sequence[float] | None = None) -> 
 
 
 __all__ = ["SIGNALS", "Answer", "Cascade", "CascadeResult", "Outcome", "analytic_flops", "answer_kl", "check_pair",
-           "common_prefix", "default_thresholds", "early_exit_model", "entropy_confidence", "escalates",
+           "common_prefix", "default_thresholds", "entropy_confidence", "escalates",
            "load_small", "mean_logprob_confidence", "min_prob_confidence", "outcomes", "sweep", "token_entropy"]
