@@ -16,7 +16,7 @@ from minillm.cache.block_allocator import blocks_needed
 from minillm.cache.paged import PagedSequenceCache
 from minillm.compile.fusion import fuse as fuse_model
 from minillm.compile.torch_compile import decode_tokens_compiled
-from minillm.compress.quant import Int4Linear
+from minillm.compress.quant import Int4Linear, Int8Linear, QuantizedEmbedding, cpu_kernels
 from minillm.decode_loop import decode_tokens
 from minillm.gguf.loader import load_from_file, saved_model_exists
 import minillm.kv_cache as kv_cache
@@ -27,24 +27,30 @@ from minillm.speculative.decoding import SpeculativeConfig, check_budget, genera
 CACHE_KINDS = ("none", "contiguous", "paged")
 WEIGHTS = {
     "dequantized": "every tensor expanded to `dtype` at load (the reference model of every lesson)",
-    "q4": "the file's Q4_1 tensors kept as 4-bit Int4Linear layers, bit for bit (lesson 07); the rest in `dtype`",
+    "q4": "the file's Q4_1 tensors kept as 4-bit Int4Linear layers, bit for bit (lesson 07); on a CPU where minillm's "
+          "low-bit kernels load, the Q8_0 tied embedding/LM head too (an Int8Linear per block); the rest in `dtype`",
 }
+
+
+def _q8_0_tied(q, d, dtype):
+    head = Int8Linear(q, d)
+    return head, QuantizedEmbedding(head, dtype)
 
 
 def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str | None = "cpu",
                attn_backend: str = "sdpa", fuse: bool = False, weights: str = "dequantized"):
     """(model, tokenizer) of a known or saved model; downloads and verifies the weights on first use.
-    fuse=True applies lesson 06's fusions (same logits, fewer ops per step); weights="q4" keeps the file's 4-bit
-    layers packed (see WEIGHTS; the tied Q8_0 embedding is expanded)."""
+    fuse=True applies lesson 06's fusions (same logits, fewer ops per step; with weights="q4" the 4-bit rows are
+    concatenated as they are); weights="q4" keeps the file's 4-bit layers packed (see WEIGHTS). minillm.compress.quant.describe_arithmetic(model) says what the matmuls compute in."""
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weights={weights!r}; choose one of {list(WEIGHTS)}")
-    if weights == "q4" and fuse:
-        raise ValueError("fuse=True rewrites float Linear layers; with weights='q4' they are already 4-bit. "
-                         "Use one or the other.")
     if fuse and saved_model_exists(name):
         raise ValueError(f"{name!r} is a saved float model: load it, then fuse or quantize it")
     q4_1_layer = (lambda codes, d, m: Int4Linear(codes, d, m, group_size=32)) if weights == "q4" else None
-    model, tokenizer = load_from_file(name, dtype, device, attn_backend, q4_1_layer=q4_1_layer)
+    # the Q8_0 head stays packed only where our kernel reads it: torch has no per-block int8 matmul (CPU or GPU)
+    on_cpu = device is None and not torch.cuda.is_available() or device is not None and str(device).startswith("cpu")
+    q8_0_tied = _q8_0_tied if weights == "q4" and on_cpu and cpu_kernels() is not None else None
+    model, tokenizer = load_from_file(name, dtype, device, attn_backend, q4_1_layer=q4_1_layer, q8_0_tied=q8_0_tied)
     if fuse:
         fuse_model(model)
     return model, tokenizer

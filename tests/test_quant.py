@@ -99,7 +99,16 @@ def test_quantized_model_tracks_the_float_model(scheme, kw, tol):
     torch.testing.assert_close(m.embed(ids[:1, :3])[0], head.dequantize()[ids[0, :3]].to(m.dtype))
 
 
-def test_int4_cpu_kernel_equals_dequantized_matmul():
+@pytest.fixture
+def torch_kernels_only(monkeypatch):
+    """The layers' torch path (what runs where minillm's CPU kernels cannot build); tests/test_cpu_kernels.py
+    covers ours."""
+    from minillm.compress import quant
+
+    monkeypatch.setattr(quant, "cpu_kernels", lambda: None)
+
+
+def test_int4_cpu_kernel_equals_dequantized_matmul(torch_kernels_only):
     lin = nn.Linear(64, 48, bias=False)
     q = Int4Linear.from_linear(lin, 32)
     x = torch.randn(3, 5, 64)
@@ -109,7 +118,7 @@ def test_int4_cpu_kernel_equals_dequantized_matmul():
     torch.testing.assert_close(odd(x), F.linear(x, odd.dequantize()))
 
 
-def test_int8_linear_matches_and_keeps_its_scales_through_casts():
+def test_int8_linear_matches_and_keeps_its_scales_through_casts(torch_kernels_only):
     lin = nn.Linear(64, 32, bias=False)
     q = Int8Linear.from_linear(lin)
     scale = q.scale.clone()

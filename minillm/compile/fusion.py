@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from minillm.compress.quant import QuantizedLinear
 from minillm.model import MLP, Attention, Block, apply_rope, rms_norm
 
 
@@ -41,10 +42,13 @@ class FusedQKVAttention(Attention):
     def __init__(self, attn: Attention):
         nn.Module.__init__(self)  # not Attention.__init__: the weights come from `attn`, nothing new is allocated
         self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        self.wo = attn.wo
+        if isinstance(attn.wq, QuantizedLinear):  # a 4/8-bit model (lesson 07): the same rows, kept in their format
+            self.wqkv = type(attn.wq).cat_rows([attn.wq, attn.wk, attn.wv])
+            return
         w = fuse_qkv_weights(attn.wq.weight, attn.wk.weight, attn.wv.weight)
         self.wqkv = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
         self.wqkv.weight = nn.Parameter(w, requires_grad=attn.wq.weight.requires_grad)
-        self.wo = attn.wo
 
     def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return split_qkv(self.wqkv(x), self.n_heads, self.n_kv_heads, self.head_dim)
@@ -62,10 +66,13 @@ class FusedGateUpMLP(MLP):
 
     def __init__(self, mlp: MLP):
         nn.Module.__init__(self)
+        self.down = mlp.down
+        if isinstance(mlp.gate, QuantizedLinear):
+            self.gate_up_proj = type(mlp.gate).cat_rows([mlp.gate, mlp.up])
+            return
         w = torch.cat([mlp.gate.weight, mlp.up.weight], dim=0)
         self.gate_up_proj = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
         self.gate_up_proj.weight = nn.Parameter(w, requires_grad=mlp.gate.weight.requires_grad)
-        self.down = mlp.down
 
     def gate_up(self, x: Tensor) -> tuple[Tensor, Tensor]:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -10,6 +10,8 @@ style; LLM.int8() is in llm_int8.py, AWQ in awq.py.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -88,6 +90,26 @@ def _cuda_kernels():
     return kernels
 
 
+# Rows per call up to which the CPU low-bit kernels (kernels/cpu_lowbit.py) beat torch's: decode, batched decode and
+# speculative verify read every weight once for all their rows; a long prefill is compute-bound and goes to torch's
+# int4/int8 GEMMs (bench quant measures both sides).
+CPU_KERNEL_MAX_ROWS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_kernels():
+    """The CPU low-bit kernel module (built on first use), or None where it cannot load: torch's kernels then.
+    Resolved once per process (cpu_kernels.cache_clear() re-resolves); cpu_lowbit.status() says which and why."""
+    from minillm_kernels import cpu_lowbit
+
+    return cpu_lowbit if cpu_lowbit.load() is not None else None
+
+
+def _cpu_kernel_rows(x: Tensor) -> bool:
+    k = x.shape[-1]
+    return not x.is_cuda and k % 32 == 0 and x.numel() <= CPU_KERNEL_MAX_ROWS * k and cpu_kernels() is not None
+
+
 class QuantizedLinear(nn.Module):
     """Common checks: a quantized layer holds integer buffers, so loading float weights into it is refused."""
 
@@ -122,11 +144,34 @@ class QuantizedLinear(nn.Module):
 
 
 class Int8Linear(QuantizedLinear):
+    """int8 weights with one float32 scale per output row (quantize(model, "int8")), or one fp16 scale per block of
+    32 inputs: GGUF's Q8_0, the file's tied embedding / LM head (load_model(weights="q4") on a CPU with kernels)."""
+
     def __init__(self, q: Tensor, scale: Tensor):
         super().__init__()
         self.out_features, self.in_features = q.shape
+        per_block = scale.dim() == 2
+        if per_block and (scale.shape != (self.out_features, self.in_features // 32) or self.in_features % 32):
+            raise ValueError(f"a per-block scale must be (out, in // 32) = {(self.out_features, self.in_features // 32)}"
+                             f", got {tuple(scale.shape)}")
+        if not per_block and scale.shape != (self.out_features,):
+            raise ValueError(f"a per-row scale must be (out,) = ({self.out_features},), got {tuple(scale.shape)}")
         self.register_buffer("weight", q.contiguous())
-        self.register_buffer("scale", scale.float())
+        self.register_buffer("scale", scale.half().contiguous() if per_block else scale.float())
+        self._packed: Tensor | None = None
+
+    def _apply(self, fn, recurse=True):
+        self._packed = None
+        return super()._apply(fn, recurse)
+
+    @property
+    def per_block(self) -> bool:
+        return self.scale.dim() == 2
+
+    @classmethod
+    def cat_rows(cls, layers: list[Int8Linear]) -> Int8Linear:
+        """One layer whose output is the layers' outputs side by side (lesson 06's fusion on int8 weights)."""
+        return cls(torch.cat([m.weight for m in layers]), torch.cat([m.scale for m in layers]))
 
     @property
     def weight_storage(self) -> Tensor:
@@ -138,7 +183,17 @@ class Int8Linear(QuantizedLinear):
             raise ValueError("int8 weight-only quantization here supports Linear layers without bias")
         return cls(*quantize_int8(linear.weight.detach()))
 
+    def _kernel_pack(self) -> Tensor:
+        if self._packed is None:  # the kernel's 8-row layout, built on the first call (not in the state dict)
+            self._packed = cpu_kernels().repack_int8(self.weight, self.scale)
+        return self._packed
+
     def forward(self, x: Tensor) -> Tensor:
+        if _cpu_kernel_rows(x) or (self.per_block and not x.is_cuda and cpu_kernels() is not None):
+            # the Q8_0 head: torch has no per-block int8 kernel, ours serves any row count
+            return cpu_kernels().int8_matmul(x, self._kernel_pack(), self.out_features)
+        if self.per_block:
+            return F.linear(x, self.dequantize().to(x.dtype))
         if x.is_cuda and (kernels := _cuda_kernels()) is not None:
             return kernels.int8_weight_matmul(x, self.weight, self.scale.to(x.dtype))
         if x.is_cuda:
@@ -149,11 +204,15 @@ class Int8Linear(QuantizedLinear):
         y = torch._weight_int8pack_mm(x2, self.weight, self.scale.to(torch.bfloat16))
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def _scale_per_weight(self, rows: Tensor | slice = slice(None)) -> Tensor:
+        s = self.scale[rows].float()
+        return s.repeat_interleave(32, dim=-1) if self.per_block else s[..., None]
+
     def dequantize(self) -> Tensor:
-        return dequantize_int8(self.weight, self.scale)
+        return self.weight.float() * self._scale_per_weight()
 
     def embedding(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        return self.weight[ids].to(dtype) * self.scale[ids, None].to(dtype)
+        return (self.weight[ids].float() * self._scale_per_weight(ids)).to(dtype)
 
 
 class Int4Linear(QuantizedLinear):
@@ -175,6 +234,7 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scale", scale.half())
         self.register_buffer("minimum", minimum.half())
         self._cpu_pack: tuple[Tensor, Tensor] | None = None
+        self._packed: Tensor | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 32) -> Int4Linear:
@@ -187,6 +247,15 @@ class Int4Linear(QuantizedLinear):
     def weight_storage(self) -> Tensor:
         return self.qweight
 
+    @classmethod
+    def cat_rows(cls, layers: list[Int4Linear]) -> Int4Linear:
+        """One layer whose output is the layers' outputs side by side, the same codes and scales (lesson 06's fusion
+        on 4-bit weights)."""
+        if len({m.group_size for m in layers}) != 1:
+            raise ValueError("cat_rows needs one group size across the layers")
+        return cls(torch.cat([m.codes() for m in layers]), torch.cat([m.scale for m in layers]),
+                   torch.cat([m.minimum for m in layers]), layers[0].group_size)
+
     def codes(self) -> Tensor:
         return unpack_int4(self.qweight)
 
@@ -198,6 +267,11 @@ class Int4Linear(QuantizedLinear):
         w = dequantize_int4(unpack_int4(self.qweight[rows]), self.scale[rows], self.minimum[rows], self.group_size)
         return w.to(dtype).reshape(*ids.shape, self.in_features)
 
+    def _kernel_pack(self) -> Tensor:
+        if self._packed is None:  # the kernel's 8-row layout, same bytes per weight (kernels/cpu/q4_1_matmul.cpp)
+            self._packed = cpu_kernels().repack_q4_1(self.codes(), self.scale, self.minimum)
+        return self._packed
+
     def _torch_cpu_pack(self) -> tuple[Tensor, Tensor]:
         # torch computes (code - 8) * scale + zero, so zero = minimum + 8 * scale (exact in fp32; bf16 rounds it)
         if self._cpu_pack is None:
@@ -208,6 +282,8 @@ class Int4Linear(QuantizedLinear):
         return self._cpu_pack
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.group_size == 32 and _cpu_kernel_rows(x):  # Q4_1 blocks straight into integer SIMD
+            return cpu_kernels().q4_1_matmul(x, self._kernel_pack(), self.out_features)
         if x.is_cuda and (kernels := _cuda_kernels()) is not None:
             return kernels.int4_group_matmul(x, self.qweight, self.scale, self.minimum, self.group_size)
         if x.is_cuda or self.out_features % 16 or self.group_size not in (32, 64, 128, 256):
@@ -219,7 +295,7 @@ class Int4Linear(QuantizedLinear):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _apply(self, fn, recurse=True):
-        self._cpu_pack = None  # moved: rebuild torch's copy from the buffers on the next CPU call
+        self._cpu_pack = self._packed = None  # moved: rebuild the kernels' copies from the buffers on the next call
         return super()._apply(fn, recurse)
 
 

@@ -94,16 +94,18 @@ def _q4_1_layers(sd: dict, make_layer) -> dict:
 
 
 def load_from_file(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str | None = "cpu",
-                   attn_backend: str = "sdpa", q4_1_layer=None):
+                   attn_backend: str = "sdpa", q4_1_layer=None, q8_0_tied=None):
     """(model, tokenizer) of a known model, every tensor in `dtype`; downloads and verifies the file on first use.
     q4_1_layer(codes, d, m) -> nn.Module keeps each Q4_1 tensor packed in the layer it builds (the caller chooses
-    the layer type: minillm/api.py passes lesson 07's Int4Linear). A name saved with save_model loads from disk."""
+    the layer type: minillm/api.py passes lesson 07's Int4Linear). q8_0_tied(q, d, dtype) -> (lm_head, embed) does
+    the same for a Q8_0 tied embedding (the two modules share its storage). A name saved with save_model loads from
+    disk."""
     from minillm.gguf.tokenizer import Tokenizer
     from minillm.gguf.weights import KNOWN_MODELS
 
     if name not in KNOWN_MODELS:
         if saved_model_exists(name):
-            if q4_1_layer is not None:
+            if q4_1_layer is not None or q8_0_tied is not None:
                 raise ValueError(f"{name!r} is a saved float model: load it, then quantize it")
             return load_saved(name, dtype, device)
         if name in HOW_TO_MAKE:
@@ -112,27 +114,41 @@ def load_from_file(name: str = "smollm2-135m", dtype: str | torch.dtype = "float
     torch_dtype, dev = resolve_dtype(dtype), resolve_device(device)
     t0 = time.perf_counter()
     path = gguf_path(name)
-    meta, tensors = read_gguf(path, keep_q4_1=q4_1_layer is not None)
+    meta, tensors = read_gguf(path, keep_q4_1=q4_1_layer is not None, keep_q8_0=q8_0_tied is not None)
     cfg = ModelConfig.from_gguf_metadata(meta)
+    raw_embed = tensors["token_embd.weight"]
+    head = None
+    if raw_embed.dtype == np.uint8:  # kept as Q8_0 blocks
+        if not cfg.tie_embeddings:
+            raise ValueError("q8_0_tied keeps a tied embedding packed; this model's LM head is a separate tensor")
+        from minillm.gguf.weights import q8_0_blocks
+
+        q, d = q8_0_blocks(raw_embed)
+        head = q8_0_tied(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(d)),
+                         torch_dtype)
     with torch.device("meta"):
         model = Transformer(cfg, attn_backend=attn_backend)
     model = model.to_empty(device=dev)
     sd = gguf_state_dict(tensors, cfg)
+    if head is not None:
+        del sd["embed.weight"]
     packed = _q4_1_layers(sd, q4_1_layer) if q4_1_layer is not None else {}
     sd = {k: torch.from_numpy(v) for k, v in sd.items()}
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")
-               and m.removesuffix(".weight") not in packed]
+               and m.removesuffix(".weight") not in packed and not (head is not None and m == "embed.weight")]
     if missing or unexpected:
         raise RuntimeError(f"weight map mismatch: missing {missing}, unexpected {unexpected}")
-    if cfg.tie_embeddings:
+    if cfg.tie_embeddings and head is None:
         model.lm_head.weight = model.embed.weight
     model = model.to(torch_dtype).eval().requires_grad_(False)  # RoPE tables stay float32 (Transformer._apply)
     for full, layer in packed.items():
         parent, child = full.rsplit(".", 1)
         setattr(model.get_submodule(parent), child, layer.to(dev))
+    if head is not None:
+        model.lm_head, model.embed = head[0].to(dev), head[1]
     if packed:
-        model.quant_scheme = "q4_1 (from the file)"
+        model.quant_scheme = "q4_1 (from the file)" + (", q8_0 embedding/head" if head is not None else "")
     model.load_seconds = time.perf_counter() - t0
     return model, Tokenizer.from_gguf_metadata(meta)
 

@@ -260,16 +260,18 @@ def read_gguf_metadata(path: Path) -> dict:
     return _metadata(GGUFReader(str(path)))
 
 
-def read_gguf(path: Path, keep_q4_1: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
+def read_gguf(path: Path, keep_q4_1: bool = False, keep_q8_0: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
     """(metadata, tensors) from a GGUF file; tensors dequantized to float32 in nn.Linear layout (out, in).
-    keep_q4_1: Q4_1 tensors come back as their raw blocks instead, uint8 (out, in // 32 * 20) (see q4_1_blocks)."""
+    keep_q4_1: Q4_1 tensors come back as their raw blocks instead, uint8 (out, in // 32 * 20) (see q4_1_blocks);
+    keep_q8_0: Q8_0 tensors likewise, uint8 (out, in // 32 * 34) (see q8_0_blocks)."""
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
     tensors = {}
     for t in reader.tensors:
-        if keep_q4_1 and t.tensor_type == GGMLQuantizationType.Q4_1:
+        if (keep_q4_1 and t.tensor_type == GGMLQuantizationType.Q4_1) or (
+                keep_q8_0 and t.tensor_type == GGMLQuantizationType.Q8_0):
             tensors[t.name] = np.array(t.data, dtype=np.uint8, copy=True)
             continue
         arr = dequantize(t.data, t.tensor_type)
@@ -290,3 +292,14 @@ def q4_1_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     qs = blocks[..., 4:]
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # (out, n_blocks, 32) in weight order
     return codes.reshape(out, -1), d, m
+
+
+def q8_0_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Raw Q8_0 rows (out, n_blocks * 34 bytes) -> (q int8 (out, in), d float16 (out, n_blocks)).
+
+    A Q8_0 block is 32 weights in 34 bytes: d (fp16), then 32 signed bytes. Weight = q * d, the file's own values."""
+    out = raw.shape[0]
+    blocks = raw.reshape(out, -1, 34)
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
+    return q.reshape(out, -1), d

@@ -1,0 +1,15 @@
+// The Python face of the CPU low-bit kernels (built, probed and called by kernels/cpu_lowbit.py).
+#include <torch/extension.h>
+
+#include "simd.h"
+
+namespace minillm {
+at::Tensor q4_1_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N, bool reference);
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N, bool reference);
+}  // namespace minillm
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q4_1_matmul", &minillm::q4_1_matmul, "x (..., K) @ repacked Q4_1 weights.T -> (..., N), x's dtype");
+  m.def("int8_matmul", &minillm::int8_matmul, "x (..., K) @ repacked int8 weights.T -> (..., N), x's dtype");
+  m.attr("isa") = minillm::kIsa;
+}

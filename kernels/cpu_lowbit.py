@@ -1,0 +1,215 @@
+"""Build, probe and call the CPU low-bit matmul kernels (kernels/cpu/*.cpp): lesson 07's fast path on a CPU.
+
+Decode multiplies every weight once per token, so its speed is bytes of weights over memory bandwidth -- if the
+kernel keeps up. torch's CPU int4/int8 kernels widen each weight to a float before the multiply; these kernels
+quantize the activations to int8 per block of 32 (as llama.cpp does) and do integer SIMD dot products on the packed
+bytes, applying the scales once per block. One C++ source, compiled once per instruction set:
+
+    avx512-vnni   vpdpbusd on 256-bit registers        (AVX-512 F/BW/VL + VNNI)
+    avx-vnni      the same instruction, VEX-encoded     (newer Intel/AMD without AVX-512)
+    avx2          vpmaddubsw + vpmaddwd                 (every x86-64 CPU since 2013-2015)
+    neon-dotprod  the plain C++ loops, auto-vectorized  (ARM with the dot-product extension)
+    scalar        the plain C++ loops                   (anything else with a C++ compiler)
+
+The build runs on first use with torch.utils.cpp_extension (g++ and ninja), is cached under torch's extension
+folder, and is probed once in a child process: a CPU that lists a feature the VM did not enable (seen with AMX)
+would kill the process with "Illegal instruction", so the child takes that risk and the next set down is tried.
+Where nothing can be built, `load()` returns None, `status()` says why, and the layers keep torch's own kernels.
+MINILLM_CPU_KERNELS=off|scalar|avx2|avx-vnni|avx512-vnni|neon-dotprod forces a choice (tests force the fallback).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE_DIR = Path(__file__).parent / "cpu"
+SOURCES = ("bindings.cpp", "q4_1_matmul.cpp", "int8_matmul.cpp")
+
+# instruction set -> (cpu flags it needs, compiler flags), best first
+ISAS = {
+    "avx512-vnni": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+                    ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
+    "avx-vnni": (("avx2", "fma", "f16c", "avx_vnni"), ("-mavx2", "-mfma", "-mf16c", "-mavxvnni")),
+    "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
+    "neon-dotprod": (("asimddp",), ("-march=armv8.2-a+dotprod",)),
+    "scalar": ((), ()),
+}
+ENV = "MINILLM_CPU_KERNELS"
+
+_status = "not loaded yet"
+_module = None  # the loaded extension, once load() found one
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them ("flags" on x86, "Features" on ARM); empty elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def supported_isas(flags: frozenset[str] | None = None) -> list[str]:
+    """The instruction sets this CPU lists, best first (the order `load` tries them)."""
+    flags = cpu_flags() if flags is None else flags
+    return [isa for isa, (needs, _) in ISAS.items() if all(f in flags for f in needs)]
+
+
+def status() -> str:
+    """One line: which kernels the quantized layers use here, or why they fall back to torch's."""
+    return _status
+
+
+def _say(line: str) -> None:
+    print(f"minillm: {line}", file=sys.stderr, flush=True)
+
+
+def _build(isa: str):
+    from torch.utils.cpp_extension import get_default_build_root, load
+
+    name = f"minillm_lowbit_{isa.replace('-', '_')}"
+    folder = Path(get_default_build_root()) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    if not list(folder.glob(f"{name}*.so")):
+        _say(f"compiling the CPU low-bit kernels for {isa} (once per machine, ~30-60 s) into {folder}")
+    return load(name=name, sources=[str(SOURCE_DIR / s) for s in SOURCES], build_directory=str(folder),
+                extra_cflags=["-O3", "-fopenmp", *ISAS[isa][1]], extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(SOURCE_DIR)], verbose=False)
+
+
+_PROBE = """
+import sys, torch
+sys.path.insert(0, {folder!r})
+import {name} as k
+from minillm_kernels.cpu_lowbit import repack_int8, repack_q4_1
+x = torch.randn(3, 64)
+packed = repack_q4_1(torch.randint(0, 16, (40, 64), dtype=torch.uint8), torch.rand(40, 2).half(), torch.randn(40, 2).half())
+a, b = k.q4_1_matmul(x, packed, 40, False), k.q4_1_matmul(x, packed, 40, True)
+packed = repack_int8(torch.randint(-127, 128, (40, 64), dtype=torch.int8), torch.rand(40))
+c, d = k.int8_matmul(x, packed, 40, False), k.int8_matmul(x, packed, 40, True)
+assert torch.allclose(a, b, rtol=1e-4, atol=1e-3) and torch.allclose(c, d, rtol=1e-4, atol=1e-3)
+print("ok")
+"""
+
+
+def _probe(module) -> str | None:
+    """Run the kernel in a child process (an illegal instruction kills the child, not us); None when it works."""
+    folder = Path(module.__file__).parent
+    marker = folder / "probe-ok"
+    if marker.exists():
+        return None
+    code = _PROBE.format(folder=str(folder), name=module.__name__)
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "the probe timed out"
+    if done.returncode != 0 or "ok" not in done.stdout:
+        return f"the probe failed (exit {done.returncode}): {(done.stderr or done.stdout).strip()[-200:]}"
+    marker.write_text("ok\n")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def load():
+    """The compiled kernel module for the best instruction set that builds and passes the probe, or None."""
+    global _status, _module
+    _module = None
+    forced = os.environ.get(ENV, "auto").strip().lower()
+    if forced == "off":
+        _status = f"off ({ENV}=off): quantized layers use torch's int4/int8 kernels (bf16 activations)"
+        return None
+    if forced != "auto" and forced not in ISAS:
+        raise ValueError(f"{ENV}={forced!r} is not one of off, auto, {', '.join(ISAS)}")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        _status = ("off: no C++ compiler found (install g++ or clang, e.g. `apt install g++`); quantized layers use "
+                   "torch's int4/int8 kernels (bf16 activations)")
+        _say(_status)
+        return None
+    candidates = [forced] if forced != "auto" else supported_isas()
+    failures = []
+    for isa in candidates:
+        try:
+            module = _build(isa)
+        except Exception as err:  # a compiler or ninja error: say it, try the next set down
+            failures.append(f"{isa}: build failed ({str(err).strip().splitlines()[-1][:160] if str(err) else err!r})")
+            continue
+        problem = _probe(module)
+        if problem is None:
+            _status = f"{module.isa} ({platform.machine()}): weights int4/int8, activations int8 per block of 32"
+            _module = module
+            return module
+        failures.append(f"{isa}: {problem}")
+    _status = "off: " + "; ".join(failures) + " -- quantized layers use torch's int4/int8 kernels"
+    _say(_status)
+    return None
+
+
+# ----------------------------------------------------------------------------------------- the repacked layouts
+
+ROWS, BLOCK = 8, 32  # weight rows per group (one per int32 lane of a 256-bit register), inputs per scale
+
+
+def _pad_rows(t: Tensor, groups: int) -> Tensor:
+    pad = groups * ROWS - t.shape[0]
+    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+
+def repack_q4_1(codes: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
+    """Q4_1 codes uint8 (N, K) in 0..15, scale/minimum fp16 (N, K/32) -> uint8 (ceil(N/8), K/32, 160): for each
+    group of 8 rows and block of 32 inputs, d[8] fp16, m[8] fp16, then 128 bytes whose chunk c (32 bytes) holds in
+    lane r (4 bytes) row r's codes 4c..4c+3 (low nibbles) and 16+4c..16+4c+3 (high nibbles). See q4_1_matmul.cpp."""
+    n, k = codes.shape
+    groups, blocks = -(-n // ROWS), k // BLOCK
+    # element of a block = 16 * half + 4 * chunk + byte
+    c = _pad_rows(codes, groups).reshape(groups, ROWS, blocks, 2, 4, 4)
+    c = c.permute(0, 2, 4, 1, 5, 3)  # (group, block, chunk, row, byte, half)
+    nibbles = (c[..., 0] | (c[..., 1] << 4)).reshape(groups, blocks, 128)
+    d, m = ((_pad_rows(t.half(), groups).reshape(groups, ROWS, blocks).transpose(1, 2).contiguous()
+             .view(torch.uint8)) for t in (scale, minimum))
+    return torch.cat([d, m, nibbles], dim=-1).contiguous()
+
+
+def repack_int8(q: Tensor, scale: Tensor) -> Tensor:
+    """int8 weights (N, K) with a float scale per row (N,) or per block (N, K/32) -> uint8 (ceil(N/8), K/32, 288):
+    for each group of 8 rows and block, scale[8] float32, then 8 chunks of 32 bytes whose lane r holds row r's
+    weights 4j..4j+3 (chunk j). See int8_matmul.cpp."""
+    n, k = q.shape
+    groups, blocks = -(-n // ROWS), k // BLOCK
+    s = scale.float()
+    s = s[:, None].expand(n, blocks) if s.dim() == 1 else s
+    s = _pad_rows(s, groups).reshape(groups, ROWS, blocks).transpose(1, 2).contiguous().view(torch.uint8)
+    w = _pad_rows(q, groups).reshape(groups, ROWS, blocks, 8, 4).permute(0, 2, 3, 1, 4)  # (group, block, chunk, row,
+    w = w.contiguous().view(torch.uint8).reshape(groups, blocks, 256)                   # byte)
+    return torch.cat([s, w], dim=-1).contiguous()
+
+
+# ----------------------------------------------------------------------------------------- the calls
+
+def q4_1_matmul(x: Tensor, packed: Tensor, n: int, reference: bool = False) -> Tensor:
+    """x (..., K) @ W.T -> (..., n) in x's dtype, W given as repack_q4_1(...). `load()` must have returned a module;
+    reference=True runs the plain C++ loops (the scalar reference) instead of the SIMD ones."""
+    return _module.q4_1_matmul(x, packed, n, reference)
+
+
+def int8_matmul(x: Tensor, packed: Tensor, n: int, reference: bool = False) -> Tensor:
+    """x (..., K) @ W.T -> (..., n) in x's dtype, W given as repack_int8(...)."""
+    return _module.int8_matmul(x, packed, n, reference)
+
+
+if __name__ == "__main__":  # python -m minillm_kernels.cpu_lowbit: build, probe, say what loaded
+    torch.set_num_threads(1)
+    load()
+    print(status())
