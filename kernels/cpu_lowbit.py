@@ -73,15 +73,33 @@ def status() -> str:
     return _status
 
 
+def _build_folder(isa: str) -> Path:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root()) / f"minillm_lowbit_{isa.replace('-', '_')}"
+
+
+def describe() -> str:
+    """status() if the kernels were loaded in this process, else what load() would find, without building anything
+    (for `minillm info`)."""
+    if _status != "not loaded yet" or os.environ.get(ENV, "auto") != "auto":
+        return status()
+    for isa in supported_isas():
+        if (_build_folder(isa) / "probe-ok").exists():  # probed at least once (a rebuild is probed again on load)
+            return f"{isa} (built and probed on this machine; used by q4/int8 models)"
+    best = supported_isas()[0]
+    return f"{best} (this CPU's best set; compiled on first use of a q4/int8 model, ~40 s once)"
+
+
 def _say(line: str) -> None:
     print(f"minillm: {line}", file=sys.stderr, flush=True)
 
 
 def _build(isa: str):
-    from torch.utils.cpp_extension import get_default_build_root, load
+    from torch.utils.cpp_extension import load
 
-    name = f"minillm_lowbit_{isa.replace('-', '_')}"
-    folder = Path(get_default_build_root()) / name
+    folder = _build_folder(isa)
+    name = folder.name
     folder.mkdir(parents=True, exist_ok=True)
     if not list(folder.glob(f"{name}*.so")):
         _say(f"compiling the CPU low-bit kernels for {isa} (once per machine, ~30-60 s) into {folder}")
@@ -95,10 +113,11 @@ import sys, torch
 sys.path.insert(0, {folder!r})
 import {name} as k
 from minillm_kernels.cpu_lowbit import repack_int8, repack_q4_1
-x = torch.randn(3, 64)
-packed = repack_q4_1(torch.randint(0, 16, (40, 64), dtype=torch.uint8), torch.rand(40, 2).half(), torch.randn(40, 2).half())
+x, r = torch.randn(3, 64), k.rows
+codes = torch.randint(0, 16, (40, 64), dtype=torch.uint8)
+packed = repack_q4_1(codes, torch.rand(40, 2).half(), torch.randn(40, 2).half(), r)
 a, b = k.q4_1_matmul(x, packed, 40, False), k.q4_1_matmul(x, packed, 40, True)
-packed = repack_int8(torch.randint(-127, 128, (40, 64), dtype=torch.int8), torch.rand(40))
+packed = repack_int8(torch.randint(-127, 128, (40, 64), dtype=torch.int8), torch.rand(40), r)
 c, d = k.int8_matmul(x, packed, 40, False), k.int8_matmul(x, packed, 40, True)
 assert torch.allclose(a, b, rtol=1e-4, atol=1e-3) and torch.allclose(c, d, rtol=1e-4, atol=1e-3)
 print("ok")
@@ -109,7 +128,8 @@ def _probe(module) -> str | None:
     """Run the kernel in a child process (an illegal instruction kills the child, not us); None when it works."""
     folder = Path(module.__file__).parent
     marker = folder / "probe-ok"
-    if marker.exists():
+    built = str(Path(module.__file__).stat().st_mtime_ns)  # a rebuilt library (new sources) is probed again
+    if marker.exists() and marker.read_text().strip() == built:
         return None
     code = _PROBE.format(folder=str(folder), name=module.__name__)
     try:
@@ -118,7 +138,7 @@ def _probe(module) -> str | None:
         return "the probe timed out"
     if done.returncode != 0 or "ok" not in done.stdout:
         return f"the probe failed (exit {done.returncode}): {(done.stderr or done.stdout).strip()[-200:]}"
-    marker.write_text("ok\n")
+    marker.write_text(built + "\n")
     return None
 
 
@@ -133,9 +153,16 @@ def load():
         return None
     if forced != "auto" and forced not in ISAS:
         raise ValueError(f"{ENV}={forced!r} is not one of off, auto, {', '.join(ISAS)}")
+    from torch.utils.cpp_extension import is_ninja_available
+
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         _status = ("off: no C++ compiler found (install g++ or clang, e.g. `apt install g++`); quantized layers use "
                    "torch's int4/int8 kernels (bf16 activations)")
+        _say(_status)
+        return None
+    if not is_ninja_available():
+        _status = ("off: ninja not found (`pip install ninja`, then restart); quantized layers use torch's int4/int8 "
+                   "kernels (bf16 activations)")
         _say(_status)
         return None
     candidates = [forced] if forced != "auto" else supported_isas()
@@ -149,6 +176,9 @@ def load():
         problem = _probe(module)
         if problem is None:
             _status = f"{module.isa} ({platform.machine()}): weights int4/int8, activations int8 per block of 32"
+            if failures:
+                _status += " (after " + "; ".join(failures) + ")"
+                _say(_status)
             _module = module
             return module
         failures.append(f"{isa}: {problem}")
@@ -159,40 +189,48 @@ def load():
 
 # ----------------------------------------------------------------------------------------- the repacked layouts
 
-ROWS, BLOCK = 8, 32  # weight rows per group (one per int32 lane of a 256-bit register), inputs per scale
+BLOCK = 32  # inputs per scale
 
 
-def _pad_rows(t: Tensor, groups: int) -> Tensor:
-    pad = groups * ROWS - t.shape[0]
+def rows_per_group() -> int:
+    """Weight rows per repacked group: one per lane of the loaded build's vectors (16 with AVX-512, else 8)."""
+    return _module.rows if _module is not None else 8
+
+
+def _pad_rows(t: Tensor, groups: int, rows: int) -> Tensor:
+    pad = groups * rows - t.shape[0]
     return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
 
 
-def repack_q4_1(codes: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
-    """Q4_1 codes uint8 (N, K) in 0..15, scale/minimum fp16 (N, K/32) -> uint8 (ceil(N/8), K/32, 160): for each
-    group of 8 rows and block of 32 inputs, d[8] fp16, m[8] fp16, then 128 bytes whose chunk c (32 bytes) holds in
-    lane r (4 bytes) row r's codes 4c..4c+3 (low nibbles) and 16+4c..16+4c+3 (high nibbles). See q4_1_matmul.cpp."""
+def repack_q4_1(codes: Tensor, scale: Tensor, minimum: Tensor, rows: int | None = None) -> Tensor:
+    """Q4_1 codes uint8 (N, K) in 0..15, scale/minimum fp16 (N, K/32) -> uint8 (ceil(N/R), K/32, 20 * R), R = rows
+    (default: the loaded build's). For each group of R rows and block of 32 inputs: d[R] fp16, m[R] fp16, then 4
+    chunks of 4 * R bytes whose lane r (4 bytes) holds row r's codes 4c..4c+3 (low nibbles) and 16+4c..16+4c+3 (high
+    nibbles) in chunk c. See q4_1_matmul.cpp."""
+    rows = rows or rows_per_group()
     n, k = codes.shape
-    groups, blocks = -(-n // ROWS), k // BLOCK
+    groups, blocks = -(-n // rows), k // BLOCK
     # element of a block = 16 * half + 4 * chunk + byte
-    c = _pad_rows(codes, groups).reshape(groups, ROWS, blocks, 2, 4, 4)
+    c = _pad_rows(codes, groups, rows).reshape(groups, rows, blocks, 2, 4, 4)
     c = c.permute(0, 2, 4, 1, 5, 3)  # (group, block, chunk, row, byte, half)
-    nibbles = (c[..., 0] | (c[..., 1] << 4)).reshape(groups, blocks, 128)
-    d, m = ((_pad_rows(t.half(), groups).reshape(groups, ROWS, blocks).transpose(1, 2).contiguous()
+    nibbles = (c[..., 0] | (c[..., 1] << 4)).reshape(groups, blocks, 16 * rows)
+    d, m = ((_pad_rows(t.half(), groups, rows).reshape(groups, rows, blocks).transpose(1, 2).contiguous()
              .view(torch.uint8)) for t in (scale, minimum))
     return torch.cat([d, m, nibbles], dim=-1).contiguous()
 
 
-def repack_int8(q: Tensor, scale: Tensor) -> Tensor:
-    """int8 weights (N, K) with a float scale per row (N,) or per block (N, K/32) -> uint8 (ceil(N/8), K/32, 288):
-    for each group of 8 rows and block, scale[8] float32, then 8 chunks of 32 bytes whose lane r holds row r's
+def repack_int8(q: Tensor, scale: Tensor, rows: int | None = None) -> Tensor:
+    """int8 weights (N, K) with a float scale per row (N,) or per block (N, K/32) -> uint8 (ceil(N/R), K/32, 36 * R):
+    for each group of R rows and block, scale[R] float32, then 8 chunks of 4 * R bytes whose lane r holds row r's
     weights 4j..4j+3 (chunk j). See int8_matmul.cpp."""
+    rows = rows or rows_per_group()
     n, k = q.shape
-    groups, blocks = -(-n // ROWS), k // BLOCK
+    groups, blocks = -(-n // rows), k // BLOCK
     s = scale.float()
     s = s[:, None].expand(n, blocks) if s.dim() == 1 else s
-    s = _pad_rows(s, groups).reshape(groups, ROWS, blocks).transpose(1, 2).contiguous().view(torch.uint8)
-    w = _pad_rows(q, groups).reshape(groups, ROWS, blocks, 8, 4).permute(0, 2, 3, 1, 4)  # (group, block, chunk, row,
-    w = w.contiguous().view(torch.uint8).reshape(groups, blocks, 256)                   # byte)
+    s = _pad_rows(s, groups, rows).reshape(groups, rows, blocks).transpose(1, 2).contiguous().view(torch.uint8)
+    w = _pad_rows(q, groups, rows).reshape(groups, rows, blocks, 8, 4).permute(0, 2, 3, 1, 4)  # (group, block,
+    w = w.contiguous().view(torch.uint8).reshape(groups, blocks, 32 * rows)                    # chunk, row, byte)
     return torch.cat([s, w], dim=-1).contiguous()
 
 

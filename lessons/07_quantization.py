@@ -17,8 +17,8 @@
 # what any chip computes per byte it loads, so the step is **memory-bound** and its best time is
 # *weight bytes / memory bandwidth*. Fewer bits per weight is therefore the first lever of inference at small
 # batch: int8 halves the bytes of bf16, int4 quarters them — **if the matmul kernel reads the small integers and
-# dequantizes in registers** (`minillm/compress/quant.py` on CPU with torch's int8/int4 kernels;
-# `kernels/quant_matmul.py` in Triton on a GPU). The price is quality, which this lesson measures three ways against the
+# dequantizes in registers** (`minillm/compress/quant.py`; on a CPU `kernels/cpu/`, section 5; on a GPU
+# `kernels/quant_matmul.py` in Triton). The price is quality, which this lesson measures three ways against the
 # reference model:
 # perplexity, KL divergence per token, and top-1 agreement.
 #
@@ -27,7 +27,8 @@
 #
 # Sections: (1) the model file is already 4-bit; (2) the formats on one real weight; (3) LLM.int8() and the outlier
 # features of a 135M model; (4) the benchmark — bytes, speed and quality of every scheme in one run, and the Pareto
-# plot; (5) the int8 KV cache in the engine; (6) on a GPU.
+# plot; (5) a low-bit CPU kernel: int8 activations and integer dot products, against torch's kernels and llama.cpp;
+# (6) the int8 KV cache in the engine; (7) on a GPU.
 
 # %%
 import collections
@@ -81,7 +82,7 @@ print(f"dequantized file layer == fp32 model's weight: "
 print(f"codes re-derived by round-to-nearest equal to the file's: {(codes == layer.codes()).float().mean():.2%}")
 print(f"weight bytes: fp32 {minillm.model.model_bytes(fp32_model) / 1e6:.0f} MB, "
       f"file layers kept 4-bit {minillm.model.model_bytes(q4_model) / 1e6:.0f} MB "
-      f"(the tied Q8_0 embedding/LM head stays {q4_model.dtype})")
+      f"(with the tied Q8_0 embedding/LM head kept 8-bit where minillm's CPU kernels load)")
 del q4_model
 
 # %% [markdown]
@@ -190,16 +191,159 @@ fastest = max(timed, key=lambda r: r["decode_tok_s"])
 print(f"fastest decode here: {fastest['variant']} at {fastest['decode_tok_s']:.1f} tok/s.")
 
 # %% [markdown]
-# How to read the speed column on your machine. On a CPU whose torch int8/int4 kernels convert every weight to
-# float before the multiply-add (AVX2 without VNNI/AMX, as the line at the top says), the step is bound by that
-# conversion work, not by memory: halving the bytes then buys much less than 2x, and LLM.int8()'s int8 × int8
-# matmul (torch._int_mm) is *slower* than float. llama.cpp reaches ~111 tok/s on this very file on the same kind of
-# 2-core machine (FACTS.md) because its Q4_1 kernel multiplies 4-bit codes by int8-quantized activations with
-# integer SIMD instructions — the kernel, not the format, decides whether fewer bytes become speed. On a GPU (section
-# 6) the Triton dequant-matmul kernels read int8/int4 straight into registers.
+# ## 5. A low-bit kernel for the CPU: fewer bytes become less time
+#
+# The first runs of section 4 (an AVX2-only EPYC, torch's own kernels) decoded int8 at 1.16x bf16 and the file's
+# Q4_1 at 1.19x: torch's CPU int4/int8 kernels widen every weight to a float (and round the activations to bf16)
+# before the multiply-add, so on a CPU without the right instructions the step is bound by that work, not by memory.
+# Fewer bytes only become less time if the kernel's work per byte stays below what memory delivers per byte.
+#
+# llama.cpp's answer, which `kernels/cpu/` implements in a few hundred readable lines: **quantize the activations
+# too**, per block of 32, to int8 (scale dx = max|x|/127). Then a block of the Q4_1 dot product is
+#
+# $$\sum_i w_i x_i \approx d\,dx \sum_i \mathrm{code}_i\, q_i \;+\; m\, dx \sum_i q_i$$
+#
+# The first sum is bytes times bytes, an *integer* dot product: one AVX2 `vpmaddubsw` + `vpmaddwd` or one VNNI
+# `vpdpbusd` multiplies 32 byte pairs; the second is the block sum of the activations, computed once per row of x,
+# so the minimum costs one multiply-add per block. The scales are applied once per 32 weights, not per weight.
+# One real block, by hand:
+
+# %%
+from minillm.compress.quant import cpu_kernels_disabled, describe_arithmetic  # noqa: E402
+from minillm_kernels import cpu_lowbit  # noqa: E402
+
+q4_model, _ = minillm.load_model(dtype="float32", weights="q4")
+down = q4_model.layers[5].mlp.down
+codes_b = down.codes()[0, :32].double()
+d, m = down.scale[0, 0].double(), down.minimum[0, 0].double()
+x = torch.randn(32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+dx = x.abs().max() / 127
+q = torch.round(x / dx)
+exact = ((codes_b * d + m) * x).sum()
+integer_part = (codes_b * q).sum()  # what the SIMD instruction computes, in int32
+via_int8 = d * dx * integer_part + m * dx * q.sum()
+print(f"float dot product {exact:.5f}; integer form {via_int8:.5f} (int32 sum {integer_part:.0f}); "
+      f"error {abs(via_int8 - exact):.1e} = the rounding of x to int8, at most {dx / 2:.4f} per element")
 
 # %% [markdown]
-# ## 5. The int8 KV cache in the engine
+# **The layout.** A dot product ends in a horizontal sum (add the lanes of a register together), which costs as
+# much as the multiply when rows are short (576 inputs = 18 blocks). So the kernel repacks the weights once, at the
+# first call, into groups of R rows (R = 8 lanes of a 256-bit register, 16 of a 512-bit one): lane r of a vector
+# holds 4 codes of row r, and one broadcast of 4 activation bytes feeds R rows at once. R sums stay in R lanes to
+# the end and the scales of R rows load as one vector. Same 5 bits per weight. One file per kernel
+# (`q4_1_matmul.cpp`, `int8_matmul.cpp`), the plain loops beside the SIMD ones (`reference=True` runs them), built on
+# first use for the instruction set this CPU lists, probed once in a child process (a CPU may list a feature its VM
+# did not enable):
+
+# %%
+print("kernels:", cpu_lowbit.status())
+print("arithmetic of this model:", describe_arithmetic(q4_model))
+packed = down._kernel_pack()
+print(f"mlp.down {tuple(down.qweight.shape)} packed codes -> repacked {tuple(packed.shape)}: "
+      f"{packed.numel() / down.out_features / down.in_features * 8:.2f} bits per weight")
+
+# %% [markdown]
+# One real layer, rows of x per call from 1 (decode) to 16 (a verify or a batch): minillm's kernel, torch's int4
+# kernel on the same layer (`cpu_kernels_disabled()`: what runs where ours cannot build), and a bf16 matmul of the
+# dequantized weight. At one row the kernel should stream the weights near the machine's copy bandwidth; with more
+# rows the bytes stay the same, so the time should grow much slower than the rows.
+
+# %%
+from minillm.bench.harness import time_fn  # noqa: E402
+from minillm.bench.hardware import bandwidth  # noqa: E402
+
+w_bf16 = down.dequantize().bfloat16()
+layer_bytes = down.qweight.numel() + 2 * down.scale.numel() * 2
+kernel_rows = []
+for n_rows in pick((1, 2, 4, 8, 16), (1, 4, 16)):
+    xr = torch.randn(n_rows, down.in_features)
+    ours = time_fn(lambda: down(xr), warmup=2, repeat=pick(50, 10)).median
+    with cpu_kernels_disabled():
+        theirs = time_fn(lambda: down(xr), warmup=2, repeat=pick(50, 10)).median
+    xb = xr.bfloat16()
+    bf16 = time_fn(lambda: xb @ w_bf16.T, warmup=2, repeat=pick(50, 10)).median
+    kernel_rows.append((n_rows, ours, theirs, bf16))
+print(f"{'rows':>5}{'minillm µs':>12}{'torch int4 µs':>15}{'bf16 µs':>10}")
+for n_rows, ours, theirs, bf16 in kernel_rows:
+    print(f"{n_rows:>5}{ours * 1e6:>12.1f}{theirs * 1e6:>15.1f}{bf16 * 1e6:>10.1f}")
+one = kernel_rows[0][1]
+print(f"1 row: {layer_bytes / one / 1e9:.1f} GB/s of packed weights (copy probe: {bandwidth('cpu') / 1e9:.1f} GB/s; "
+      f"the layer is {layer_bytes / 1e6:.2f} MB, so part of it may come from cache); "
+      f"{kernel_rows[-1][0]} rows cost {kernel_rows[-1][1] / one:.1f}x one row")
+fig, ax = plt.subplots(figsize=(6, 3.5))
+for i, label in ((1, "minillm q4 kernel"), (2, "torch int4 kernel"), (3, "bf16 matmul")):
+    ax.plot([r[0] for r in kernel_rows], [r[i] * 1e6 for r in kernel_rows], marker="o", label=label)
+ax.set_xlabel("rows of x per call")
+ax.set_ylabel("µs per call (mlp.down, 576x1536)")
+ax.set_title(hardware_line()[:60], fontsize=8)
+ax.legend()
+plt.tight_layout()
+plt.show()
+del q4_model
+
+# %% [markdown]
+# **Decode, side by side** (from the benchmark of section 4, `bench lowbit`'s part): every variant decodes the same
+# prompt at 1 and 2 threads, round-robin, best round; llama.cpp runs on the same file where llama-cpp-python is
+# installed. *of_roofline* is decode tok/s over (copy bandwidth / weight bytes per token): the share of the memory
+# bound it reaches.
+
+# %%
+decode = [r for r in result.rows if "threads" in r and "decode_tok_s" in r]
+print(f"{'variant':<30}{'threads':>8}{'tok/s':>8}{'MB/token':>10}{'of roofline':>13}{'greedy = fp32':>15}")
+for r in decode:
+    print(f"{r['variant']:<30}{r['threads']:>8}{r['decode_tok_s']:>8.1f}{r.get('weight_MB', float('nan')):>10.0f}"
+          f"{r.get('of_roofline', float('nan')):>13.0%}{r['greedy_same_as_fp32']:>15.0%}")
+fig, ax = plt.subplots(figsize=(8, 3.5))
+names = list(dict.fromkeys(r["variant"] for r in decode))
+for i, th in enumerate(sorted({r["threads"] for r in decode})):
+    vals = {r["variant"]: r["decode_tok_s"] for r in decode if r["threads"] == th}
+    ax.barh([j + 0.4 * i for j in range(len(names))], [vals.get(n, 0) for n in names], height=0.4,
+            label=f"{th} thread{'s' * (th > 1)}")
+ax.set_yticks([j + 0.2 for j in range(len(names))], names, fontsize=8)
+ax.set_xlabel("batch-1 decode tok/s")
+ax.legend()
+plt.tight_layout()
+plt.show()
+rt = result.ratios
+for key in sorted(k for k in rt if "_vs_" in k and k.endswith("t") and k[-2].isdigit()):
+    print(f"{key:<34}{rt[key]:.2f}")
+
+# %% [markdown]
+# What stands between the kernel and the whole step: a decode step is more than its matmuls. Time the 4-bit
+# matmuls of one step alone (the same layers, one row each) against a whole step:
+
+# %%
+q4_model, _ = minillm.load_model(dtype="float32", weights="q4")
+layers_q = [mod for mod in q4_model.modules() if hasattr(mod, "_kernel_pack")]
+inputs = [torch.randn(1, 1, mod.in_features) for mod in layers_q]
+matmuls = time_fn(lambda: [mod(xi) for mod, xi in zip(layers_q, inputs)], warmup=2, repeat=pick(10, 3)).median
+cache = minillm.kv_cache.KVCache.for_model(q4_model, 1, 64)
+with torch.inference_mode():
+    q4_model(torch.tensor([tok.encode("The history of the printing press")]), kv_cache=cache)
+    pos = cache.seq_len
+
+    def one_step():
+        q4_model(torch.tensor([[42]]), kv_cache=cache, last_only=True)
+        cache.truncate(pos)
+
+    step = time_fn(one_step, warmup=2, repeat=pick(10, 3)).median
+print(f"{len(layers_q)} quantized matmuls: {matmuls * 1e3:.2f} ms of a {step * 1e3:.2f} ms step "
+      f"({matmuls / step:.0%}); the rest is attention, RMSNorm, RoPE, residual adds and Python's per-op cost")
+del q4_model
+
+# %% [markdown]
+# **Beyond batch 1.** A forward of q new tokens reads the weights once for all q rows: a speculative verify of q-1
+# drafts (lesson 10) or a step of a batch. With torch's float matmuls on this CPU, the small-M path made q = 5 cost
+# ~1.7x a decode step; the rows below are the q4 model on our kernels (and bf16) from the same run.
+
+# %%
+for r in (r for r in result.rows if "forward_ms" in r):
+    print(f"{r['variant']:<28}{r['forward_ms']:>8.2f} ms {r['vs_decode_step']:>6.2f}x a decode step")
+for r in (r for r in result.rows if r["variant"].startswith("continuous batching")):
+    print(f"{r['variant']:<40}{r['engine_tok_s']:>8.1f} tok/s")
+
+# %% [markdown]
+# ## 6. The int8 KV cache in the engine
 #
 # Same byte budget, two pools: bf16 keys/values, or int8 with one float16 scale per token and head
 # (2·64 bytes + 4 bytes of scales per token, head and layer, against 256). The engine serves the same requests.
@@ -207,7 +351,7 @@ print(f"fastest decode here: {fastest['variant']} at {fastest['decode_tok_s']:.1
 # bf16 or int8, which is what the comparison is about.
 
 # %%
-for r in (r for r in result.rows if r["variant"].startswith("engine")):
+for r in (r for r in result.rows if r["variant"].startswith("engine,")):
     print(f"{r['variant']:<18} blocks {r['kv_blocks']:>5}  peak running sequences {r['peak_running_seqs']:>3}  "
           f"{r['engine_tok_s']:.1f} tok/s")
 rt = {k.rsplit("_vs_", 1)[0]: v for k, v in result.ratios.items() if k.startswith("int8_kv")}
@@ -216,7 +360,7 @@ print(f"int8 KV: {rt['int8_kv_blocks']:.2f}x the blocks, {rt['int8_kv_peak_seqs'
       f"{rt['int8_kv_requests_same_greedy_tokens']:.0%} of requests kept every greedy token.")
 
 # %% [markdown]
-# ## 6. On a GPU
+# ## 7. On a GPU
 #
 # `Int8Linear` and `Int4Linear` call the Triton kernels of `kernels/quant_matmul.py` on CUDA (dequantize in
 # registers, fp32 accumulation); `scripts/gpu_check.sh` tests them against a float oracle and times them against a

@@ -41,7 +41,8 @@ def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
                attn_backend: str = "sdpa", fuse: bool = False, weights: str = "dequantized"):
     """(model, tokenizer) of a known or saved model; downloads and verifies the weights on first use.
     fuse=True applies lesson 06's fusions (same logits, fewer ops per step; with weights="q4" the 4-bit rows are
-    concatenated as they are); weights="q4" keeps the file's 4-bit layers packed (see WEIGHTS). minillm.compress.quant.describe_arithmetic(model) says what the matmuls compute in."""
+    concatenated as they are); weights="q4" keeps the file's 4-bit layers packed (see WEIGHTS).
+    minillm.compress.quant.describe_arithmetic(model) says what the matmuls compute in."""
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weights={weights!r}; choose one of {list(WEIGHTS)}")
     if fuse and saved_model_exists(name):

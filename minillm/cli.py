@@ -43,7 +43,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from minillm.attention import backend_names
-    from minillm.api import CACHE_KINDS
+    from minillm.api import CACHE_KINDS, WEIGHTS
     from minillm.gguf.loader import DTYPES
 
     parser = _Parser(prog="minillm", description="LLM inference, one technique at a time, on SmolLM2-135M.",
@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    gen.add_argument("--weights", choices=list(WEIGHTS), default="dequantized",
+                     help="q4: keep the file's 4-bit blocks packed (lesson 07); the stats say what the matmuls "
+                          "compute in")
+    gen.add_argument("--fuse", action="store_true", help="lesson 06's fusions (q/k/v, gate/up, add+norm)")
     gen.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     gen.add_argument("--cache", choices=list(CACHE_KINDS), default="contiguous")
     gen.add_argument("--attn", choices=backend_names(), default="sdpa", help="attention backend")
@@ -168,7 +172,8 @@ def cmd_generate(args) -> int:
 
         spec = SpeculativeConfig(args.speculative, k=args.k, draft_model=args.draft_model)  # refuses bad combos
         spec_stats = SpecStats()
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, attn_backend=args.attn)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, attn_backend=args.attn, fuse=args.fuse,
+                            weights=args.weights)
 
     def emit(text: str) -> None:
         print(text, end="", flush=True)
@@ -199,6 +204,10 @@ def cmd_generate(args) -> int:
     stats.append(f"{machine} at start")
     stats.append(f"finish_reason: {res.finish_reason}")
     print("--- " + " | ".join(stats))
+    if args.weights != "dequantized":
+        from minillm.compress.quant import describe_arithmetic
+
+        print(f"--- arithmetic: {describe_arithmetic(model)}")
     return 0
 
 
@@ -323,11 +332,13 @@ def _print_machine() -> None:
     import torch
 
     from minillm.bench.hardware import bf16_status, busy_warning, cpu_name, threads_line
+    from minillm_kernels.cpu_lowbit import describe as describe_cpu_kernels
 
     print(f"machine          CPU {cpu_name()}; torch {torch.__version__}; {threads_line()}")
     if torch.cuda.is_available():
         print(f"                 GPU {torch.cuda.get_device_name()}; {bf16_status('cuda')}")
     print(f"                 CPU {bf16_status('cpu')}")
+    print(f"                 CPU low-bit kernels: {describe_cpu_kernels()}")
     if warning := busy_warning():
         print(f"                 {warning}")
 

@@ -12,4 +12,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_matmul", &minillm::q4_1_matmul, "x (..., K) @ repacked Q4_1 weights.T -> (..., N), x's dtype");
   m.def("int8_matmul", &minillm::int8_matmul, "x (..., K) @ repacked int8 weights.T -> (..., N), x's dtype");
   m.attr("isa") = minillm::kIsa;
+  m.attr("rows") = minillm::kRows;  // weight rows per repacked group: the layout repack_* must build
 }

@@ -1,13 +1,13 @@
-// y = x @ W.T for int8 weights, 8 rows at a time from a repacked copy: Int8Linear (one scale per output row) and
+// y = x @ W.T for int8 weights, kRows rows at a time from a repacked copy: Int8Linear (one scale per output row) and
 // GGUF's Q8_0 (one fp16 scale per block of 32: the file's tied embedding / LM head). Lesson 07.
 //
 // Block b of row n, activations quantized per block (x ~= q * dx, q8_activations.h):
 //   sum_i w_i x_i ~= scale * dx * sum_i w_i q_i
 // The instruction multiplies unsigned by signed bytes, so the sign moves from the weight onto the activation:
-// w * q = |w| * (sign(w) * q) (vpsignb). -128 never occurs (both sides are clamped to +-127), so |w| fits a byte.
+// w * q = |w| * sign_of(q, w) (simd.h). -128 never occurs (both sides are clamped to +-127), so |w| fits a byte.
 //
-// Layout (kernels/cpu_lowbit.py repack_int8): rows in groups of 8, for each group and block 288 bytes:
-//   scale[8] float32 | 8 x 32 bytes: in chunk j, the 4 bytes of lane r are row r's weights 4j..4j+3
+// Layout (kernels/cpu_lowbit.py repack_int8): rows in groups of R = kRows, for each group and block 36 * R bytes:
+//   scale[R] float32 | 8 chunks of 4 * R bytes: in chunk j, the 4 bytes of lane r are row r's weights 4j..4j+3
 // A per-row scale is stored in every block (9 bits per weight instead of 8: one layout, one kernel for both).
 #include <torch/extension.h>
 
@@ -18,7 +18,7 @@
 
 namespace minillm {
 
-constexpr int64_t kQ8Bytes = 288;
+constexpr int64_t kQ8Bytes = 36 * kRows;
 
 struct Int8Rows {  // x after quantize_row_q8: M rows
   const int8_t* q;
@@ -34,14 +34,14 @@ void int8_group_scalar(const uint8_t* group, const Int8Rows& x, int64_t m0, floa
     const uint8_t* blk = group + b * kQ8Bytes;
     float scale[kRows];
     std::memcpy(scale, blk, sizeof(scale));
-    const int8_t* w = reinterpret_cast<const int8_t*>(blk + 32);
+    const int8_t* w = reinterpret_cast<const int8_t*>(blk + 4 * kRows);
     for (int t = 0; t < MT; ++t) {
       const int64_t row = m0 + t;
       const int8_t* q = x.q + row * x.K + b * kBlock;
       for (int r = 0; r < kRows; ++r) {
         int32_t isum = 0;
         for (int j = 0; j < 8; ++j)
-          for (int k = 0; k < 4; ++k) isum += w[j * 32 + r * 4 + k] * q[4 * j + k];
+          for (int k = 0; k < 4; ++k) isum += w[j * 4 * kRows + r * 4 + k] * q[4 * j + k];
         acc[t][r] += scale[r] * x.d[row * x.blocks + b] * static_cast<float>(isum);
       }
     }
@@ -53,26 +53,28 @@ void int8_group_scalar(const uint8_t* group, const Int8Rows& x, int64_t m0, floa
 #if defined(MINILLM_SIMD)
 template <int MT>
 void int8_group_simd(const uint8_t* group, const Int8Rows& x, int64_t m0, float* out) {
-  __m256 acc[MT];
-  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
+  VecF acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = zero_f();
   for (int64_t b = 0; b < x.blocks; ++b) {
     const uint8_t* blk = group + b * kQ8Bytes;
-    const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(blk));
-    __m256i w[8], magnitude[8];
+    const VecF scale = load_f(reinterpret_cast<const float*>(blk));
+    VecI w[8], magnitude[8];
     for (int j = 0; j < 8; ++j) {
-      w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 32 * j));
-      magnitude[j] = _mm256_sign_epi8(w[j], w[j]);
+      w[j] = load_i(blk + 4 * kRows + j * 4 * kRows);
+      magnitude[j] = abs_i8(w[j]);
     }
     for (int t = 0; t < MT; ++t) {
       const int64_t row = m0 + t;
       const int8_t* q = x.q + row * x.K + b * kBlock;
-      __m256i isum = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j) isum = dot_add(isum, magnitude[j], _mm256_sign_epi8(broadcast4(q + 4 * j), w[j]));
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scale, _mm256_set1_ps(x.d[row * x.blocks + b])),
-                               acc[t]);
+      VecI even = zero_i(), odd = zero_i();  // two chains: see q4_1_matmul.cpp
+      for (int j = 0; j < 8; j += 2) {
+        even = dot_add(even, magnitude[j], sign_of(broadcast4(q + 4 * j), w[j]));
+        odd = dot_add(odd, magnitude[j + 1], sign_of(broadcast4(q + 4 * j + 4), w[j + 1]));
+      }
+      acc[t] = fma_f(to_float(add_i(even, odd)), mul_f(scale, set1_f(x.d[row * x.blocks + b])), acc[t]);
     }
   }
-  for (int t = 0; t < MT; ++t) _mm256_storeu_ps(out + t * kRows, acc[t]);
+  for (int t = 0; t < MT; ++t) store_f(out + t * kRows, acc[t]);
 }
 #endif
 
@@ -84,14 +86,14 @@ void int8_group(bool reference, const uint8_t* group, const Int8Rows& x, int64_t
   int8_group_scalar<MT>(group, x, m0, out);
 }
 
-// x (..., K) float, packed (ceil(N/8), K/32, 288) uint8 -> y (..., N) in x's dtype
+// x (..., K) float, packed (ceil(N/R), K/32, 36*R) uint8 -> y (..., N) in x's dtype
 at::Tensor int8_matmul(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, bool reference) {
   TORCH_CHECK(x_in.dim() >= 1, "x must be (..., K)");
   const int64_t K = x_in.size(-1), M = x_in.numel() / std::max<int64_t>(K, 1), groups = (N + kRows - 1) / kRows;
   TORCH_CHECK(K % kBlock == 0, "K = ", K, " must be a multiple of 32 (activation blocks)");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
                   packed.size(0) == groups && packed.size(1) == K / kBlock && packed.size(2) == kQ8Bytes,
-              "packed must be repack_int8's contiguous uint8 (", groups, ", ", K / kBlock, ", 288), got ",
+              "packed must be repack_int8's contiguous uint8 (", groups, ", ", K / kBlock, ", ", kQ8Bytes, "), got ",
               packed.sizes());
   const at::Tensor x = x_in.reshape({M, K}).to(at::kFloat).contiguous();
   const int64_t blocks = K / kBlock;
@@ -105,19 +107,22 @@ at::Tensor int8_matmul(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   float* out = y.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-    float tile[4 * kRows];
+    float tile[kTile * kRows];
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* group = w + g * blocks * kQ8Bytes;
       const int64_t valid = std::min(kRows, N - g * kRows);
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int64_t mt = std::min<int64_t>(4, M - m0);
-        switch (mt) {
+      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+        switch (std::min<int64_t>(kTile, M - m0)) {
+          case 8: int8_group<8>(reference, group, rows, m0, tile); break;
+          case 7: int8_group<7>(reference, group, rows, m0, tile); break;
+          case 6: int8_group<6>(reference, group, rows, m0, tile); break;
+          case 5: int8_group<5>(reference, group, rows, m0, tile); break;
           case 4: int8_group<4>(reference, group, rows, m0, tile); break;
           case 3: int8_group<3>(reference, group, rows, m0, tile); break;
           case 2: int8_group<2>(reference, group, rows, m0, tile); break;
           default: int8_group<1>(reference, group, rows, m0, tile); break;
         }
-        for (int64_t t = 0; t < mt; ++t)
+        for (int64_t t = 0; t < std::min<int64_t>(kTile, M - m0); ++t)
           std::memcpy(out + (m0 + t) * N + g * kRows, tile + t * kRows, valid * sizeof(float));
       }
     }

@@ -12,25 +12,32 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace minillm {
 
 constexpr int64_t kBlock = 32;  // weights (and activations) per scale
-constexpr int64_t kRows = 8;    // weight rows interleaved in the repacked layouts: one per int32 lane of AVX2
+
 
 inline void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d, float* s) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;  // an all-zero block: codes 0, any scale is exact
+    bool finite = true;
+    for (int i = 0; i < kBlock; ++i) {
+      amax = std::fmax(amax, std::fabs(xb[i]));
+      finite = finite && std::isfinite(xb[i]);
+    }
+    // an all-zero block: codes 0, any scale is exact; a block below ~1e-36 (127 / amax overflows) counts as zero
+    const float inv = amax > 0.f && std::isfinite(127.f / amax) ? 127.f / amax : 0.f;
     int32_t sum = 0;
     for (int i = 0; i < kBlock; ++i) {
-      const int32_t code = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+      const int32_t code = finite ? static_cast<int32_t>(std::nearbyint(xb[i] * inv)) : 0;
       q[b * kBlock + i] = static_cast<int8_t>(code);
       sum += code;
     }
-    d[b] = amax / 127.f;
+    // a NaN or inf in the block must reach the output as NaN, as a float matmul would not hide it either
+    d[b] = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
     s[b] = d[b] * static_cast<float>(sum);
   }
 }

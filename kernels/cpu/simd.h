@@ -1,11 +1,17 @@
-// The integer instruction the low-bit kernels are built on, per instruction set (lesson 07).
+// The lane vector the low-bit kernels are written in, per instruction set (lesson 07).
 //
-// dot_add(acc, u, s): acc + for each of 8 int32 lanes the sum of 4 products (unsigned byte of u) * (signed byte of s).
-//   AVX-512 VNNI (with VL) / AVX-VNNI: vpdpbusd, one instruction.
-//   AVX2: vpmaddubsw (byte pairs -> int16, saturating: our operands keep 2 * 127 * 127 = 32258 in range), vpmaddwd
-//   by 1 (int16 pairs -> int32), vpaddd.
+// A lane vector holds one int32 or float per weight row of a repacked group: kRows = 16 lanes in a 512-bit register
+// (AVX-512), 8 in a 256-bit one (AVX2, AVX-VNNI). The kernels are written once against these few operations:
+//
+//   dot_add(acc, u, s)  acc + per lane, the sum of 4 products (unsigned byte of u) * (signed byte of s)
+//       AVX-512 VNNI / AVX-VNNI: vpdpbusd, one instruction.
+//       AVX2: vpmaddubsw (byte pairs -> int16, saturating; our operands keep 2 * 127 * 127 = 32258 in range), vpmaddwd
+//       by 1 (int16 pairs -> int32), vpaddd.
+//   broadcast4(q)       the 4 activation bytes q[0..4) in every lane: the same inputs face every weight row
+//   sign_of(x, w)       x with the sign of w moved onto it (w * x = |w| * sign_of(x, w)), for int8 weights
+//
 // Which one is compiled is chosen by the flags kernels/cpu_lowbit.py passes, from the CPU's own feature list: one
-// build per instruction set, cached.
+// build per instruction set, cached. Without AVX2 the plain loops (the reference) run, vectorized by the compiler.
 #pragma once
 
 #include <cstdint>
@@ -13,27 +19,76 @@
 
 #include <c10/util/Half.h>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define MINILLM_AVX512 1
+#define MINILLM_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define MINILLM_SIMD 1
 #endif
 
 namespace minillm {
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(MINILLM_AVX512)
 constexpr const char* kIsa = "avx512-vnni";
-#elif defined(__AVXVNNI__)
+constexpr int64_t kRows = 16;  // weight rows per repacked group = lanes per vector
+constexpr int64_t kTile = 8;   // activation rows computed together: 32 registers hold their sums and a block's codes
+#elif defined(__AVXVNNI__) && defined(MINILLM_SIMD)
 constexpr const char* kIsa = "avx-vnni";
+constexpr int64_t kRows = 8;
+constexpr int64_t kTile = 4;
 #elif defined(MINILLM_SIMD)
 constexpr const char* kIsa = "avx2";
+constexpr int64_t kRows = 8;
+constexpr int64_t kTile = 4;
 #else
 constexpr const char* kIsa = "scalar";
+constexpr int64_t kRows = 8;
+constexpr int64_t kTile = 4;
 #endif
 
 inline float half_to_float(c10::Half h) { return static_cast<float>(h); }
 
-#if defined(MINILLM_SIMD)
-inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) {
+#if defined(MINILLM_AVX512)
+using VecI = __m512i;
+using VecF = __m512;
+inline VecI load_i(const void* p) { return _mm512_loadu_si512(p); }
+inline VecI zero_i() { return _mm512_setzero_si512(); }
+inline VecI and_i(VecI a, VecI b) { return _mm512_and_si512(a, b); }
+inline VecI shift_right4(VecI a) { return _mm512_srli_epi16(a, 4); }
+inline VecI set1_i8(char v) { return _mm512_set1_epi8(v); }
+inline VecI add_i(VecI a, VecI b) { return _mm512_add_epi32(a, b); }
+inline VecI dot_add(VecI acc, VecI u, VecI s) { return _mm512_dpbusd_epi32(acc, u, s); }
+inline VecI abs_i8(VecI w) { return _mm512_abs_epi8(w); }
+inline VecI sign_of(VecI x, VecI w) {  // AVX-512 has no vpsignb: negate x where w < 0 (w == 0 meets |w| == 0)
+  return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+}
+inline VecF to_float(VecI a) { return _mm512_cvtepi32_ps(a); }
+inline VecF zero_f() { return _mm512_setzero_ps(); }
+inline VecF set1_f(float v) { return _mm512_set1_ps(v); }
+inline VecF mul_f(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+inline VecF fma_f(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VecF load_f(const float* p) { return _mm512_loadu_ps(p); }
+inline void store_f(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+inline VecF load_halves(const c10::Half* p) {  // kRows fp16 -> floats
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline VecI broadcast4(const int8_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return _mm512_set1_epi32(v);
+}
+#elif defined(MINILLM_SIMD)
+using VecI = __m256i;
+using VecF = __m256;
+inline VecI load_i(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline VecI zero_i() { return _mm256_setzero_si256(); }
+inline VecI and_i(VecI a, VecI b) { return _mm256_and_si256(a, b); }
+inline VecI shift_right4(VecI a) { return _mm256_srli_epi16(a, 4); }
+inline VecI set1_i8(char v) { return _mm256_set1_epi8(v); }
+inline VecI add_i(VecI a, VecI b) { return _mm256_add_epi32(a, b); }
+inline VecI dot_add(VecI acc, VecI u, VecI s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
@@ -42,14 +97,19 @@ inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
-
-// 8 fp16 values -> 8 floats (one per weight row of a repacked group)
-inline __m256 load_halves(const c10::Half* p) {
+inline VecI abs_i8(VecI w) { return _mm256_sign_epi8(w, w); }
+inline VecI sign_of(VecI x, VecI w) { return _mm256_sign_epi8(x, w); }
+inline VecF to_float(VecI a) { return _mm256_cvtepi32_ps(a); }
+inline VecF zero_f() { return _mm256_setzero_ps(); }
+inline VecF set1_f(float v) { return _mm256_set1_ps(v); }
+inline VecF mul_f(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+inline VecF fma_f(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VecF load_f(const float* p) { return _mm256_loadu_ps(p); }
+inline void store_f(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+inline VecF load_halves(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-
-// 4 activation codes (bytes 4j..4j+3 of a block) repeated in all 8 lanes: the same inputs for the 8 weight rows
-inline __m256i broadcast4(const int8_t* q) {
+inline VecI broadcast4(const int8_t* q) {
   int32_t v;
   std::memcpy(&v, q, 4);
   return _mm256_set1_epi32(v);

@@ -26,6 +26,7 @@ ENTRIES: dict[str, str] = {
     "batching": "minillm.bench.batching:run",
     "fusion": "minillm.bench.fusion:run",
     "quant": "minillm.bench.quant:run",
+    "lowbit": "minillm.bench.lowbit:run",
     "sparsity": "minillm.bench.sparsity:run",
     "distill": "minillm.bench.distill:run",
     "speculative": "minillm.bench.speculative:run",

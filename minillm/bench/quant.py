@@ -4,7 +4,9 @@ Every variant is the same SmolLM2 file; the reference is its fp32 dequantization
 expanded), bf16 the path the quantized kernels replace. Per variant: weight bytes, batch-1 decode and prefill
 tok/s, perplexity, KL to the reference and top-1 agreement on the pydoc text (AWQ calibrates on its held-apart
 tail). 3-bit rows are quality only. Then the int8 KV cache: sequences admitted in the same KV byte budget, and
-throughput. torchao and llama.cpp (llama-cpp-python, an optional extra) run beside minillm when installed.
+throughput. torchao runs beside minillm when installed. Last, bench lowbit's parts (minillm/bench/lowbit.py): the CPU
+low-bit kernels against torch's and llama.cpp's (llama-cpp-python, an optional extra) at 1 and 2 threads, the
+verify / 16-row step, and the engine with q4 weights.
 """
 
 from __future__ import annotations
@@ -197,13 +199,19 @@ def run(quick: bool = False) -> BenchResult:
     rows += kv_rows
     ratios.update(kv_ratios)
     targets[next(k for k in kv_ratios if k.startswith("int8_kv_peak_seqs"))] = (">=", 1.9)
+    from minillm.bench import lowbit
+
     notes = [f"bf16 on this CPU: {bf16_status('cpu')}",
              "the reference is the fp32 model dequantized from the file's Q4_1 weights",
              "groups of 128 do not divide the model's 576-wide inputs: g64 stands in for the paper's g128",
-             "quantized CPU matmuls run torch's int8/int4 kernels with bf16 activations",
-             peer_note,
-             "llama.cpp: not run (llama-cpp-python is an optional extra that compiles for minutes; FACTS.md lists "
-             "111 tok/s for this file on the same 2-core machine, measured separately)"]
+             "int8/int4 g32 matmuls run minillm's CPU kernels (int8 activations per block of 32); int4 g64 runs "
+             "torch's int4 kernel (bf16 activations)",
+             peer_note]
+    more_rows, more_ratios, more_targets, more_notes = lowbit.parts(quick)
+    rows += more_rows
+    ratios.update(more_ratios)
+    targets.update(more_targets)
+    notes += more_notes
     return BenchResult(name="quant", rows=rows, ratios=ratios, targets=targets,
                        settings={"eval_tokens": eval_len, "window": window, "new_tokens": n_new, "repeat": repeat,
                                  "threads": torch.get_num_threads(), "calibration_tokens": len(calib)},

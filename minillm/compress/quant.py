@@ -10,7 +10,9 @@ style; LLM.int8() is in llm_int8.py, AWQ in awq.py.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -90,12 +92,6 @@ def _cuda_kernels():
     return kernels
 
 
-# Rows per call up to which the CPU low-bit kernels (kernels/cpu_lowbit.py) beat torch's: decode, batched decode and
-# speculative verify read every weight once for all their rows; a long prefill is compute-bound and goes to torch's
-# int4/int8 GEMMs (bench quant measures both sides).
-CPU_KERNEL_MAX_ROWS = 16
-
-
 @functools.lru_cache(maxsize=None)
 def cpu_kernels():
     """The CPU low-bit kernel module (built on first use), or None where it cannot load: torch's kernels then.
@@ -105,9 +101,31 @@ def cpu_kernels():
     return cpu_lowbit if cpu_lowbit.load() is not None else None
 
 
-def _cpu_kernel_rows(x: Tensor) -> bool:
-    k = x.shape[-1]
-    return not x.is_cuda and k % 32 == 0 and x.numel() <= CPU_KERNEL_MAX_ROWS * k and cpu_kernels() is not None
+@contextlib.contextmanager
+def cpu_kernels_disabled():
+    """Inside the block, quantized layers (and models loaded there) take torch's kernels, as on a machine where
+    ours cannot build: how benches and tests put both paths side by side in one process."""
+    from minillm_kernels import cpu_lowbit
+
+    old = os.environ.get(cpu_lowbit.ENV)
+    os.environ[cpu_lowbit.ENV] = "off"
+    cpu_lowbit.load.cache_clear()
+    cpu_kernels.cache_clear()
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[cpu_lowbit.ENV]
+        else:
+            os.environ[cpu_lowbit.ENV] = old
+        cpu_lowbit.load.cache_clear()
+        cpu_kernels.cache_clear()
+
+
+def _on_cpu_kernels(x: Tensor) -> bool:
+    # any row count: reading each weight block once for up to 4 rows at a time, they measured ~2x torch's int4/int8
+    # CPU kernels from 1 to 128 rows (bench quant), so a long prefill takes them too
+    return not x.is_cuda and x.shape[-1] % 32 == 0 and cpu_kernels() is not None
 
 
 class QuantizedLinear(nn.Module):
@@ -152,13 +170,13 @@ class Int8Linear(QuantizedLinear):
         self.out_features, self.in_features = q.shape
         per_block = scale.dim() == 2
         if per_block and (scale.shape != (self.out_features, self.in_features // 32) or self.in_features % 32):
-            raise ValueError(f"a per-block scale must be (out, in // 32) = {(self.out_features, self.in_features // 32)}"
-                             f", got {tuple(scale.shape)}")
+            want = (self.out_features, self.in_features // 32)
+            raise ValueError(f"a per-block scale must be (out, in // 32) = {want}, got {tuple(scale.shape)}")
         if not per_block and scale.shape != (self.out_features,):
             raise ValueError(f"a per-row scale must be (out,) = ({self.out_features},), got {tuple(scale.shape)}")
         self.register_buffer("weight", q.contiguous())
         self.register_buffer("scale", scale.half().contiguous() if per_block else scale.float())
-        self._packed: Tensor | None = None
+        self._packed: tuple[int, Tensor] | None = None
 
     def _apply(self, fn, recurse=True):
         self._packed = None
@@ -184,19 +202,19 @@ class Int8Linear(QuantizedLinear):
         return cls(*quantize_int8(linear.weight.detach()))
 
     def _kernel_pack(self) -> Tensor:
-        if self._packed is None:  # the kernel's 8-row layout, built on the first call (not in the state dict)
-            self._packed = cpu_kernels().repack_int8(self.weight, self.scale)
-        return self._packed
+        rows = cpu_kernels().rows_per_group()  # the loaded build's layout (16 rows with AVX-512, else 8)
+        if self._packed is None or self._packed[0] != rows:  # built on the first call, not in the state dict
+            self._packed = (rows, cpu_kernels().repack_int8(self.weight, self.scale, rows))
+        return self._packed[1]
 
     def forward(self, x: Tensor) -> Tensor:
-        if _cpu_kernel_rows(x) or (self.per_block and not x.is_cuda and cpu_kernels() is not None):
-            # the Q8_0 head: torch has no per-block int8 kernel, ours serves any row count
+        if _on_cpu_kernels(x):
             return cpu_kernels().int8_matmul(x, self._kernel_pack(), self.out_features)
         if self.per_block:
             return F.linear(x, self.dequantize().to(x.dtype))
         if x.is_cuda and (kernels := _cuda_kernels()) is not None:
             return kernels.int8_weight_matmul(x, self.weight, self.scale.to(x.dtype))
-        if x.is_cuda:
+        if x.is_cuda or self.in_features % 16:  # torch 2.13's CPU int8 kernel crashes when K % 16 != 0
             return F.linear(x, self.weight.to(x.dtype) * self.scale[:, None].to(x.dtype))
         # torch's CPU kernel is fast with bf16 activations only (FACTS): an fp32 input is rounded to bf16 for this
         # matmul, an error far below the int8 weights' own
@@ -234,7 +252,7 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scale", scale.half())
         self.register_buffer("minimum", minimum.half())
         self._cpu_pack: tuple[Tensor, Tensor] | None = None
-        self._packed: Tensor | None = None
+        self._packed: tuple[int, Tensor] | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 32) -> Int4Linear:
@@ -268,9 +286,10 @@ class Int4Linear(QuantizedLinear):
         return w.to(dtype).reshape(*ids.shape, self.in_features)
 
     def _kernel_pack(self) -> Tensor:
-        if self._packed is None:  # the kernel's 8-row layout, same bytes per weight (kernels/cpu/q4_1_matmul.cpp)
-            self._packed = cpu_kernels().repack_q4_1(self.codes(), self.scale, self.minimum)
-        return self._packed
+        rows = cpu_kernels().rows_per_group()  # kernels/cpu/q4_1_matmul.cpp: same 5 bits per weight, R rows a group
+        if self._packed is None or self._packed[0] != rows:
+            self._packed = (rows, cpu_kernels().repack_q4_1(self.codes(), self.scale, self.minimum, rows))
+        return self._packed[1]
 
     def _torch_cpu_pack(self) -> tuple[Tensor, Tensor]:
         # torch computes (code - 8) * scale + zero, so zero = minimum + 8 * scale (exact in fp32; bf16 rounds it)
@@ -282,7 +301,7 @@ class Int4Linear(QuantizedLinear):
         return self._cpu_pack
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.group_size == 32 and _cpu_kernel_rows(x):  # Q4_1 blocks straight into integer SIMD
+        if self.group_size == 32 and _on_cpu_kernels(x):  # Q4_1 blocks straight into integer SIMD
             return cpu_kernels().q4_1_matmul(x, self._kernel_pack(), self.out_features)
         if x.is_cuda and (kernels := _cuda_kernels()) is not None:
             return kernels.int4_group_matmul(x, self.qweight, self.scale, self.minimum, self.group_size)
@@ -319,6 +338,31 @@ class QuantizedEmbedding(nn.Module):
 
 def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, QuantizedLinear) for m in model.modules())
+
+
+def describe_arithmetic(model: nn.Module) -> str:
+    """What the model's matmuls compute in, in one line: the storage format of the weights and the precision of the
+    activations each kernel actually uses (a q4 model "in float32" does not multiply in float32)."""
+    dtype = str(model.dtype).removeprefix("torch.")
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    if not layers:
+        return f"weights and matmuls in {dtype}"
+    formats = {}
+    for m in layers:
+        name = (f"int4 g{m.group_size}" + (" (q4_1)" if m.group_size == 32 else "")) if isinstance(m, Int4Linear) \
+            else type(m).__name__ if not isinstance(m, Int8Linear) or type(m) is not Int8Linear \
+            else "int8 per block of 32 (q8_0)" if m.per_block else "int8 per row"
+        formats[name] = formats.get(name, 0) + 1
+    weights = ", ".join(f"{n} x{c}" for n, c in formats.items())
+    device = next(iter(layers)).weight_storage.device
+    if device.type == "cuda":
+        return f"weights {weights}; Triton kernels dequantize in registers, activations {dtype}"
+    kernels = cpu_kernels()
+    if kernels is None:
+        return (f"weights {weights}; activations rounded to bfloat16 inside torch's int4/int8 CPU kernels (scales "
+                f"and outputs too), the rest in {dtype}")
+    return (f"weights {weights}; matmuls with activations quantized to int8 per block of 32, integer dot products, "
+            f"float32 accumulation (minillm's {kernels.load().isa} kernels); the rest in {dtype}")
 
 
 def fake_quantize_int4(model: nn.Module, group_size: int = 128, bits: int = 4) -> nn.Module:
