@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ["decode", "kv-cache", "gqa", "attention", "paged", "batching", "fusion", "quant", "sparsity", "distill",
-         "speculative", "parallel", "prefix-cache", "chunked-prefill", "serve", "disagg"]
+ORDER = ["decode", "kv-cache", "gqa", "attention", "paged", "batching", "fusion", "quant", "lowbit", "sparsity",
+         "distill", "speculative", "parallel", "prefix-cache", "chunked-prefill", "serve", "disagg"]
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 

@@ -44,6 +44,15 @@ def test_generate_streams_text_and_prints_stats():
     assert "Traceback" not in proc.stderr
 
 
+def test_generate_q4_says_what_its_matmuls_compute_in():
+    """--weights q4 "in float32" does not multiply in float32: the stats say the weights' format and the
+    activations' precision (int8 on minillm's CPU kernels, bf16 inside torch's where ours cannot build)."""
+    proc = run_cli("generate", "Name a colour.", "--weights", "q4", "--fuse", "--max-new-tokens", "4")
+    assert proc.returncode == 0, proc.stderr
+    arithmetic = proc.stdout.rpartition("--- arithmetic: ")[2]
+    assert "q4_1" in arithmetic and ("int8 per block of 32" in arithmetic or "bfloat16" in arithmetic), arithmetic
+
+
 def test_generate_prints_its_stats_right_after_the_answer(tmp_path):
     """No slow probe between the answer and the stats line, even on a machine whose probe cache is empty: the
     stats come within a small multiple of the decode time itself (a 2048^3 bf16 matmul probe once sat here for
@@ -124,6 +133,7 @@ def test_info_prints_config_params_and_kv_bytes(capsys):
     out = capsys.readouterr().out
     assert "n_kv_heads" in out and "134,515,008" in out
     assert "46,080 bytes/token" in out and "23,040 bytes/token" in out  # 2 x 30 x 3 x 64 x {4, 2}
+    assert "CPU low-bit kernels:" in out  # which instruction set, or why torch's kernels are used
 
 
 def test_grade_solutions_passes(capsys):
