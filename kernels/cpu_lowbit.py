@@ -247,6 +247,29 @@ def int8_matmul(x: Tensor, packed: Tensor, n: int, reference: bool = False) -> T
     return _module.int8_matmul(x, packed, n, reference)
 
 
+# The same two calls as torch operators, for torch.compile (lesson 06): dynamo cannot trace into a C++ function, but
+# it can call an operator that says what shape it returns; inductor then fuses everything around the matmuls. In
+# eager mode the layers call the functions above directly (an operator adds ~10 µs of dispatch per call).
+@torch.library.custom_op("minillm::q4_1_matmul", mutates_args=())
+def q4_1_matmul_op(x: Tensor, packed: Tensor, n: int) -> Tensor:
+    return _module.q4_1_matmul(x, packed, n, False)
+
+
+@q4_1_matmul_op.register_fake
+def _(x: Tensor, packed: Tensor, n: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], n))
+
+
+@torch.library.custom_op("minillm::int8_matmul", mutates_args=())
+def int8_matmul_op(x: Tensor, packed: Tensor, n: int) -> Tensor:
+    return _module.int8_matmul(x, packed, n, False)
+
+
+@int8_matmul_op.register_fake
+def _(x: Tensor, packed: Tensor, n: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], n))
+
+
 if __name__ == "__main__":  # python -m minillm_kernels.cpu_lowbit: build, probe, say what loaded
     torch.set_num_threads(1)
     load()

@@ -16,6 +16,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from minillm_kernels import cpu_lowbit
 from torch import Tensor, nn
 
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -96,8 +97,6 @@ def _cuda_kernels():
 def cpu_kernels():
     """The CPU low-bit kernel module (built on first use), or None where it cannot load: torch's kernels then.
     Resolved once per process (cpu_kernels.cache_clear() re-resolves); cpu_lowbit.status() says which and why."""
-    from minillm_kernels import cpu_lowbit
-
     return cpu_lowbit if cpu_lowbit.load() is not None else None
 
 
@@ -105,8 +104,6 @@ def cpu_kernels():
 def cpu_kernels_disabled():
     """Inside the block, quantized layers (and models loaded there) take torch's kernels, as on a machine where
     ours cannot build: how benches and tests put both paths side by side in one process."""
-    from minillm_kernels import cpu_lowbit
-
     old = os.environ.get(cpu_lowbit.ENV)
     os.environ[cpu_lowbit.ENV] = "off"
     cpu_lowbit.load.cache_clear()
@@ -122,10 +119,15 @@ def cpu_kernels_disabled():
         cpu_kernels.cache_clear()
 
 
+@torch.compiler.assume_constant_result  # torch.compile: a fact of the process, not something to trace
+def _cpu_kernels_loaded() -> bool:
+    return cpu_kernels() is not None
+
+
 def _on_cpu_kernels(x: Tensor) -> bool:
-    # any row count: reading each weight block once for up to 4 rows at a time, they measured ~2x torch's int4/int8
+    # any row count: reading each weight block once for up to 8 rows at a time, they measured ~2x torch's int4/int8
     # CPU kernels from 1 to 128 rows (bench quant), so a long prefill takes them too
-    return not x.is_cuda and x.shape[-1] % 32 == 0 and cpu_kernels() is not None
+    return not x.is_cuda and x.shape[-1] % 32 == 0 and _cpu_kernels_loaded()
 
 
 class QuantizedLinear(nn.Module):
@@ -209,6 +211,8 @@ class Int8Linear(QuantizedLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         if _on_cpu_kernels(x):
+            if torch.compiler.is_compiling() and self._packed is not None:  # an operator dynamo can trace (lesson 06)
+                return cpu_lowbit.int8_matmul_op(x, self._packed[1], self.out_features)
             return cpu_kernels().int8_matmul(x, self._kernel_pack(), self.out_features)
         if self.per_block:
             return F.linear(x, self.dequantize().to(x.dtype))
@@ -302,6 +306,8 @@ class Int4Linear(QuantizedLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.group_size == 32 and _on_cpu_kernels(x):  # Q4_1 blocks straight into integer SIMD
+            if torch.compiler.is_compiling() and self._packed is not None:
+                return cpu_lowbit.q4_1_matmul_op(x, self._packed[1], self.out_features)
             return cpu_kernels().q4_1_matmul(x, self._kernel_pack(), self.out_features)
         if x.is_cuda and (kernels := _cuda_kernels()) is not None:
             return kernels.int4_group_matmul(x, self.qweight, self.scale, self.minimum, self.group_size)
