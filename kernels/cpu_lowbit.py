@@ -21,6 +21,7 @@ MINILLM_CPU_KERNELS=off|scalar|avx2|avx-vnni|avx512-vnni|neon-dotprod forces a c
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import platform
 import shutil
@@ -103,9 +104,11 @@ def _build(isa: str):
     folder.mkdir(parents=True, exist_ok=True)
     if not list(folder.glob(f"{name}*.so")):
         _say(f"compiling the CPU low-bit kernels for {isa} (once per machine, ~30-60 s) into {folder}")
+    # torch rebuilds when the sources or the flags change; the headers count through this digest in the flags
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(SOURCE_DIR.glob("*.[ch]*")))).hexdigest()[:16]
     return load(name=name, sources=[str(SOURCE_DIR / s) for s in SOURCES], build_directory=str(folder),
-                extra_cflags=["-O3", "-fopenmp", *ISAS[isa][1]], extra_ldflags=["-fopenmp"],
-                extra_include_paths=[str(SOURCE_DIR)], verbose=False)
+                extra_cflags=["-O3", "-fopenmp", f"-DMINILLM_SOURCES={digest}", *ISAS[isa][1]],
+                extra_ldflags=["-fopenmp"], extra_include_paths=[str(SOURCE_DIR)], verbose=False)
 
 
 _PROBE = """

@@ -353,7 +353,10 @@ def test_real_layers_are_within_the_activation_rounding_bound(q4_model):
 
 
 PROMPT = "The history of the city of Paris begins"
-AGREE_AT_LEAST = 40  # measured: 54 greedy tokens equal (avx512-vnni build vs torch 2.13's bf16 int4 kernel)
+# measured: 54 greedy tokens equal (avx512-vnni build vs torch 2.13's bf16 int4 kernel on an AVX-512 EPYC); other
+# CPUs round differently (torch's bf16 is emulated without avx512_bf16), so the floor is low and the tie check is the
+# real claim
+AGREE_AT_LEAST = 8
 NEAR_TIE = 0.5       # logits; measured 0.02 here, 0.07-0.22 where 5 other prompts part
 
 
@@ -467,6 +470,15 @@ def test_a_compiled_q4_decode_equals_the_eager_one():
     from minillm.api import generate, load_model
 
     model, tok = load_model(dtype="float32", weights="q4")
-    eager = generate(model, tok, "The history of the city of Paris begins", max_new_tokens=12)
-    compiled = generate(model, tok, "The history of the city of Paris begins", max_new_tokens=12, compile=True)
-    assert compiled.token_ids == eager.token_ids
+    ids = tok.encode(PROMPT)
+    eager = generate(model, tok, ids, max_new_tokens=12).token_ids
+    compiled = generate(model, tok, ids, max_new_tokens=12, compile=True).token_ids
+    first = next((i for i, (a, b) in enumerate(zip(eager, compiled)) if a != b), None)
+    if first is None:  # measured: equal with the avx512-vnni build; the scalar build parted at a near-tie
+        return
+    # inductor fuses the norms differently: a last-bit change can move an activation across a rounding boundary
+    # of the int8 quantization, which matters only where the model hesitates between the two tokens
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids + eager[:first]]), last_only=True)[0, -1].double()
+    top = logits.topk(2)
+    assert {eager[first], compiled[first]} == set(top.indices.tolist()) and top.values[0] - top.values[1] < NEAR_TIE

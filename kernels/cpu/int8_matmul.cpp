@@ -9,26 +9,14 @@
 // Layout (kernels/cpu_lowbit.py repack_int8): rows in groups of R = kRows, for each group and block 36 * R bytes:
 //   scale[R] float32 | 8 chunks of 4 * R bytes: in chunk j, the 4 bytes of lane r are row r's weights 4j..4j+3
 // A per-row scale is stored in every block (9 bits per weight instead of 8: one layout, one kernel for both).
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-
-#include "q8_activations.h"
-#include "simd.h"
+#include "matmul_driver.h"
 
 namespace minillm {
 
 constexpr int64_t kQ8Bytes = 36 * kRows;
 
-struct Int8Rows {  // x after quantize_row_q8: M rows
-  const int8_t* q;
-  const float* d;
-  int64_t K;
-  int64_t blocks;
-};
-
 template <int MT>
-void int8_group_scalar(const uint8_t* group, const Int8Rows& x, int64_t m0, float* out) {
+void int8_group_scalar(const uint8_t* group, const QuantizedRows& x, int64_t m0, float* out) {
   float acc[MT][kRows] = {};
   for (int64_t b = 0; b < x.blocks; ++b) {
     const uint8_t* blk = group + b * kQ8Bytes;
@@ -52,7 +40,7 @@ void int8_group_scalar(const uint8_t* group, const Int8Rows& x, int64_t m0, floa
 
 #if defined(MINILLM_SIMD)
 template <int MT>
-void int8_group_simd(const uint8_t* group, const Int8Rows& x, int64_t m0, float* out) {
+void int8_group_simd(const uint8_t* group, const QuantizedRows& x, int64_t m0, float* out) {
   VecF acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = zero_f();
   for (int64_t b = 0; b < x.blocks; ++b) {
@@ -79,57 +67,24 @@ void int8_group_simd(const uint8_t* group, const Int8Rows& x, int64_t m0, float*
 #endif
 
 template <int MT>
-void int8_group(bool reference, const uint8_t* group, const Int8Rows& x, int64_t m0, float* out) {
+void int8_group(bool reference, const uint8_t* group, const QuantizedRows& x, int64_t m0, float* out) {
 #if defined(MINILLM_SIMD)
   if (!reference) return int8_group_simd<MT>(group, x, m0, out);
 #endif
   int8_group_scalar<MT>(group, x, m0, out);
 }
 
-// x (..., K) float, packed (ceil(N/R), K/32, 36*R) uint8 -> y (..., N) in x's dtype
-at::Tensor int8_matmul(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, bool reference) {
-  TORCH_CHECK(x_in.dim() >= 1, "x must be (..., K)");
-  const int64_t K = x_in.size(-1), M = x_in.numel() / std::max<int64_t>(K, 1), groups = (N + kRows - 1) / kRows;
-  TORCH_CHECK(K % kBlock == 0, "K = ", K, " must be a multiple of 32 (activation blocks)");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
-                  packed.size(0) == groups && packed.size(1) == K / kBlock && packed.size(2) == kQ8Bytes,
-              "packed must be repack_int8's contiguous uint8 (", groups, ", ", K / kBlock, ", ", kQ8Bytes, "), got ",
-              packed.sizes());
-  const at::Tensor x = x_in.reshape({M, K}).to(at::kFloat).contiguous();
-  const int64_t blocks = K / kBlock;
-  at::Tensor xq = at::empty({M, K}, at::kChar), xd = at::empty({M, blocks}, at::kFloat);
-  at::Tensor unused = at::empty({M, blocks}, at::kFloat);
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row_q8(x.data_ptr<float>() + m * K, K, xq.data_ptr<int8_t>() + m * K, xd.data_ptr<float>() + m * blocks,
-                    unused.data_ptr<float>() + m * blocks);
-  const Int8Rows rows{xq.data_ptr<int8_t>(), xd.data_ptr<float>(), K, blocks};
-  at::Tensor y = at::empty({M, N}, at::kFloat);
-  float* out = y.data_ptr<float>();
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-    float tile[kTile * kRows];
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* group = w + g * blocks * kQ8Bytes;
-      const int64_t valid = std::min(kRows, N - g * kRows);
-      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-        switch (std::min<int64_t>(kTile, M - m0)) {
-          case 8: int8_group<8>(reference, group, rows, m0, tile); break;
-          case 7: int8_group<7>(reference, group, rows, m0, tile); break;
-          case 6: int8_group<6>(reference, group, rows, m0, tile); break;
-          case 5: int8_group<5>(reference, group, rows, m0, tile); break;
-          case 4: int8_group<4>(reference, group, rows, m0, tile); break;
-          case 3: int8_group<3>(reference, group, rows, m0, tile); break;
-          case 2: int8_group<2>(reference, group, rows, m0, tile); break;
-          default: int8_group<1>(reference, group, rows, m0, tile); break;
-        }
-        for (int64_t t = 0; t < std::min<int64_t>(kTile, M - m0); ++t)
-          std::memcpy(out + (m0 + t) * N + g * kRows, tile + t * kRows, valid * sizeof(float));
-      }
-    }
-  });
-  std::vector<int64_t> shape = x_in.sizes().vec();
-  shape.back() = N;
-  return y.view(shape).to(x_in.scalar_type());
+struct Int8Group {  // the inner loops, as lowbit_matmul (matmul_driver.h) calls them
+  bool reference;
+  template <int MT>
+  void operator()(const uint8_t* group, const QuantizedRows& x, int64_t m0, float* out) const {
+    int8_group<MT>(reference, group, x, m0, out);
+  }
+};
+
+// x (..., K) float, packed = repack_int8(...) -> y (..., N) in x's dtype
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N, bool reference) {
+  return lowbit_matmul(x, packed, N, kQ8Bytes, "repack_int8", Int8Group{reference});
 }
 
 }  // namespace minillm

@@ -16,24 +16,11 @@
 //
 // M (rows of x): a block's codes are unpacked once and used for kTile activation rows held in registers, so the
 // bytes that bound decode are read once per call whatever M is.
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-
-#include "q8_activations.h"
-#include "simd.h"
+#include "matmul_driver.h"
 
 namespace minillm {
 
 constexpr int64_t kQ4Bytes = 20 * kRows;  // one group of rows x one block of 32
-
-struct QuantizedRows {  // x after quantize_row_q8: M rows
-  const int8_t* q;
-  const float* d;
-  const float* s;
-  int64_t K;
-  int64_t blocks;
-};
 
 // The reference: plain loops over the same layout and the same arithmetic as the SIMD version.
 template <int MT>
@@ -105,50 +92,17 @@ void q4_1_group(bool reference, const uint8_t* group, const QuantizedRows& x, in
   q4_1_group_scalar<MT>(group, x, m0, out);
 }
 
-// x (..., K) float, packed (ceil(N/R), K/32, 20*R) uint8 -> y (..., N) in x's dtype
-at::Tensor q4_1_matmul(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, bool reference) {
-  TORCH_CHECK(x_in.dim() >= 1, "x must be (..., K)");
-  const int64_t K = x_in.size(-1), M = x_in.numel() / std::max<int64_t>(K, 1), groups = (N + kRows - 1) / kRows;
-  TORCH_CHECK(K % kBlock == 0, "K = ", K, " must be a multiple of 32 (Q4_1 blocks)");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
-                  packed.size(0) == groups && packed.size(1) == K / kBlock && packed.size(2) == kQ4Bytes,
-              "packed must be repack_q4_1's contiguous uint8 (", groups, ", ", K / kBlock, ", ", kQ4Bytes, "), got ",
-              packed.sizes());
-  const at::Tensor x = x_in.reshape({M, K}).to(at::kFloat).contiguous();
-  const int64_t blocks = K / kBlock;
-  at::Tensor xq = at::empty({M, K}, at::kChar), xd = at::empty({M, blocks}, at::kFloat);
-  at::Tensor xs = at::empty({M, blocks}, at::kFloat);
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row_q8(x.data_ptr<float>() + m * K, K, xq.data_ptr<int8_t>() + m * K, xd.data_ptr<float>() + m * blocks,
-                    xs.data_ptr<float>() + m * blocks);
-  const QuantizedRows rows{xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(), K, blocks};
-  at::Tensor y = at::empty({M, N}, at::kFloat);
-  float* out = y.data_ptr<float>();
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-    float tile[kTile * kRows];
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* group = w + g * blocks * kQ4Bytes;
-      const int64_t valid = std::min(kRows, N - g * kRows);  // the last group may be padding past N
-      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-        switch (std::min<int64_t>(kTile, M - m0)) {
-          case 8: q4_1_group<8>(reference, group, rows, m0, tile); break;
-          case 7: q4_1_group<7>(reference, group, rows, m0, tile); break;
-          case 6: q4_1_group<6>(reference, group, rows, m0, tile); break;
-          case 5: q4_1_group<5>(reference, group, rows, m0, tile); break;
-          case 4: q4_1_group<4>(reference, group, rows, m0, tile); break;
-          case 3: q4_1_group<3>(reference, group, rows, m0, tile); break;
-          case 2: q4_1_group<2>(reference, group, rows, m0, tile); break;
-          default: q4_1_group<1>(reference, group, rows, m0, tile); break;
-        }
-        for (int64_t t = 0; t < std::min<int64_t>(kTile, M - m0); ++t)
-          std::memcpy(out + (m0 + t) * N + g * kRows, tile + t * kRows, valid * sizeof(float));
-      }
-    }
-  });
-  std::vector<int64_t> shape = x_in.sizes().vec();
-  shape.back() = N;
-  return y.view(shape).to(x_in.scalar_type());
+struct Q4Group {  // the inner loops, as lowbit_matmul (matmul_driver.h) calls them
+  bool reference;
+  template <int MT>
+  void operator()(const uint8_t* group, const QuantizedRows& x, int64_t m0, float* out) const {
+    q4_1_group<MT>(reference, group, x, m0, out);
+  }
+};
+
+// x (..., K) float, packed = repack_q4_1(...) -> y (..., N) in x's dtype
+at::Tensor q4_1_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N, bool reference) {
+  return lowbit_matmul(x, packed, N, kQ4Bytes, "repack_q4_1", Q4Group{reference});
 }
 
 }  // namespace minillm
