@@ -333,8 +333,9 @@ del q4_model
 
 # %% [markdown]
 # **Beyond batch 1.** A forward of q new tokens reads the weights once for all q rows: a speculative verify of q-1
-# drafts (lesson 10) or a step of a batch. With torch's float matmuls on this CPU, the small-M path made q = 5 cost
-# ~1.7x a decode step; the rows below are the q4 model on our kernels (and bf16) from the same run.
+# drafts (lesson 10) or a step of a batch. Lesson 10's benchmark measured q = 5 at 1.66x a decode step with torch's
+# float32 matmuls on an AVX2-only machine; below, the q4 model on our kernels and bf16, from this run. Each extra row
+# costs integer multiply-adds: at a few rows they no longer hide under the time the weights take to arrive.
 
 # %%
 for r in (r for r in result.rows if "forward_ms" in r):
