@@ -112,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="reuse the KV blocks of a shared prompt prefix (default: on, as vLLM's server)")
     srv.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish on shutdown before they are aborted")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $MINILLM_API_KEY if set, else none)")
+    srv.add_argument("--allowed-hosts", default="",
+                     help="comma-separated Host names to answer besides localhost/127.0.0.1/::1 and --host ('*': any, "
+                          "e.g. behind a proxy); other names get 403 (DNS rebinding)")
+    srv.add_argument("--allowed-origins", default="",
+                     help="comma-separated browser origins (https://app.example) allowed to call, with CORS "
+                          "headers; default none: requests a web page sends from another site get 403")
     srv.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
     srv.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
 
@@ -261,6 +269,22 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def access_policy(args):
+    """`minillm serve`'s flags -> AccessPolicy: loopback names always; the bound address when it is a specific one."""
+    import os
+
+    from minillm.serving.access import LOOPBACK_HOSTS, AccessPolicy
+
+    def names(text: str) -> list[str]:
+        return [n.strip().lower() for n in text.split(",") if n.strip()]
+
+    bound = [] if args.host in ("0.0.0.0", "::", "") else [args.host.lower()]
+    hosts = tuple(dict.fromkeys([*LOOPBACK_HOSTS, *bound, *names(args.allowed_hosts)]))
+    origins = tuple(o.rstrip("/") for o in names(args.allowed_origins))
+    key = args.api_key if args.api_key is not None else os.environ.get("MINILLM_API_KEY") or None
+    return AccessPolicy(api_key=key, allowed_hosts=hosts, allowed_origins=origins)
+
+
 def cmd_serve(args) -> int:
     try:
         import fastapi  # noqa: F401
@@ -277,10 +301,14 @@ def cmd_serve(args) -> int:
     machine = _use_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching)
+    access = access_policy(args)
     print(f"minillm serve: {args.model} ({args.dtype}), {llm!r}, prefix caching "
           f"{'on' if args.enable_prefix_caching else 'off'}; {machine}", flush=True)
+    print(f"minillm serve: API key {'required' if access.api_key else 'off (--api-key to require one)'}; Host "
+          f"names {', '.join(access.allowed_hosts)}; web origins {', '.join(access.allowed_origins) or 'none'}; "
+          f"requests without temperature are sampled at 1.0 (OpenAI's default)", flush=True)
     serve(llm, args.model, host=args.host, port=args.port, max_waiting=args.max_waiting,
-          drain_timeout=args.drain_timeout, log_level=args.log_level)
+          drain_timeout=args.drain_timeout, log_level=args.log_level, access=access)
     return 0
 
 

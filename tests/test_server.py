@@ -29,6 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 MODEL = "smollm2-135m"
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 NUM_BLOCKS = 48  # 768 tokens of KV: small, so a request that does not fit is easy to make
+JSON = {"content-type": "application/json"}
 
 
 @contextlib.contextmanager
@@ -229,15 +230,96 @@ def test_the_openai_client_raises_on_errors(client):
 
 def test_oversized_bodies_get_413_with_or_without_content_length(server):
     big = json.dumps({"prompt": "x " * 40_000}).encode()  # > 64 KiB
-    r = httpx.post(server.url + "/v1/completions", content=big)
+    r = httpx.post(server.url + "/v1/completions", content=big, headers=JSON)
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
 
     def chunked():  # no Content-Length: the server must count while it reads
         for i in range(0, len(big), 8192):
             yield big[i:i + 8192]
 
-    r = httpx.post(server.url + "/v1/completions", content=chunked())
+    r = httpx.post(server.url + "/v1/completions", content=chunked(), headers=JSON)
     assert r.status_code == 413
+
+
+# ------------------------------------------------------------------------------------------- who may call
+
+HI = b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}'
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", None, "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_a_body_that_is_not_json_gets_415_and_generates_nothing(server, content_type):
+    """A browser posts text/plain (or a form) to another origin without a CORS preflight: such a body must never
+    run, whatever it contains."""
+    headers = {"content-type": content_type} if content_type else {}
+    r = httpx.post(server.url + "/v1/chat/completions", content=HI, headers=headers)
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", r.text
+    assert not server.llm.has_unfinished()
+    ok = httpx.post(server.url + "/v1/chat/completions", content=HI,
+                    headers={"content-type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200  # a charset parameter is fine
+
+
+def test_a_foreign_host_header_is_refused_as_dns_rebinding(server):
+    """A page at evil.example whose name was made to resolve to 127.0.0.1 sends Host: evil.example:PORT."""
+    port = server.url.rsplit(":", 1)[1]
+    for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1.evil.example:{port}"):
+        r = httpx.post(server.url + "/v1/chat/completions", content=HI, headers={**JSON, "host": host})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", (host, r.text)
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost"):
+        assert httpx.get(server.url + "/v1/models", headers={"host": host}).status_code == 200, host
+    assert not server.llm.has_unfinished()
+
+
+def test_a_web_page_from_another_origin_is_refused_and_gets_no_cors_headers(server):
+    r = httpx.post(server.url + "/v1/chat/completions", content=HI,
+                   headers={**JSON, "origin": "https://evil.example"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+    assert "access-control-allow-origin" not in r.headers
+    pre = httpx.options(server.url + "/v1/chat/completions", headers={"origin": "https://evil.example",
+                                                                      "access-control-request-method": "POST"})
+    assert pre.status_code == 403 and "access-control-allow-origin" not in pre.headers
+
+
+def test_api_key_and_allowed_origins(real_model):
+    """--api-key: /v1/* needs the Bearer key (the openai client's api_key), /health does not; --allowed-origins: that
+    origin may call and gets CORS headers, a preflight included."""
+    from minillm.serving.access import AccessPolicy
+
+    model, tok = real_model
+    llm = LLM.from_model(model, tok, num_blocks=NUM_BLOCKS, max_num_seqs=2, max_num_batched_tokens=256)
+    policy = AccessPolicy(api_key="s3cret", allowed_origins=("https://app.example",))
+    with running(llm, access=policy) as s:
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"},
+                        {"authorization": "Bearer s3cre"}):
+            r = httpx.post(s.url + "/v1/chat/completions", content=HI, headers={**JSON, **headers})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
+        assert httpx.get(s.url + "/health").status_code == 200
+        good = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0, timeout=60)
+        assert good.chat.completions.create(model=MODEL, messages=PARIS, max_tokens=2).choices[0].message.content
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="nope", max_retries=0).models.list()
+        origin = {"origin": "https://app.example"}
+        pre = httpx.options(s.url + "/v1/chat/completions", headers={**origin, "access-control-request-method": "POST"})
+        assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == "https://app.example"
+        r = httpx.post(s.url + "/v1/chat/completions", content=HI,
+                       headers={**JSON, **origin, "authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        wait_clean(llm)
+
+
+def test_serve_flags_make_the_policy(monkeypatch):
+    from minillm.cli import access_policy, build_parser
+
+    args = build_parser().parse_args(["serve", "--host", "10.0.0.5", "--allowed-hosts", "Box.lan, proxy",
+                                      "--allowed-origins", "https://app.example/"])
+    policy = access_policy(args)
+    assert {"localhost", "127.0.0.1", "::1", "10.0.0.5", "box.lan", "proxy"} == set(policy.allowed_hosts)
+    assert policy.allowed_origins == ("https://app.example",) and policy.api_key is None
+    monkeypatch.setenv("MINILLM_API_KEY", "from-env")
+    assert access_policy(build_parser().parse_args(["serve"])).api_key == "from-env"
+    assert access_policy(build_parser().parse_args(["serve", "--api-key", "flag"])).api_key == "flag"
+    assert "0.0.0.0" not in access_policy(build_parser().parse_args(["serve", "--host", "0.0.0.0"])).allowed_hosts
 
 
 # ------------------------------------------------------------------------------------ concurrency and aborts
@@ -389,7 +471,7 @@ def test_serve_help_lists_its_options(capsys):
         main(["serve", "--help"])
     out = capsys.readouterr().out
     for flag in ("--port", "--host", "--max-waiting", "--enable-prefix-caching", "--no-enable-prefix-caching",
-                 "--max-num-seqs", "--threads"):
+                 "--max-num-seqs", "--threads", "--api-key", "--allowed-hosts", "--allowed-origins"):
         assert flag in out
 
 

@@ -110,8 +110,13 @@ class ChatRequest(_Common):
 
 
 async def read_request(request, model: type[_Strict], max_bytes: int):
-    """The body of a starlette Request as `model`: at most max_bytes (413, counted as it arrives: a client may send
+    """The body of a starlette Request as `model`: declared application/json (415: a browser posts text/plain to
+    another site without asking, see access.py), at most max_bytes (413, counted as it arrives: a client may send
     no Content-Length), UTF-8, JSON, valid (400 naming the field)."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(415, f"the body must be sent as Content-Type: application/json, got {media or 'none'!r}",
+                       code="unsupported_media_type")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise ApiError(413, f"the body has {declared} bytes; the limit is {max_bytes}")

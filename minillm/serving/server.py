@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException
 
 from minillm.engine.llm import StreamEvent
 from minillm.sampling import SamplingParams
+from minillm.serving.access import AccessGuard, AccessPolicy
 from minillm.serving.openai_protocol import (
     ApiError,
     ChatRequest,
@@ -279,10 +280,11 @@ class Service:
             await asyncio.sleep(0.02)
 
 
-def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_body_bytes: int = 1 << 20
-              ) -> FastAPI:
+def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_body_bytes: int = 1 << 20,
+              access: AccessPolicy | None = None) -> FastAPI:
     """The FastAPI app around an `LLM` (minillm.engine.LLM or LLM.from_model); its engine thread starts and stops with
-    the app (lifespan). max_waiting: requests allowed to wait in the engine before 429."""
+    the app (lifespan). max_waiting: requests allowed to wait in the engine before 429. access: who may call
+    (access.py; default: loopback Host names, no foreign web origin, no API key)."""
     if llm.tokenizer is None:
         raise ValueError("the server needs an LLM with a tokenizer (LLM.from_model(model, tokenizer))")
     svc = Service(llm, model_name, max_waiting)
@@ -295,6 +297,7 @@ def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_
         await asyncio.to_thread(svc.engine.stop)
 
     app = FastAPI(title="minillm", lifespan=lifespan)
+    app.add_middleware(AccessGuard, policy=access or AccessPolicy())
     app.state.service = svc
     tok = llm.tokenizer
 
@@ -377,6 +380,7 @@ class Server(uvicorn.Server):
 
 
 def serve(llm, model_name: str = "smollm2-135m", host: str = "127.0.0.1", port: int = 8000, max_waiting: int = 64,
-          drain_timeout: float = 30.0, log_level: str = "info") -> None:
+          drain_timeout: float = 30.0, log_level: str = "info", access: AccessPolicy | None = None) -> None:
     """Serve `llm` over HTTP until interrupted (Ctrl-C / SIGTERM drain it, see Server)."""
-    Server(build_app(llm, model_name, max_waiting), host, port, drain_timeout, log_level, announce=True).run()
+    Server(build_app(llm, model_name, max_waiting, access=access), host, port, drain_timeout, log_level,
+           announce=True).run()
