@@ -221,6 +221,17 @@ def test_bad_requests_get_openai_errors_and_queue_nothing(server, path, body, st
     assert not server.llm.has_unfinished()
 
 
+@pytest.mark.parametrize("max_tokens", [None, 16])
+def test_a_prompt_longer_than_the_context_says_so_whatever_max_tokens(server, max_tokens):
+    """Not "max_tokens must be in [1, -94206]": the prompt is what does not fit, with OpenAI's error code."""
+    body = {"prompt": [42] * 8300, **({"max_tokens": max_tokens} if max_tokens else {})}
+    r = httpx.post(server.url + "/v1/completions", content=json.dumps(body), headers=JSON)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "prompt", err
+    assert "8300 tokens" in err["message"] and "context window" in err["message"] and "-" not in err["message"]
+    assert not server.llm.has_unfinished()
+
+
 def test_the_openai_client_raises_on_errors(client):
     with pytest.raises(openai.BadRequestError, match="unknown field"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"mirostat": 1})

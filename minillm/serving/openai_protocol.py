@@ -150,6 +150,11 @@ def sampling_params(req: _Common, served: str, max_tokens: int | None, n_prompt:
     if req.logprobs not in (None, False) or getattr(req, "top_logprobs", None):
         raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
     room = min(max_model_len - n_prompt, pool_tokens - n_prompt + 1)  # the engine's own limits (LLM._prepare)
+    if room < 1:  # the prompt alone does not fit: say that, whatever max_tokens asks for
+        field = "messages" if hasattr(req, "messages") else "prompt"
+        raise ApiError(400, f"this prompt has {n_prompt} tokens, leaving no room to generate in the model's context "
+                       f"window of {max_model_len} tokens (KV pool {pool_tokens} tokens): shorten it", param=field,
+                       code="context_length_exceeded")
     if max_tokens is not None and not 1 <= max_tokens <= room:
         raise ApiError(400, f"max_tokens must be in [1, {room}] for this prompt of {n_prompt} tokens (context "
                        f"window {max_model_len}, KV pool {pool_tokens} tokens), got {max_tokens}",
