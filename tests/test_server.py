@@ -203,8 +203,8 @@ BAD = [
     ("/v1/completions", '{"prompt": "caf\u00e9"}'.encode("latin-1"), 400, None, "UTF-8"),
     ("/v1/chat/completions", b'{"messages": []}', 400, "messages", "at least 1"),
     ("/v1/chat/completions", b'{"messages": [{"role": "robot", "content": "x"}]}', 400, "messages.0.role", "user"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x", "name": "a"}]}', 400,
-     "messages.0.name", "unknown field"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x", "name": 7}]}', 400,
+     "messages.0.name", "string"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000}',
      400, "max_tokens", "KV pool"),
 ]
@@ -230,6 +230,17 @@ def test_a_prompt_longer_than_the_context_says_so_whatever_max_tokens(server, ma
     assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "prompt", err
     assert "8300 tokens" in err["message"] and "context window" in err["message"] and "-" not in err["message"]
     assert not server.llm.has_unfinished()
+
+
+def test_developer_is_a_system_turn_and_name_is_accepted(client):
+    """What OpenAI clients send today: the "developer" role (instructions) and a participant's `name`."""
+    def answer(messages) -> str:
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                              temperature=0).choices[0].message.content
+
+    system = answer([{"role": "system", "content": "Answer in one word."}, *PARIS])
+    assert answer([{"role": "developer", "content": "Answer in one word."}, *PARIS]) == system
+    assert answer([{"role": "user", "content": PARIS[0]["content"], "name": "ada"}]) == answer(PARIS)
 
 
 def test_the_openai_client_raises_on_errors(client):

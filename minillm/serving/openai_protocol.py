@@ -91,11 +91,17 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
+    name: str | None = None  # a participant's name: clients send it; the model's chat template has no place for it
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def template_role(self) -> str:
+        """The role in the model's chat template: OpenAI's "developer" (its newer name for instructions) is a system
+        turn."""
+        return "system" if self.role == "developer" else self.role
 
 
 class ChatRequest(_Common):

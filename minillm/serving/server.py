@@ -329,7 +329,7 @@ def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await read_request(request, ChatRequest, max_body_bytes)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [{"role": m.template_role(), "content": m.text()} for m in req.messages]
         try:  # message contents are encoded as text: "<|im_start|>" typed by a user is not a special token
             ids = await asyncio.to_thread(tok.encode_chat, messages)
         except (ValueError, TypeError) as e:
