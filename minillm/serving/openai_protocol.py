@@ -10,12 +10,16 @@ endpoints.
 
 from __future__ import annotations
 
+import logging
+
 import time
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from minillm.sampling import SamplingParams
+
+logger = logging.getLogger("minillm.serving.openai_protocol")
 
 
 class ApiError(Exception):
@@ -54,8 +58,19 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+# Top-level fields this server does not know are ignored with a log line, as vLLM does (clients send new ones every
+# release); these would change what the answer *is*, so ignoring them would be silently wrong: refused
+REFUSED_FIELDS = {
+    "tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling",
+    "function_call": "function calling", "response_format": "structured output (JSON mode / schemas)",
+    "best_of": "best-of-n selection", "logit_bias": "logit bias", "suffix": "insertion (suffix)", "echo": "echo",
+}
+
+
 class _Common(_Strict):
     """The sampling fields completions and chat share."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None  # None: the served model
     temperature: float = Field(1.0, ge=0, le=2)  # OpenAI's default; 0 = greedy
@@ -136,9 +151,14 @@ async def read_request(request, model: type[_Strict], max_bytes: int):
     except UnicodeDecodeError as e:
         raise ApiError(400, f"the body is not UTF-8 text: {e}") from None
     try:
-        return model.model_validate_json(text)
+        req = model.model_validate_json(text)
     except ValidationError as e:
         raise from_validation_error(e) from None
+    for name in req.model_extra or {}:
+        if name in REFUSED_FIELDS:
+            raise ApiError(400, f"{name!r}: {REFUSED_FIELDS[name]} is not supported by this server", param=name)
+        logger.info("ignoring the field %r this server does not know (as vLLM does)", name)
+    return req
 
 
 def sampling_params(req: _Common, served: str, max_tokens: int | None, n_prompt: int, max_model_len: int,
