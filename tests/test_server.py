@@ -180,6 +180,29 @@ def test_models_and_health(server):
     assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["num_blocks"] == NUM_BLOCKS
 
 
+def test_tokenize_equals_the_tokenizer_and_metrics_count_what_ran(server, client, real_model):
+    _, tok = real_model
+    r = httpx.post(server.url + "/tokenize", content=json.dumps({"prompt": "Hello there"}), headers=JSON).json()
+    assert r["tokens"] == tok.encode("Hello there") and r["count"] == len(r["tokens"])
+    r = httpx.post(server.url + "/tokenize", content=json.dumps({"messages": PARIS}), headers=JSON).json()
+    assert r["tokens"] == tok.encode_chat(PARIS)
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(server.url + "/metrics").text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+
+    before = scrape()
+    out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0)
+    after = scrape()
+    assert after["minillm_requests_total"] == before["minillm_requests_total"] + 1
+    assert after["minillm_generation_tokens_total"] - before["minillm_generation_tokens_total"] == \
+        out.usage.completion_tokens
+    assert after["minillm_prompt_tokens_total"] - before["minillm_prompt_tokens_total"] == out.usage.prompt_tokens
+    assert after['minillm_requests_finished_total{finish_reason="length"}'] >= 1
+    assert after["minillm_kv_blocks_total"] == NUM_BLOCKS and after["minillm_requests_running"] == 0
+
+
 # ------------------------------------------------------------------------------------------------- bad requests
 
 BAD = [

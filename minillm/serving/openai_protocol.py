@@ -127,6 +127,14 @@ class ChatRequest(_Common):
     top_logprobs: int | None = None
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a text prompt or a chat."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
 # ------------------------------------------------------------------------------------------------- requests in
 
 

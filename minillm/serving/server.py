@@ -3,9 +3,10 @@
     minillm serve --port 8000
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
 
-POST /v1/completions and /v1/chat/completions (Server-Sent Events with `stream: true`), GET /v1/models and
-/health; the wire format is openai_protocol.py. vLLM's shape: one `EngineThread` owns the engine and steps it,
-the asyncio loop parses and streams. A full queue gets 429, a client that leaves aborts, shutdown drains.
+POST /v1/completions and /v1/chat/completions (Server-Sent Events with `stream: true`), GET /v1/models, /health
+and /metrics (Prometheus text), POST /tokenize; the wire format is openai_protocol.py; who may call, access.py.
+vLLM's shape: one `EngineThread` owns the engine and steps it, the asyncio loop parses and streams. A full queue
+gets 429, a client that leaves aborts, shutdown drains.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from minillm.engine.llm import StreamEvent
@@ -33,6 +34,7 @@ from minillm.serving.openai_protocol import (
     ChatRequest,
     CompletionRequest,
     StopMatcher,
+    TokenizeRequest,
     chat_body,
     chunk,
     completion_body,
@@ -163,6 +165,7 @@ class Service:
         self.llm, self.model_name = llm, model_name
         self.engine = EngineThread(llm, max_waiting)
         self.closing, self.open = False, 0  # open: accepted requests whose response has not ended yet
+        self.counts = collections.Counter()  # /metrics: requests, prompt and generated tokens, finish reasons
 
     async def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
         if self.closing:
@@ -196,9 +199,13 @@ class Service:
             text, hit = matcher.push(ev.text)
             if hit:  # the engine does not know about stop strings: end the request here
                 self.engine.post(self.llm.abort, rid)
+                self.counts["generation_tokens"] += n
+                self.counts["finished stop"] += 1
                 yield text, "stop", n
                 return
             if ev.finished:
+                self.counts["generation_tokens"] += n
+                self.counts[f"finished {ev.finish_reason}"] += 1
                 yield text + matcher.flush(), ev.finish_reason, n
                 return
             yield text, None, n
@@ -209,6 +216,8 @@ class Service:
         stops = req.stop_strings()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         queue = await self.submit(rid, prompt_ids, params)
+        self.counts["requests"] += 1
+        self.counts["prompt_tokens"] += len(prompt_ids)
         self.open += 1
         closed = False
 
@@ -341,6 +350,44 @@ def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "minillm",
                                             "max_model_len": llm.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (through the chat template) -> the token ids."""
+        req = await read_request(request, TokenizeRequest, max_body_bytes)
+        if req.messages is not None:
+            ids = await asyncio.to_thread(tok.encode_chat, [{"role": m.template_role(), "content": m.text()}
+                                                            for m in req.messages])
+        elif req.prompt is not None:
+            ids = await asyncio.to_thread(tok.encode, req.prompt)
+        else:
+            raise ApiError(400, "give a 'prompt' (text) or 'messages' (a chat) to tokenize", param="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        """Prometheus text: what a dashboard polls (counters since start, gauges now)."""
+        c, cache = svc.counts, llm.prefix_cache_stats
+        lines = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+            lines.extend([f"# HELP minillm_{name} {help_}", f"# TYPE minillm_{name} {kind}"])
+            lines.extend(f"minillm_{name}{labels} {value:g}" for labels, value in samples)
+
+        metric("requests_total", "counter", "requests accepted by the engine", [("", c["requests"])])
+        metric("prompt_tokens_total", "counter", "prompt tokens of accepted requests", [("", c["prompt_tokens"])])
+        metric("generation_tokens_total", "counter", "tokens generated", [("", c["generation_tokens"])])
+        metric("requests_finished_total", "counter", "requests ended, by finish_reason",
+               [(f'{{finish_reason="{k.split()[1]}"}}', v) for k, v in sorted(c.items()) if k.startswith("finished")])
+        metric("requests_running", "gauge", "requests in the engine", [("", len(svc.engine.in_flight))])
+        metric("requests_waiting", "gauge", "requests waiting for a slot", [("", len(llm.scheduler.waiting))])
+        used = llm.block_manager.num_blocks - llm.num_free_blocks()
+        metric("kv_blocks_used", "gauge", "KV-cache blocks holding a running sequence's tokens", [("", used)])
+        metric("kv_blocks_total", "gauge", "KV-cache blocks in the pool", [("", llm.block_manager.num_blocks)])
+        if cache is not None:
+            metric("prefix_cache_hit_rate", "gauge", "prompt tokens found in the prefix cache / prompt tokens",
+                   [("", cache.hit_rate)])
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @app.get("/health")
     async def health() -> JSONResponse:
