@@ -18,7 +18,7 @@ from minillm.compile.fusion import fuse as fuse_model
 from minillm.compile.torch_compile import decode_tokens_compiled
 from minillm.compress.quant import Int4Linear, Int8Linear, QuantizedEmbedding, cpu_kernels
 from minillm.decode_loop import decode_tokens
-from minillm.gguf.loader import load_from_file, saved_model_exists
+from minillm.gguf.loader import load_from_file, resolve_device, saved_model_exists
 import minillm.kv_cache as kv_cache
 from minillm.request import Request, RequestOutput, finish_reason, make_request
 from minillm.sampling import SamplingParams
@@ -49,7 +49,7 @@ def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
         raise ValueError(f"{name!r} is a saved float model: load it, then fuse or quantize it")
     q4_1_layer = (lambda codes, d, m: Int4Linear(codes, d, m, group_size=32)) if weights == "q4" else None
     # the Q8_0 head stays packed only where our kernel reads it: torch has no per-block int8 matmul (CPU or GPU)
-    on_cpu = device is None and not torch.cuda.is_available() or device is not None and str(device).startswith("cpu")
+    on_cpu = resolve_device(device).type == "cpu"
     q8_0_tied = _q8_0_tied if weights == "q4" and on_cpu and cpu_kernels() is not None else None
     model, tokenizer = load_from_file(name, dtype, device, attn_backend, q4_1_layer=q4_1_layer, q8_0_tied=q8_0_tied)
     if fuse:

@@ -35,12 +35,11 @@ def need_kernels():
 
 def clear_caches():
     cpu_lowbit.load.cache_clear()
-    quant.cpu_kernels.cache_clear()
 
 
 @contextlib.contextmanager
 def kernels_env(value: str | None):
-    """MINILLM_CPU_KERNELS=value (None: unset) for the block, both lru caches cleared on the way in and out."""
+    """MINILLM_CPU_KERNELS=value (None: unset) for the block, cpu_lowbit.load's cache cleared on the way in and out."""
     try:
         with pytest.MonkeyPatch.context() as mp:
             if value is None:

@@ -44,8 +44,11 @@ def cpu_name() -> str:
 
 
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is absent)."""
-    return frozenset((_cpuinfo_field("flags") or _cpuinfo_field("Features") or "").split())
+    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is absent): the same list the CPU
+    low-bit kernels pick their instruction set from."""
+    from minillm_kernels.cpu_lowbit import cpu_flags as listed_flags
+
+    return listed_flags()
 
 
 def cpu_capability() -> str:

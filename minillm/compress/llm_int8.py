@@ -64,6 +64,9 @@ class LLMInt8Linear(Int8Linear):
             raise ValueError(f"threshold must be > 0 (the paper uses 6.0), got {threshold}")
         return cls(*quantize_int8(linear.weight.detach()), threshold=threshold)
 
+    def uses_cpu_kernels(self) -> bool:
+        return False  # its own matmul: int8 x int8 with float outlier columns
+
     def forward(self, x: Tensor) -> Tensor:
         y, outliers = int8_matmul_with_outliers(x.reshape(-1, x.shape[-1]), self.weight, self.scale, self.threshold)
         if self.outlier_counts is not None:

@@ -10,8 +10,8 @@ style; LLM.int8() is in llm_int8.py, AWQ in awq.py.
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import functools
 import os
 
 import torch
@@ -93,10 +93,9 @@ def _cuda_kernels():
     return kernels
 
 
-@functools.lru_cache(maxsize=None)
 def cpu_kernels():
     """The CPU low-bit kernel module (built on first use), or None where it cannot load: torch's kernels then.
-    Resolved once per process (cpu_kernels.cache_clear() re-resolves); cpu_lowbit.status() says which and why."""
+    Resolved once per process (cpu_lowbit.load is cached); cpu_lowbit.status() says which and why."""
     return cpu_lowbit if cpu_lowbit.load() is not None else None
 
 
@@ -107,7 +106,6 @@ def cpu_kernels_disabled():
     old = os.environ.get(cpu_lowbit.ENV)
     os.environ[cpu_lowbit.ENV] = "off"
     cpu_lowbit.load.cache_clear()
-    cpu_kernels.cache_clear()
     try:
         yield
     finally:
@@ -116,7 +114,6 @@ def cpu_kernels_disabled():
         else:
             os.environ[cpu_lowbit.ENV] = old
         cpu_lowbit.load.cache_clear()
-        cpu_kernels.cache_clear()
 
 
 @torch.compiler.assume_constant_result  # torch.compile: a fact of the process, not something to trace
@@ -124,10 +121,6 @@ def _cpu_kernels_loaded() -> bool:
     return cpu_kernels() is not None
 
 
-def _on_cpu_kernels(x: Tensor) -> bool:
-    # any row count: reading each weight block once for up to 8 rows at a time, they measured ~2x torch's int4/int8
-    # CPU kernels from 1 to 128 rows (bench quant), so a long prefill takes them too
-    return not x.is_cuda and x.shape[-1] % 32 == 0 and _cpu_kernels_loaded()
 
 
 class QuantizedLinear(nn.Module):
@@ -146,10 +139,36 @@ class QuantizedLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         # .to(bfloat16) on the model must move the scales, never re-round them: keep their dtype, follow the device
         kept = {name: getattr(self, name) for name in ("scale", "minimum") if hasattr(self, name)}
+        self._packed = None
         super()._apply(fn, recurse)
         for name, t in kept.items():
             setattr(self, name, t.to(self.weight_storage.device))
         return self
+
+    _packed: tuple[int, Tensor] | None = None  # (rows per group, the CPU kernels' repacked copy), built on demand
+
+    def _repack(self, rows: int) -> Tensor:
+        raise NotImplementedError
+
+    def _kernel_pack(self) -> Tensor:
+        """The weights in the loaded kernel build's layout (16 rows a group with AVX-512, else 8): built on the first
+        call, not in the state dict, rebuilt if another build loads or the layer moves."""
+        rows = cpu_lowbit.rows_per_group()
+        if self._packed is None or self._packed[0] != rows:
+            self._packed = (rows, self._repack(rows))
+        return self._packed[1]
+
+    def uses_cpu_kernels(self) -> bool:
+        """Does this layer's CPU forward take minillm's kernels? For any row count: each weight block is read once
+        for up to 8 rows at a time, and on a 2-core AVX-512 EPYC they ran 2.0-2.6x faster than torch's int4/int8 CPU
+        kernels from 1 to 128 rows (lesson 07's table shows 1-16), so a long prefill takes them too. The subclasses
+        say which formats they cover."""
+        return False
+
+    def _kernel_matmul(self, x: Tensor, matmul, matmul_op) -> Tensor:
+        if torch.compiler.is_compiling() and self._packed is not None:  # an operator dynamo can trace (lesson 06)
+            return matmul_op(x, self._packed[1], self.out_features)
+        return matmul(x, self._kernel_pack(), self.out_features)
 
     @property
     def weight_storage(self) -> Tensor:
@@ -178,11 +197,6 @@ class Int8Linear(QuantizedLinear):
             raise ValueError(f"a per-row scale must be (out,) = ({self.out_features},), got {tuple(scale.shape)}")
         self.register_buffer("weight", q.contiguous())
         self.register_buffer("scale", scale.half().contiguous() if per_block else scale.float())
-        self._packed: tuple[int, Tensor] | None = None
-
-    def _apply(self, fn, recurse=True):
-        self._packed = None
-        return super()._apply(fn, recurse)
 
     @property
     def per_block(self) -> bool:
@@ -203,17 +217,15 @@ class Int8Linear(QuantizedLinear):
             raise ValueError("int8 weight-only quantization here supports Linear layers without bias")
         return cls(*quantize_int8(linear.weight.detach()))
 
-    def _kernel_pack(self) -> Tensor:
-        rows = cpu_kernels().rows_per_group()  # the loaded build's layout (16 rows with AVX-512, else 8)
-        if self._packed is None or self._packed[0] != rows:  # built on the first call, not in the state dict
-            self._packed = (rows, cpu_kernels().repack_int8(self.weight, self.scale, rows))
-        return self._packed[1]
+    def _repack(self, rows: int) -> Tensor:
+        return cpu_lowbit.repack_int8(self.weight, self.scale, rows)
+
+    def uses_cpu_kernels(self) -> bool:
+        return self.in_features % 32 == 0 and _cpu_kernels_loaded()
 
     def forward(self, x: Tensor) -> Tensor:
-        if _on_cpu_kernels(x):
-            if torch.compiler.is_compiling() and self._packed is not None:  # an operator dynamo can trace (lesson 06)
-                return cpu_lowbit.int8_matmul_op(x, self._packed[1], self.out_features)
-            return cpu_kernels().int8_matmul(x, self._kernel_pack(), self.out_features)
+        if not x.is_cuda and self.uses_cpu_kernels():
+            return self._kernel_matmul(x, cpu_lowbit.int8_matmul, cpu_lowbit.int8_matmul_op)
         if self.per_block:
             return F.linear(x, self.dequantize().to(x.dtype))
         if x.is_cuda and (kernels := _cuda_kernels()) is not None:
@@ -226,15 +238,18 @@ class Int8Linear(QuantizedLinear):
         y = torch._weight_int8pack_mm(x2, self.weight, self.scale.to(torch.bfloat16))
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def _scale_per_weight(self, rows: Tensor | slice = slice(None)) -> Tensor:
-        s = self.scale[rows].float()
-        return s.repeat_interleave(32, dim=-1) if self.per_block else s[..., None]
+    def _dequantize_rows(self, q: Tensor, scale: Tensor) -> Tensor:
+        if self.per_block:  # Q8_0: one scale per 32 inputs
+            return q.float() * scale.float().repeat_interleave(32, dim=-1)
+        return dequantize_int8(q, scale)
 
     def dequantize(self) -> Tensor:
-        return self.weight.float() * self._scale_per_weight()
+        return self._dequantize_rows(self.weight, self.scale)
 
     def embedding(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        return (self.weight[ids].float() * self._scale_per_weight(ids)).to(dtype)
+        rows = ids.reshape(-1)
+        w = self._dequantize_rows(self.weight[rows], self.scale[rows])
+        return w.to(dtype).reshape(*ids.shape, self.in_features)
 
 
 class Int4Linear(QuantizedLinear):
@@ -256,7 +271,6 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scale", scale.half())
         self.register_buffer("minimum", minimum.half())
         self._cpu_pack: tuple[Tensor, Tensor] | None = None
-        self._packed: tuple[int, Tensor] | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 32) -> Int4Linear:
@@ -289,11 +303,11 @@ class Int4Linear(QuantizedLinear):
         w = dequantize_int4(unpack_int4(self.qweight[rows]), self.scale[rows], self.minimum[rows], self.group_size)
         return w.to(dtype).reshape(*ids.shape, self.in_features)
 
-    def _kernel_pack(self) -> Tensor:
-        rows = cpu_kernels().rows_per_group()  # kernels/cpu/q4_1_matmul.cpp: same 5 bits per weight, R rows a group
-        if self._packed is None or self._packed[0] != rows:
-            self._packed = (rows, cpu_kernels().repack_q4_1(self.codes(), self.scale, self.minimum, rows))
-        return self._packed[1]
+    def _repack(self, rows: int) -> Tensor:  # kernels/cpu/q4_1_matmul.cpp: the same 5 bits per weight
+        return cpu_lowbit.repack_q4_1(self.codes(), self.scale, self.minimum, rows)
+
+    def uses_cpu_kernels(self) -> bool:  # Q4_1's blocks: group 32
+        return self.group_size == 32 and self.in_features % 32 == 0 and _cpu_kernels_loaded()
 
     def _torch_cpu_pack(self) -> tuple[Tensor, Tensor]:
         # torch computes (code - 8) * scale + zero, so zero = minimum + 8 * scale (exact in fp32; bf16 rounds it)
@@ -305,10 +319,8 @@ class Int4Linear(QuantizedLinear):
         return self._cpu_pack
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.group_size == 32 and _on_cpu_kernels(x):  # Q4_1 blocks straight into integer SIMD
-            if torch.compiler.is_compiling() and self._packed is not None:
-                return cpu_lowbit.q4_1_matmul_op(x, self._packed[1], self.out_features)
-            return cpu_kernels().q4_1_matmul(x, self._kernel_pack(), self.out_features)
+        if not x.is_cuda and self.uses_cpu_kernels():  # Q4_1 blocks straight into integer SIMD
+            return self._kernel_matmul(x, cpu_lowbit.q4_1_matmul, cpu_lowbit.q4_1_matmul_op)
         if x.is_cuda and (kernels := _cuda_kernels()) is not None:
             return kernels.int4_group_matmul(x, self.qweight, self.scale, self.minimum, self.group_size)
         if x.is_cuda or self.out_features % 16 or self.group_size not in (32, 64, 128, 256):
@@ -320,7 +332,7 @@ class Int4Linear(QuantizedLinear):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _apply(self, fn, recurse=True):
-        self._cpu_pack = self._packed = None  # moved: rebuild the kernels' copies from the buffers on the next call
+        self._cpu_pack = None  # moved: rebuild torch's copy from the buffers on the next CPU call
         return super()._apply(fn, recurse)
 
 
@@ -346,6 +358,14 @@ def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, QuantizedLinear) for m in model.modules())
 
 
+def _weight_format(m: QuantizedLinear) -> str:
+    if isinstance(m, Int4Linear):
+        return f"int4 g{m.group_size}" + (" (q4_1)" if m.group_size == 32 else "")
+    if type(m) is Int8Linear:
+        return "int8 per block of 32 (q8_0)" if m.per_block else "int8 per row"
+    return type(m).__name__  # LLM.int8() and other schemes with their own matmul
+
+
 def describe_arithmetic(model: nn.Module) -> str:
     """What the model's matmuls compute in, in one line: the storage format of the weights and the precision of the
     activations each kernel actually uses (a q4 model "in float32" does not multiply in float32)."""
@@ -353,22 +373,21 @@ def describe_arithmetic(model: nn.Module) -> str:
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     if not layers:
         return f"weights and matmuls in {dtype}"
-    formats = {}
+    if layers[0].weight_storage.device.type == "cuda":
+        formats = collections.Counter(_weight_format(m) for m in layers)
+        return f"weights {', '.join(f'{n} x{c}' for n, c in formats.items())}; Triton kernels, activations {dtype}"
+    paths = collections.defaultdict(collections.Counter)
     for m in layers:
-        name = (f"int4 g{m.group_size}" + (" (q4_1)" if m.group_size == 32 else "")) if isinstance(m, Int4Linear) \
-            else type(m).__name__ if not isinstance(m, Int8Linear) or type(m) is not Int8Linear \
-            else "int8 per block of 32 (q8_0)" if m.per_block else "int8 per row"
-        formats[name] = formats.get(name, 0) + 1
-    weights = ", ".join(f"{n} x{c}" for n, c in formats.items())
-    device = next(iter(layers)).weight_storage.device
-    if device.type == "cuda":
-        return f"weights {weights}; Triton kernels dequantize in registers, activations {dtype}"
-    kernels = cpu_kernels()
-    if kernels is None:
-        return (f"weights {weights}; activations rounded to bfloat16 inside torch's int4/int8 CPU kernels (scales "
-                f"and outputs too), the rest in {dtype}")
-    return (f"weights {weights}; matmuls with activations quantized to int8 per block of 32, integer dot products, "
-            f"float32 accumulation (minillm's {kernels.load().isa} kernels); the rest in {dtype}")
+        if m.uses_cpu_kernels():
+            path = (f"activations int8 per block of 32, integer dot products, float32 accumulation (minillm's "
+                    f"{cpu_lowbit.load().isa} kernels)")
+        elif type(m).__name__ == "LLMInt8Linear":
+            path = "int8 x int8 with the outlier columns in float (LLM.int8())"
+        else:
+            path = "activations, scales and outputs rounded to bfloat16 inside torch's int4/int8 CPU kernels"
+        paths[path][_weight_format(m)] += 1
+    parts = [f"{', '.join(f'{n} x{c}' for n, c in formats.items())}: {path}" for path, formats in paths.items()]
+    return "; ".join(parts) + f"; the rest in {dtype}"
 
 
 def fake_quantize_int4(model: nn.Module, group_size: int = 128, bits: int = 4) -> nn.Module:
