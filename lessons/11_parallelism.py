@@ -107,13 +107,14 @@ if QUICK:  # CI: a small random model through the same code path (3 ranks loadin
 else:
     spec, ref_model, ids = "smollm2-135m", model, tok.encode(prompt)
 single = list(generate_ids(ref_model, ids, SamplingParams(max_tokens=n_new, ignore_eos=True)))
-par = generate_parallel(spec, ids, tp=3, max_new_tokens=n_new, threads=1, ignore_eos=True)
+(par,) = generate_parallel(spec, [ids], SamplingParams(max_tokens=n_new, ignore_eos=True), tp=3, threads=1)
 if not QUICK:
-    print(repr(tok.decode(par["token_ids"])))
+    print(repr(tok.decode(par.token_ids)))
 with torch.inference_mode():
     ref_logits = ref_model(torch.tensor([ids]))[0, -1]
-print(f"tp=3 tokens identical to one process: {par['token_ids'] == single}; first-step logits differ by "
-      f"{float((par['first_logits'] - ref_logits).abs().max()):.1e} (the partial sums are added in another order)")
+print(f"tp=3 tokens identical to one process: {par.token_ids == single}; first-step logits differ by "
+      f"{float((par.metrics['first_logits'] - ref_logits).abs().max()):.1e} (the partial sums are added in another "
+      f"order)")
 
 # %% [markdown]
 # ## 3. What every collective moves
@@ -129,14 +130,15 @@ print(f"tp=3 tokens identical to one process: {par['token_ids'] == single}; firs
 # %%
 plan = TPPlan.for_config(ref_model.config, 3)
 formula = tp_bytes_per_token(ref_model.config, plan)
-steps = par["decode_steps"]
-for op, stats in par["comm_decode"].items():
+steps = par.metrics["decode_steps"]
+for op, stats in par.metrics["comm_decode"].items():
     per_token = stats["bytes"] / steps
     f = formula.get(op)
     print(f"{op:<11} {stats['calls'] / steps:5.0f} calls/token, {per_token / 1024:7.2f} KiB/token handed in, "
           f"{stats['ring_bytes'] / steps / 1024:7.2f} KiB/token sent per rank"
           + (f"  (formula {f / 1024:.2f} KiB: {'exact' if f == per_token else 'DIFFERENT'})" if f else ""))
-print(f"{par['comm_decode_s'] / par['decode_s']:.0%} of this decode's time was spent inside collectives")
+print(f"{par.metrics['comm_decode_s'] / par.metrics['decode_s']:.0%} of this decode's time was spent inside "
+      f"collectives")
 
 # %% [markdown]
 # ## 4. Sequence parallelism
@@ -153,9 +155,9 @@ for n_tok in (96, 2048, 8192):
     tp_b, sp_b = residual_bytes(cfg, n_tok, 3, False), residual_bytes(cfg, n_tok, 3, True)
     print(f"{n_tok:>5} tokens: residual stream per rank {tp_b / 2**20:6.2f} MiB with TP, {sp_b / 2**20:6.2f} MiB with "
           f"TP+SP (x{tp_b / sp_b:.0f})")
-sp = generate_parallel(spec, ids, tp=3, sp=True, max_new_tokens=n_new, threads=1, ignore_eos=True)
-print(f"tp=3 + sp tokens identical to one process: {sp['token_ids'] == single}; prefill collectives: "
-      + ", ".join(f"{op} {s['calls']}x {s['bytes'] / 1024:.0f} KiB" for op, s in sp["comm_prefill"].items()))
+(sp,) = generate_parallel(spec, [ids], SamplingParams(max_tokens=n_new, ignore_eos=True), tp=3, sp=True, threads=1)
+print(f"tp=3 + sp tokens identical to one process: {sp.token_ids == single}; prefill collectives: "
+      + ", ".join(f"{op} {s['calls']}x {s['bytes'] / 1024:.0f} KiB" for op, s in sp.metrics["comm_prefill"].items()))
 
 # %% [markdown]
 # ## 5. The pipeline and its bubble

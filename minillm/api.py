@@ -78,6 +78,10 @@ def generate_request(model, req: Request, cache: str = "contiguous", compile: bo
     tokens per target forward (lesson 10), counting drafted/accepted tokens into spec_stats (a SpecStats) if given."""
     if cache not in CACHE_KINDS:
         raise ValueError(f"unknown cache {cache!r}; choose one of {CACHE_KINDS}")
+    p = req.params
+    if p.has_penalties or p.min_tokens or p.top_logprobs or p.n != 1:  # never silently ignored
+        raise ValueError("penalties, min_tokens, top_logprobs and n > 1 are honoured by the engine (minillm.LLM), not "
+                         "by this single-sequence loop")
     n_total = len(req.prompt_ids) + req.params.max_tokens
     if speculative is not None:
         if compile:

@@ -220,28 +220,29 @@ def cmd_generate(args) -> int:
 
 
 def _generate_parallel(args) -> int:
-    """--tp / --pp / --sp: greedy generation on several processes (torch.distributed, gloo on CPU)."""
+    """--tp / --pp / --sp: generation on several processes (torch.distributed, gloo on CPU)."""
     from minillm.parallel.launch import ParallelConfig, generate_parallel
+    from minillm.sampling import SamplingParams
 
-    if args.temperature != 0 or args.speculative or args.compile or args.cache != "contiguous":
-        raise UsageError("--tp/--pp/--sp decode greedily on a contiguous cache: drop --temperature, --speculative, "
-                         "--compile and --cache")
+    if args.speculative or args.compile or args.cache != "contiguous":
+        raise UsageError("--tp/--pp/--sp decode on a contiguous cache: drop --speculative, --compile and --cache")
     ParallelConfig(args.tp, args.pp, args.sp)  # refuses bad combinations before anything loads
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
     t0 = time.perf_counter()
-    res = generate_parallel(args.model, args.prompt, tp=args.tp, pp=args.pp, sp=args.sp,
-                            max_new_tokens=args.max_new_tokens, dtype=args.dtype, chat=not args.raw,
-                            threads=args.threads)
-    print(res["text"])
-    comm = res["comm_decode"]
-    moved = sum(v["ring_bytes"] for v in comm.values()) / max(res["decode_steps"], 1)
+    (out,) = generate_parallel(args.model, [args.prompt], params, tp=args.tp, pp=args.pp, sp=args.sp,
+                               dtype=args.dtype, chat=not args.raw, threads=args.threads)
+    print(out.text)
+    m = out.metrics
+    moved = sum(v["ring_bytes"] for v in m["comm_decode"].values()) / max(m["decode_steps"], 1)
     kind = f"tp={args.tp}{' + sp' if args.sp else ''}" if args.tp > 1 else f"pp={args.pp}"
     print("--- " + " | ".join([
-        f"{kind}: {len(res['ranks'])} ranks, {res['threads']} thread(s) each, wall {time.perf_counter() - t0:.1f} s",
-        f"prompt {res['prompt_tokens']} tokens, generated {len(res['token_ids'])}",
-        f"prefill {res['prefill_s'] * 1e3:.1f} ms",
-        f"decode {res['decode_tok_s']:.1f} tokens/s, {res['comm_decode_s'] / res['decode_s']:.0%} of it inside "
+        f"{kind}: {len(m['ranks'])} ranks, {m['threads']} thread(s) each, wall {time.perf_counter() - t0:.1f} s",
+        f"prompt {out.prompt_tokens} tokens, generated {len(out.token_ids)}",
+        f"prefill {m['prefill_s'] * 1e3:.1f} ms",
+        f"decode {m['decode_tok_s']:.1f} tokens/s, {m['comm_decode_s'] / m['decode_s']:.0%} of it inside "
         f"collectives, {moved / 1024:.1f} KiB sent per rank per token",
-        f"stop: {res['stop_reason']}"]))
+        f"finish_reason: {out.finish_reason}"]))
     return 0
 
 

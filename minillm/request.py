@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minillm.sampling import SamplingParams, validate_sampling
+from minillm.sampling import SamplingParams
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # error: a worker died (lessons 11, 13); metrics say why
 
 
 @dataclass
@@ -72,7 +72,7 @@ def make_request(prompt, params: SamplingParams | None, tokenizer, config, devic
     params = SamplingParams() if params is None else params
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-    validate_sampling(params.max_tokens, params.temperature, params.top_k, params.top_p, params.seed)  # fields mutate
+    params.validate()  # again: its fields may have changed since it was made
     ids = prompt_to_ids(prompt, tokenizer, config.vocab_size, chat)
     ctx = config.max_seq_len
     if len(ids) >= ctx:
@@ -81,7 +81,8 @@ def make_request(prompt, params: SamplingParams | None, tokenizer, config, devic
         if not clip_to_context:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
                              f"window ({ctx}): lower max_tokens to at most {ctx - len(ids)}")
-        params = SamplingParams(**{**params.__dict__, "max_tokens": ctx - len(ids)})
+        room = ctx - len(ids)
+        params = SamplingParams(**{**params.__dict__, "max_tokens": room, "min_tokens": min(params.min_tokens, room)})
     eos_ids = frozenset(getattr(tokenizer, "stop_ids", ())) if eos_ids is None else frozenset(eos_ids)
     stops = frozenset() if params.ignore_eos else eos_ids | params.stop_ids
     gen = torch.Generator(device=device).manual_seed(params.seed) if params.seed is not None else None
@@ -97,10 +98,12 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated ids, the stop token included
     text: str  # decoded output, stop tokens left out ("" without a tokenizer)
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     metrics: dict = field(default_factory=dict, repr=False)  # ttft, tpot, itl, e2e, queue_time (s), preemptions
     token_times: list[float] = field(default_factory=list, repr=False)  # seconds since arrival, per token
     logprobs: list[float] | None = field(default=None, repr=False)  # per token, when params.logprobs
+    # per token, its params.top_logprobs most likely alternatives [(id, logprob)], most likely first (raw logits)
+    top_logprobs: list[list[tuple[int, float]]] | None = field(default=None, repr=False)
 
     @property
     def prompt_tokens(self) -> int:

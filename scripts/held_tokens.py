@@ -38,10 +38,9 @@ def held_tokens(max_tokens: int = 24) -> dict[str, list[list[int]]]:
            "engine": engine(),
            "engine/prefix+int8kv": engine(PROMPTS + PROMPTS, enable_prefix_caching=True, kv_cache_dtype="int8"),
            "engine/speculative": engine(speculative=SpeculativeConfig("ngram", k=4))}
-    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     disagg = DisaggregatedLLM("smollm2-135m")
     try:
-        out["disaggregated"] = [o.token_ids for o in disagg.generate(ids, params)]
+        out["disaggregated"] = [o.token_ids for o in disagg.generate(PROMPTS, params, chat=True)]
     finally:
         disagg.close()
     return out

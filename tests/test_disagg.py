@@ -5,6 +5,7 @@ another, no processes) and DisaggregatedLLM (two spawned workers, KV over gloo).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -18,7 +19,9 @@ from minillm.cache import kv_transfer
 from minillm.engine import LLM
 from minillm.cache.kv_pool import KVBlockPool, KVCacheSpec
 from minillm.cache.kv_transfer import kv_checksum, pack_kv_blocks, stored_tensors, unpack_kv_blocks
+from minillm.engine.llm import StreamEvent
 from minillm.gguf.loader import load_spec
+from minillm.request import RequestOutput
 from minillm.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -179,6 +182,14 @@ def test_add_prefilled_refuses_what_does_not_fit():
 
 # ---------------------------------------------------------------------------------------- the two processes
 
+# the same random model speaking SmolLM2's vocabulary: text and chat prompts without loading the real weights
+TEXT_SPEC = {**SPEC, "tokenizer": "smollm2-135m"}
+
+
+@functools.cache
+def text_model():
+    return load_spec(TEXT_SPEC)  # (model, tokenizer), loaded once for the module
+
 
 def wait_for(cond, d, timeout_s: float = 20.0) -> None:
     deadline = time.perf_counter() + timeout_s
@@ -191,8 +202,8 @@ def wait_for(cond, d, timeout_s: float = 20.0) -> None:
 def disagg():
     from minillm.serving.disagg import DisaggregatedLLM
 
-    with DisaggregatedLLM(SPEC, prefill=dict(block_size=4, num_blocks=64, max_num_batched_tokens=8,
-                                             enable_prefix_caching=True),
+    with DisaggregatedLLM(TEXT_SPEC, prefill=dict(block_size=4, num_blocks=64, max_num_batched_tokens=8,
+                                                  enable_prefix_caching=True),
                           decode=dict(block_size=4, num_blocks=64), timeout_s=60) as d:
         yield d
     assert not any(p.is_alive() for p in d.processes.values())
@@ -202,7 +213,7 @@ LENGTHS = (1, 3, 4, 5, 8, 16, 17, 33)
 
 
 def test_disaggregated_greedy_and_seeded_equal_colocated(disagg):
-    model = load_spec(SPEC)[0]
+    model = text_model()[0]
     prompts = [ids(n, n) for n in LENGTHS] + [ids(8, 8) + [7, 7]]  # the last shares a cached prefix
     for params in (GREEDY, SEEDED):
         outs = disagg.generate(prompts, params)
@@ -219,13 +230,75 @@ def test_disaggregated_greedy_and_seeded_equal_colocated(disagg):
     assert one.token_ids == colocated(model, [ids(6)], SamplingParams(max_tokens=1))[0]
 
 
+TEXTS = ["The capital of France is", "Write a haiku about caches.", "def fibonacci(n):"]
+PER_PROMPT = [SamplingParams(max_tokens=6, ignore_eos=True), SamplingParams(max_tokens=3, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.8, seed=5, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_text_prompts_and_per_prompt_params_give_llms_outputs(disagg, chat):
+    model, tok = text_model()
+    want = LLM.from_model(model, tok, num_blocks=64, block_size=4).generate(TEXTS, PER_PROMPT, chat=chat)
+    got = disagg.generate(TEXTS, PER_PROMPT, chat=chat)
+    assert all(type(o) is RequestOutput for o in got)
+    assert [o.prompt_token_ids for o in got] == [o.prompt_token_ids for o in want]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.text for o in got] == [o.text for o in want]
+    assert [len(o.token_ids) for o in got] == [p.max_tokens for p in PER_PROMPT]
+
+
+def test_stream_yields_llms_stream_events(disagg):
+    model, tok = text_model()
+    want = {}
+    for ev in LLM.from_model(model, tok, num_blocks=64, block_size=4).stream(TEXTS, PER_PROMPT, chat=True):
+        want.setdefault(TEXTS[int(ev.request_id)], []).append(ev[1:])  # (token, text, finished, reason)
+    events = list(disagg.stream(TEXTS, PER_PROMPT, chat=True))
+    assert all(type(ev) is StreamEvent for ev in events)
+    rids = list(dict.fromkeys(ev.request_id for ev in events))
+    got = {text: [ev[1:] for ev in events if ev.request_id == rid] for text, rid in zip(TEXTS, rids)}
+    assert got == want  # every token, its text piece and the one finishing event, per request
+    assert len(rids) == 3 and not disagg._reqs  # all ended and collected
+
+
 def test_disaggregated_refuses_bad_requests_and_keeps_serving(disagg):
     too_long = SamplingParams(max_tokens=600, ignore_eos=True)  # the tiny context is 512
-    with pytest.raises(RuntimeError, match=r"requests failed: \d+: refused: .*context window"):
+    with pytest.raises(RuntimeError, match=r"1 of 1 requests failed; request \d+: refused: .*context window"):
         disagg.generate([ids(5)], too_long)
     with pytest.raises(TypeError, match="SamplingParams"):
         disagg.submit(ids(5), {"max_tokens": 3})
+    with pytest.raises(ValueError, match="request 1: the prompt is empty"):  # checked before any is sent
+        disagg.generate([ids(5), "  "], GREEDY)
+    with pytest.raises(TypeError, match="list of prompts"):
+        disagg.generate("a bare prompt", GREEDY)
     assert len(disagg.generate([ids(5)], GREEDY)[0].token_ids) == 7
+
+
+def test_a_killed_prefill_worker_fails_only_the_requests_it_still_held():
+    """The prefill worker hands two requests over, then holds the rest (a fault: it stops stepping) and is killed.
+    The two already decoding finish with LLM's answer; the three it held end with an error naming its death."""
+    from minillm.serving.disagg import DisaggregatedLLM
+
+    prompts = [ids(12, i) for i in range(5)]
+    params = [SamplingParams(max_tokens=80, ignore_eos=True)] * 2 + [GREEDY] * 3
+    want = colocated(load_spec(SPEC)[0], prompts, params, block_size=4)
+    # one sequence per prefill step: exactly the first two requests are handed off before the hold
+    with DisaggregatedLLM(SPEC, prefill=dict(block_size=4, max_num_seqs=1), decode=dict(block_size=4),
+                          timeout_s=60, _fault=("hold", 2)) as d:
+        rids = [d.submit(p, sp) for p, sp in zip(prompts, params)]
+        moved, held = rids[:2], rids[2:]
+        wait_for(lambda: all(d._reqs[r].token_ids for r in moved), d)  # decoding on the decode worker
+        assert not any(d._reqs[r].on_decode for r in held)
+        assert not all(d._reqs[r].done for r in moved)  # mid-answer (80 tokens) when the prefill worker dies
+        d.processes["prefill"].kill()
+        outs = [d.result(r) for r in rids]
+        assert [o.token_ids for o in outs[:2]] == want[:2]
+        assert all(o.finish_reason == "length" and o.metrics["error"] is None for o in outs[:2])
+        for o in outs[2:]:
+            assert o.finish_reason == "error" and o.token_ids == []
+            assert "prefill worker died (exit code -9)" in o.metrics["error"], o.metrics["error"]
+        assert d.processes["decode"].is_alive()
+        with pytest.raises(RuntimeError, match="no prefill worker alive"):
+            d.submit(ids(5), GREEDY)
 
 
 def test_int8_kv_and_a_corrupted_transfer():
@@ -254,7 +327,8 @@ def test_a_killed_decode_worker_ends_its_requests_with_an_error():
         t0 = time.perf_counter()
         outs = [d.result(r) for r in rids]
         assert time.perf_counter() - t0 < 10
-        assert all(o.finish_reason == "error" and "decode (exit code -9)" in o.metrics["error"] for o in outs)
+        assert all(o.finish_reason == "error" and "decode worker died (exit code -9)" in o.metrics["error"]
+                   for o in outs)
         with pytest.raises(RuntimeError, match="no decode worker alive"):
             d.submit(ids(5), GREEDY)
 
@@ -278,7 +352,7 @@ def test_a_prefill_worker_dying_mid_transfer_is_an_error_not_a_hang():
 
     with DisaggregatedLLM(SPEC, timeout_s=60, _fault=("die_mid_transfer", 0)) as d:
         out = d.generate([ids(10)], GREEDY, raise_on_error=False)[0]
-        assert out.finish_reason == "error" and "prefill (exit code 3)" in out.metrics["error"]
+        assert out.finish_reason == "error" and "prefill worker died (exit code 3)" in out.metrics["error"]
 
 
 @pytest.mark.slow

@@ -41,6 +41,7 @@ from minillm.parallel.launch import ParallelConfig, generate_parallel, validate
 from minillm.parallel.pipeline import (PipelineStage, bubble_fraction, gpipe_schedule, measured_bubble,
                                        pipeline_prefill, stage_bounds)
 from minillm.sampling import SamplingParams
+from minillm.request import RequestOutput
 from minillm.parallel.sequence import enable_sequence_parallel, prefill_sp, residual_bytes, sp_forward
 from minillm.parallel.tensor import (RowParallelLinear, TPPlan, VocabParallelEmbedding, column_shard, column_slice,
                                      row_slice, shard_tensor_parallel, tp_bytes_per_token)
@@ -553,21 +554,25 @@ def no_launch(monkeypatch):
     ({"tiny": TINY}, {"tp": 2, "pp": 2}, "not both"),
     ({"tiny": TINY}, {"tp": 0}, "tp must be"),
     ({"tiny": TINY}, {"pp": 2, "micro_batches": 0}, "micro_batches"),
-    ({"tiny": TINY}, {"tp": 3, "max_new_tokens": 0}, "max_new_tokens"),
-    ({"tiny": TINY}, {"tp": 3, "max_new_tokens": 60}, "64"),  # prompt + new past max_seq_len
+    ({"tiny": TINY}, {"tp": 3, "params": SamplingParams(max_tokens=0)}, "request 0: max_tokens must be >= 1"),
+    ({"tiny": TINY}, {"tp": 3, "params": SamplingParams(max_tokens=60)}, "64"),  # prompt + new past max_seq_len
 ])
 def test_generate_parallel_refuses_before_starting(no_launch, model, kwargs, match):
     t0 = time.perf_counter()
     with pytest.raises(ValueError, match=match):
-        generate_parallel(model, PROMPT, **kwargs)
+        generate_parallel(model, [PROMPT], **kwargs)
     assert time.perf_counter() - t0 < 5
 
 
 def test_generate_parallel_refuses_text_for_a_tiny_model_and_an_empty_prompt(no_launch):
-    with pytest.raises(ValueError, match="token ids"):
-        generate_parallel({"tiny": TINY}, "hello", tp=3)
+    with pytest.raises(ValueError, match="request 1: no tokenizer: pass the prompt as a list of token ids"):
+        generate_parallel({"tiny": TINY}, [PROMPT, "hello"], SamplingParams(max_tokens=4), tp=3)
     with pytest.raises(ValueError, match="non-empty"):
-        generate_parallel({"tiny": TINY}, [], tp=3)
+        generate_parallel({"tiny": TINY}, [[]], tp=3)
+    with pytest.raises(TypeError, match="list of prompts"):
+        generate_parallel({"tiny": TINY}, PROMPT, tp=3)
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        generate_parallel({"tiny": TINY}, [PROMPT], [SamplingParams(max_tokens=2)] * 2, tp=3)
 
 
 def test_validate_accepts_what_runs():
@@ -643,14 +648,15 @@ def _suite(rank, world_size, cases, prompt, n_new):
     par.load_spec = lambda *a, **k: (_load_lively(*a, **k), None)
     out = {}
     for name, spec, cfg, expect_error in cases:
+        request = (prompt, SamplingParams(max_tokens=n_new), frozenset())
         if expect_error:
             try:
-                par.rank_generate(rank, world_size, spec, prompt, n_new, cfg)
+                par.rank_generate(rank, world_size, spec, [request], cfg)
                 out[name] = {"error": None}
             except RuntimeError as e:
                 out[name] = {"error": str(e)}
         else:
-            out[name] = par.rank_generate(rank, world_size, spec, prompt, n_new, cfg)
+            (out[name],) = par.rank_generate(rank, world_size, spec, [request], cfg)
     return out
 
 
@@ -693,17 +699,38 @@ def ring_total(stats):
     return sum(v["ring_bytes"] for k, v in stats.items() if k in ("all_reduce", "all_gather", "reduce_scatter"))
 
 
+# TINY speaking SmolLM2's vocabulary (49152 = 3 x 16384 splits over 3 ranks), with room for a chat template
+TEXT_TINY = {"tiny": {**{k: v for k, v in TINY.items() if k != "vocab_size"}, "max_seq_len": 256}, "seed": 0,
+             "tokenizer": "smollm2-135m"}
+
+
 def test_generate_parallel_tp3_sp_tiny():
-    # the public entry end to end: 3 gloo ranks, tensor + sequence parallel, a 12-token prompt (fully split)
-    spec, prompt, n_new, p = {"tiny": TINY, "seed": 0}, [(5 * i + 1) % 384 for i in range(12)], 6, 3
-    res = generate_parallel(spec, prompt, tp=p, sp=True, max_new_tokens=n_new, threads=1, timeout_s=60)
-    tokens, logits, model = reference(spec, prompt, n_new)
+    # the public entry end to end: 3 gloo ranks, tensor + sequence parallel; one launch runs a 12-token prompt
+    # (fully split), checked against the single process and the byte formulas, then two chat prompts with their
+    # own params (one sampled, seeded), checked against LLM.generate: the same RequestOutputs
+    from minillm.engine import LLM
+
+    spec, prompt, n_new, p = TEXT_TINY, [(5 * i + 1) % 384 for i in range(12)], 6, 3
+    prompts = [prompt, "The capital of France is", "Write a haiku about caches."]
+    params = [SamplingParams(max_tokens=n_new, ignore_eos=True), SamplingParams(max_tokens=4, ignore_eos=True),
+              SamplingParams(max_tokens=5, temperature=0.8, seed=3, ignore_eos=True)]
+    outs = generate_parallel(spec, prompts, params, tp=p, sp=True, chat=True, threads=1, timeout_s=60)
+    assert all(type(o) is RequestOutput for o in outs)
+    model, tok = load_spec(spec)
+    want = LLM.from_model(model, tok).generate(prompts, params, chat=True)
+    assert [(o.prompt_token_ids, o.token_ids, o.text, o.finish_reason) for o in outs] == [
+        (o.prompt_token_ids, o.token_ids, o.text, o.finish_reason) for o in want]
+    res = outs[0]
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt]))[0, -1]
+    tokens = want[0].token_ids  # greedy, no stop: what reference() gives
     cfg, plan = model.config, TPPlan.for_config(model.config, p)
-    assert res["token_ids"] == tokens and res["stop_reason"] == "length" and res["prompt_tokens"] == 12
-    assert [r["rank"] for r in res["ranks"]] == [0, 1, 2]
-    diffs = [f"{max_diff(r['first_logits'], logits):.1e}" for r in res["ranks"]]
+    assert res.token_ids == tokens and res.finish_reason == "length" and res.prompt_tokens == 12
+    ranks = res.metrics["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2]
+    diffs = [f"{max_diff(r['first_logits'], logits):.1e}" for r in ranks]
     print(f"\ntp=3+sp first-logit max |diff| per rank: {diffs}")
-    for r in res["ranks"]:
+    for r in ranks:
         assert r["token_ids"] == tokens
         assert max_diff(r["first_logits"], logits) < 1e-5, f"rank {r['rank']}: {max_diff(r['first_logits'], logits)}"
         check_tp_decode_bytes(r, cfg, plan, p)  # decode steps are one token: plain TP
@@ -939,19 +966,19 @@ def real_reference(real_model, n_new):
 
 
 def check_real(res, tokens, logits, last_rank_only):
-    assert res["token_ids"] == tokens
-    ranks = res["ranks"][-1:] if last_rank_only else res["ranks"]
+    assert res.token_ids == tokens
+    ranks = res.metrics["ranks"][-1:] if last_rank_only else res.metrics["ranks"]
     diffs = [max_diff(r["first_logits"], logits) for r in ranks]
     print(f"\nfirst-logit max |diff| per rank: {[f'{d:.2e}' for d in diffs]}")
     assert max(diffs) < 1e-4, diffs
-    assert all(r["token_ids"] == tokens for r in res["ranks"])
+    assert all(r["token_ids"] == tokens for r in res.metrics["ranks"])
 
 
 @pytest.mark.slow  # ~100 s here: 3 ranks + this process each load the model
 def test_real_model_smoke_tp3_sp(real_model):
     tokens, logits = real_reference(real_model, 8)
-    res = generate_parallel("smollm2-135m", REAL_PROMPT, tp=3, sp=True, max_new_tokens=8, ignore_eos=True,
-                            timeout_s=300)
+    (res,) = generate_parallel("smollm2-135m", [REAL_PROMPT], SamplingParams(max_tokens=8, ignore_eos=True), tp=3,
+                               sp=True, timeout_s=300)
     check_real(res, tokens, logits, last_rank_only=False)
 
 
@@ -960,13 +987,13 @@ def test_real_model_smoke_tp3_sp(real_model):
                          ids=["tp3", "tp3-sp", "pp2", "pp3"])
 def test_real_model_matches_single_process(real_model, kwargs):
     tokens, logits = real_reference(real_model, 64)
-    res = generate_parallel("smollm2-135m", REAL_PROMPT, max_new_tokens=64, ignore_eos=True, timeout_s=300,
-                            **kwargs)
+    (res,) = generate_parallel("smollm2-135m", [REAL_PROMPT], SamplingParams(max_tokens=64, ignore_eos=True),
+                               timeout_s=300, **kwargs)
     check_real(res, tokens, logits, last_rank_only="pp" in kwargs)
-    assert res["text"] and res["stop_reason"] == "length"
+    assert res.text and res.finish_reason == "length"
     if "tp" in kwargs:
         cfg = real_model[0].config
-        check_tp_decode_bytes(res, cfg, TPPlan.for_config(cfg, 3), 3)
+        check_tp_decode_bytes({**res.metrics, "token_ids": res.token_ids}, cfg, TPPlan.for_config(cfg, 3), 3)
 
 
 

@@ -8,14 +8,19 @@ to start."""
 
 from __future__ import annotations
 
+import functools
 import random
+import re
 import threading
+import time
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from minillm.cache.prefix_cache import block_hashes
+from minillm.request import RequestOutput
+from minillm.serving.workers import raise_if_failed
 from minillm.serving.router import (
     LeastOutstandingTokensRouter,
     PrefixAffinityRouter,
@@ -195,6 +200,7 @@ def test_prefix_affinity_memory_is_bounded_and_evicts_tails_first(stream, max_bl
 # ---------------------------------------------------------------------------------- the pool, tiny models
 
 SPEC = {"tiny": {}, "seed": 0}
+TEXT_SPEC = {**SPEC, "tokenizer": "smollm2-135m"}  # the same random model speaking SmolLM2's vocabulary
 ENGINE = {"num_blocks": 96, "block_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 64}
 
 
@@ -205,18 +211,28 @@ def workload(n: int, seed: int = 0) -> list[list[int]]:
     return [heads[k % 3] + [rng.randrange(512) for _ in range(rng.randrange(1, 9))] for k in range(n)]
 
 
-def reference(prompts, params) -> list[list[int]]:
-    from minillm.engine import LLM
+@functools.cache
+def one_engine_model(spec_key: str):
     from minillm.gguf.loader import load_spec
 
-    return [o.token_ids for o in LLM.from_model(load_spec(SPEC)[0], **ENGINE).generate(prompts, params)]
+    return load_spec(TEXT_SPEC if spec_key == "text" else SPEC)
+
+
+def one_engine(spec_key: str = "text"):
+    from minillm.engine import LLM
+
+    return LLM.from_model(*one_engine_model(spec_key), **ENGINE)
+
+
+def reference(prompts, params, spec_key: str = "text") -> list[list[int]]:
+    return [o.token_ids for o in one_engine(spec_key).generate(prompts, params)]
 
 
 @pytest.fixture(scope="module")
 def pool():
     from minillm.serving.replicas import ReplicaPool
 
-    with ReplicaPool(SPEC, 2, "round_robin", ENGINE, timeout=60) as p:
+    with ReplicaPool(TEXT_SPEC, 2, "round_robin", ENGINE, timeout=60) as p:
         yield p
 
 
@@ -230,17 +246,53 @@ def test_pool_outputs_equal_one_engine(pool, policy):
     arrivals = [0.01 * k for k in range(12)] if policy == "round_robin" else None  # else a burst: loads differ
     outs = pool.generate(prompts, params, arrival_times=arrivals)
     assert [o.token_ids for o in outs] == reference(prompts, params)
-    assert all(o.error is None and o.finish_reason == "length" and o.attempts == 1 for o in outs)
+    assert all(type(o) is RequestOutput for o in outs)
+    assert all(o.metrics["error"] is None and o.finish_reason == "length" and o.metrics["attempts"] == 1
+               for o in outs)
     assert all(o.metrics["ttft"] > 0 and o.metrics["e2e"] >= o.metrics["ttft"] for o in outs)
     stats = pool.stats()
     assert sum(s["requests"] for s in stats) == 12 and all(s["requests"] > 0 for s in stats)
     assert sum(s["tokens"] for s in stats) == sum(p.max_tokens for p in params)
+    where = [o.metrics["replica"] for o in outs]
     if policy == "prefix_affinity":  # each group's prefix lives on one replica
         for g in range(3):
-            assert len({o.replica for o in outs[g::3]}) == 1
+            assert len(set(where[g::3])) == 1
         assert all(s["hit_rate"] > 0 for s in stats)
     if policy == "round_robin":
-        assert [o.replica for o in outs] == [k % 2 for k in range(12)]
+        assert where == [k % 2 for k in range(12)]
+
+
+TEXTS = ["The capital of France is", "Write a haiku about caches.", "def fibonacci(n):"]
+
+
+def per_prompt():
+    from minillm.sampling import SamplingParams
+
+    return [SamplingParams(max_tokens=6, ignore_eos=True), SamplingParams(max_tokens=3, ignore_eos=True),
+            SamplingParams(max_tokens=9, temperature=0.8, seed=5, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_pool_takes_text_and_per_prompt_params_like_llm(pool, chat):
+    want = one_engine().generate(TEXTS, per_prompt(), chat=chat)
+    got = pool.generate(TEXTS, per_prompt(), chat=chat)
+    assert [o.prompt_token_ids for o in got] == [o.prompt_token_ids for o in want]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.text for o in got] == [o.text for o in want]
+
+
+def test_pool_streams_llms_stream_events(pool):
+    from minillm.engine.llm import StreamEvent
+
+    want: dict[str, list] = {}
+    for ev in one_engine().stream(TEXTS, per_prompt(), chat=True):
+        want.setdefault(ev.request_id, []).append(ev)
+    events = list(pool.stream(TEXTS, per_prompt(), chat=True))
+    assert all(type(ev) is StreamEvent for ev in events)
+    got: dict[str, list] = {}
+    for ev in events:
+        got.setdefault(ev.request_id, []).append(ev)
+    assert got == want  # ids are the prompts' indices in both; every token, text piece and the finishing event
 
 
 def test_pool_refuses_bad_requests(pool):
@@ -252,7 +304,9 @@ def test_pool_refuses_bad_requests(pool):
         pool.generate([[1] * 300], SamplingParams(max_tokens=200))
     with pytest.raises(TypeError):
         pool.generate([1, 2, 3])
-    assert pool.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].error is None  # still serving
+    with pytest.raises(ValueError, match="request 0: the prompt is empty"):
+        pool.generate(["  "])
+    assert pool.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].metrics["error"] is None  # still serving
 
 
 def test_slow_and_crashing_replicas_lose_nothing():
@@ -261,29 +315,54 @@ def test_slow_and_crashing_replicas_lose_nothing():
 
     prompts = workload(10, seed=1)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    want = reference(prompts, params)
+    want = reference(prompts, params, "ids")
     faults = {0: Fault(step_delay_s=0.02), 1: Fault(exit_after_steps=4)}  # 0 is slow; 1 crashes mid-run
     with ReplicaPool(SPEC, 2, "round_robin", ENGINE, timeout=60, faults=faults) as pool:
         outs = pool.generate(prompts, params)
-        assert [o.token_ids for o in outs] == want  # the crashed replica's requests were served again on 0
-        assert all(o.error is None and o.replica == 0 for o in outs)
-        assert any(o.attempts == 2 for o in outs)
+        # the crashed replica's requests went on on replica 0, from where they stopped
+        assert [o.token_ids for o in outs] == want
+        assert all(o.metrics["error"] is None and o.metrics["replica"] == 0 for o in outs)
+        assert any(o.metrics["attempts"] == 2 for o in outs)
         assert [s["alive"] for s in pool.stats()] == [True, False]
         assert [o.token_ids for o in pool.generate(prompts[:3], params)] == want[:3]  # the router avoids 1
         # a request that outlives the timeout ends with an error, not a hang
         pool.timeout = 0.3
-        late = pool.generate([prompts[0]], SamplingParams(max_tokens=60, ignore_eos=True))[0]
-        assert late.finish_reason == "error" and "timed out" in late.error
+        late = pool.generate([prompts[0]], SamplingParams(max_tokens=60, ignore_eos=True), raise_on_error=False)[0]
+        assert late.finish_reason == "error" and "timed out" in late.metrics["error"]
         pool.timeout = 60
         pool.reset()  # the aborted request's late events are skipped, not taken for the answer
         assert pool.generate([prompts[1]], params)[0].token_ids == want[1]
         # the last replica killed while it works: a clear error naming the requests, not a hang
         threading.Timer(0.3, pool._procs[0].kill).start()
-        with pytest.raises(RuntimeError, match=r"no live replica.*requests \[0, 1, 2"):
+        with pytest.raises(RuntimeError, match=r"10 of 10 requests failed; .*no live replica"):
             pool.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
         with pytest.raises(RuntimeError, match="no live replica"):
             pool.generate(prompts[:1], params)
     assert all(not p.is_alive() for p in pool._procs)
+
+
+def test_a_dead_pool_names_every_unserved_request():
+    """The only replica crashes with four requests on it and four more queued (arriving in 30 s): all eight end
+    at once with an error, and the call's error names each of them."""
+    from minillm.serving.replicas import Fault, ReplicaPool
+    from minillm.sampling import SamplingParams
+
+    prompts = workload(8, seed=2)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    with ReplicaPool(SPEC, 1, "round_robin", ENGINE, timeout=60, faults={0: Fault(exit_after_steps=3)}) as pool:
+        t0 = time.perf_counter()
+        outs = pool.generate(prompts, params, arrival_times=[0.0] * 4 + [30.0] * 4, raise_on_error=False)
+        assert time.perf_counter() - t0 < 20  # the queued ones did not wait for their arrival
+        assert [o.finish_reason for o in outs] == ["error"] * 8
+        assert all("replica 0 exited with code 3" in o.metrics["error"] for o in outs)
+        assert all("no live replica" in o.metrics["error"] for o in outs[4:])
+        assert [o.metrics["attempts"] for o in outs] == [1] * 4 + [0] * 4
+        with pytest.raises(RuntimeError) as err:
+            raise_if_failed(outs)
+        named = {i for group in re.findall(r"requests? ([\d, ]+):", str(err.value)) for i in group.split(", ")}
+        assert named == {str(i) for i in range(8)}, str(err.value)
+        with pytest.raises(RuntimeError, match=r"1 of 1 requests failed; request 0: no live replica"):
+            pool.generate(prompts[:1], params)
 
 
 def test_replicas_with_different_weights_refuse_to_start():

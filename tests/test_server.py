@@ -215,13 +215,13 @@ BAD = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "response_format": {}}', 400,
      "response_format", "structured output"),
     ("/v1/completions", b'{"prompt": "hi", "model": "gpt-4"}', 404, "model", "does not exist"),
-    ("/v1/completions", b'{"prompt": "hi", "n": 2}', 400, "n", "n must be 1"),
+    ("/v1/completions", b'{"prompt": "hi", "n": 0}', 400, "n", "greater than"),
     ("/v1/completions", b'{"prompt": ["a", "b"]}', 400, "prompt", "one prompt per request"),
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": 9000}', 400, "max_tokens", "context window"),
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens", "[1, "),
     ("/v1/completions", b'{"prompt": "hi", "temperature": -1}', 400, "temperature", "greater than"),
-    ("/v1/completions", b'{"prompt": "hi", "logprobs": 1}', 400, "logprobs", "not supported"),
-    ("/v1/completions", b'{"prompt": "hi", "presence_penalty": 0.5}', 400, "presence_penalty", "not supported"),
+    ("/v1/completions", b'{"prompt": "hi", "logprobs": 21}', 400, "logprobs", "less than"),
+    ("/v1/completions", b'{"prompt": "hi", "presence_penalty": 2.5}', 400, "presence_penalty", "less than"),
     ("/v1/completions", b'{"prompt": "hi", "stop": ""}', 400, "stop", "non-empty"),
     ("/v1/completions", b'{"prompt": "   "}', 400, "prompt", "empty"),
     ("/v1/completions", b'{"prompt": [99999999]}', 400, None, "token ids"),
@@ -561,7 +561,7 @@ def test_the_load_generator_counts_what_did_not_complete(server):
 
     from minillm.bench.serve import run_load, summarize_load
 
-    bad = [("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 2})]
+    bad = [("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 0})]  # a 400
     samples, wall = asyncio.run(run_load(server.url, bad, concurrency=1))
     s = summarize_load(samples, wall)
     assert (s["sent"], s["completed"], s["lost"], s["errors_4xx"], s["errors_5xx"]) == (1, 0, 1, 1, 0)

@@ -76,6 +76,7 @@ def run(quick: bool = False) -> BenchResult:
     from minillm.config import LLAMA2_7B, LLAMA2_70B
     from minillm.gguf.loader import load_spec
     from minillm.parallel.launch import generate_parallel
+    from minillm.sampling import SamplingParams
     from minillm.parallel.pipeline import bubble_fraction
     from minillm.parallel.sequence import residual_bytes
     from minillm.parallel.tensor import TPPlan, tp_bytes_per_token
@@ -97,11 +98,13 @@ def run(quick: bool = False) -> BenchResult:
             {"config": "1 process, 2 threads", "ranks": 1, "decode_tok_s": tok_s_2, "identical": True}]
     exact, identical = True, True
     for c in configs:
-        res = generate_parallel(spec, prompt, max_new_tokens=n, threads=1, ignore_eos=True, timeout_s=120, **c)
+        (out,) = generate_parallel(spec, [prompt], SamplingParams(max_tokens=n, ignore_eos=True), threads=1,
+                                   timeout_s=120, **c)
+        res = out.metrics  # rank 0's timings and collective counts; "ranks": every rank's
         p = c.get("tp", 1) * c.get("pp", 1)
         comm, steps = res["comm_decode"], res["decode_steps"]
         row = {"config": ", ".join(f"{k}={v}" for k, v in c.items()), "ranks": p,
-               "decode_tok_s": res["decode_tok_s"], "identical": res["token_ids"] == ref,
+               "decode_tok_s": res["decode_tok_s"], "identical": out.token_ids == ref,
                "prefill_ms": res["prefill_s"] * 1e3, "comm_share": res["comm_decode_s"] / res["decode_s"]}
         if "tp" in c:
             plan = TPPlan.for_config(cfg, c["tp"])

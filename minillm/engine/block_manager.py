@@ -5,7 +5,8 @@ On the engine's BlockAllocator (lesson 04), shared with the paged cache, it keep
 a preemption), `can_append` / `may_append` before a step writes new tokens (several with drafts, lesson 10),
 `truncate` (speculative rollback), `deallocate`, `cache_blocks` (prefix caching, lesson 12). With a
 PrefixCachingAllocator `allocate` shares the longest cached prefix and marks it computed: prefix caching
-changes what "allocate" finds, not the scheduling algorithm.
+changes what "allocate" finds, not the scheduling algorithm (the n samples of one prompt are admitted once the
+first has computed it, so the prompt runs once).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class BlockManager:
         return self.allocator.match(seq.block_hashes[:(seq.num_tokens - 1) // self.block_size])
 
     def can_allocate(self, seq: Sequence) -> bool:
+        source = seq.prefix_source
+        if self.prefix_caching and source is not None and not (source.num_output_tokens or source.is_finished):
+            return False  # n samples of a prompt: wait for sample 0 to compute (and cache) it, then share its blocks
         hit = self._cached_prefix(seq)
         unowned_hits = sum(self.allocator.ref_count(b) == 0 for b in hit)  # taking them uses up free blocks
         return self.allocator.can_allocate(self.blocks_for(seq.num_tokens) - len(seq.block_table) - len(hit)

@@ -36,7 +36,8 @@ class HandoffMixin:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         with self._lock:  # the pool only needs the prompt's blocks: the decode engine checks the peak
-            req = self._prepare(prompt, dataclasses.replace(params, max_tokens=1), False, request_id, arrival_time)
+            first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+            req = self._prepare(prompt, first_only, False, request_id, arrival_time)
             if len(req.prompt_ids) + params.max_tokens > self.max_model_len:
                 raise ValueError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                  f"the context window ({self.max_model_len}): lower max_tokens")

@@ -5,7 +5,9 @@
 
 Each step(): schedule (plain data) -> propose drafts (lesson 10) -> run one packed forward -> postprocess
 (append, retire, free blocks; hand off prefilled KV, lesson 13) -> emit each token into its request's queue.
-The knobs: EngineConfig (engine/config.py); the disaggregation methods: handoff.py.
+The knobs: EngineConfig (engine/config.py); the disaggregation methods: handoff.py. A request's sampling settings
+(penalties, min_tokens, logprobs: SamplingParams) travel with its Sequence; `add_samples` queues n samples of one
+prompt (SamplingParams.n), which share its KV blocks under prefix caching.
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ class StreamEvent(NamedTuple):
     text: str  # the text this token completes ("" inside a multi-byte character or for a stop token)
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last event
+    logprob: float | None = None  # the token's raw log-probability, when params.logprobs
+    top_logprobs: list[tuple[int, float]] | None = None  # [(id, logprob)] most likely first, params.top_logprobs
+
+
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The ids of the n samples of one request (LLM.add_samples): request_id itself when n == 1, else
+    f"{request_id}-{i}"."""
+    return [str(request_id)] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
 
 
 class LLM(HandoffMixin):
@@ -110,10 +120,27 @@ class LLM(HandoffMixin):
                              f"{self.block_manager.num_blocks}: lower max_tokens or build the LLM with more blocks")
         if req.request_id in self._seqs or req.request_id in self._finished:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.params.n != 1:
+            raise ValueError(f"params.n is {req.params.n}: one request is one sequence; add_samples (or generate, "
+                             f"chat, stream) queues n samples of a prompt")
         return req
 
-    def _enqueue(self, req: Request, sink: queue.SimpleQueue | None) -> str:
+    def _prepare_samples(self, prompt: str | list[int], params: SamplingParams | None, chat: bool,
+                         request_id: str | None, arrival_time: float | None) -> list[Request]:
+        """The params.n samples of one prompt, validated: sample i gets params.for_sample(i) (seed + i) and, when
+        n > 1, the id f"{request_id}-{i}"; the prompt is tokenized once."""
+        n = params.n if isinstance(params, SamplingParams) else 1
+        if n == 1:
+            return [self._prepare(prompt, params, chat, request_id, arrival_time)]
+        ids = sample_ids(str(next(self._ids)) if request_id is None else str(request_id), n)
+        first = self._prepare(prompt, params.for_sample(0), chat, ids[0], arrival_time)
+        return [first] + [self._prepare(first.prompt_ids, params.for_sample(i), False, ids[i], first.arrival_time)
+                          for i in range(1, n)]
+
+    def _enqueue(self, req: Request, sink: queue.SimpleQueue | None, prefix_source: Sequence | None = None) -> str:
         seq = Sequence.from_request(req, self.max_model_len)
+        if self.block_manager.prefix_caching:  # admitted once prefix_source has computed the shared prompt
+            seq.prefix_source = prefix_source
         self._seqs[req.request_id] = seq
         if sink is not None:
             self._sinks[req.request_id] = sink
@@ -129,6 +156,19 @@ class LLM(HandoffMixin):
         `sink`, if given, receives a StreamEvent for each of its tokens (and its end)."""
         with self._lock:
             return self._enqueue(self._prepare(prompt, params, chat, request_id, arrival_time), sink)
+
+    def add_samples(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    chat: bool = False, arrival_time: float | None = None, sink: queue.SimpleQueue | None = None
+                    ) -> list[str]:
+        """Queue params.n samples of one prompt (OpenAI's and vLLM's `n`); returns their ids, f"{request_id}-{i}"
+        (just request_id when n == 1). Sample i is seeded with seed + i. With prefix caching the prompt is computed
+        once: samples 1..n-1 wait for sample 0's prefill and share its KV blocks."""
+        with self._lock:
+            return self._enqueue_samples(self._prepare_samples(prompt, params, chat, request_id, arrival_time), sink)
+
+    def _enqueue_samples(self, reqs: list[Request], sink: queue.SimpleQueue | None) -> list[str]:
+        first = self._enqueue(reqs[0], sink)
+        return [first] + [self._enqueue(r, sink, prefix_source=self._seqs[first]) for r in reqs[1:]]
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request in flight (its KV blocks return to the pool). False if it is not in flight."""
@@ -153,6 +193,10 @@ class LLM(HandoffMixin):
             schedule, t0 = self._schedule()
             draft_probs = self._propose(schedule)
             sampled = self.runner.run(schedule, draft_probs)
+            if getattr(self.drafter, "wants_features", False):  # lesson 10's learned drafter: which row is whose
+                self.drafter.observe([(c.seq.request_id, c.start + c.num_new_tokens + len(c.draft_ids) - n, n)
+                                      for c in schedule.scheduled
+                                      for n in [1 + len(c.draft_ids) if c.samples else 0]])
             new_tokens, finished = self._postprocess(schedule, sampled, t0)
             return self._emit_step(new_tokens, finished)
 
@@ -214,15 +258,17 @@ class LLM(HandoffMixin):
         """Each new token into its request's queue, then the finished requests' outputs."""
         out = []
         for seq, tokens in new_tokens:
+            start = seq.num_output_tokens - len(tokens)  # the new tokens are the tail of seq.output_ids
             for i, tok in enumerate(tokens):
                 out.append((seq, tok))
-                self._emit(seq, tok, last=i == len(tokens) - 1)
+                self._emit(seq, tok, last=i == len(tokens) - 1, index=start + i)
         for seq in finished:
             self._retire(seq)
         return out
 
-    def _emit(self, seq: Sequence, token: int | None, last: bool = True) -> None:
-        """Put one StreamEvent into the request's output queue (token None: it was aborted)."""
+    def _emit(self, seq: Sequence, token: int | None, last: bool = True, index: int = -1) -> None:
+        """Put one StreamEvent into the request's output queue (token None: it was aborted); index: the token's
+        position in seq.output_ids (for its logprobs)."""
         sink = self._sinks.get(seq.request_id)
         if sink is None:
             return
@@ -233,7 +279,11 @@ class LLM(HandoffMixin):
         done = seq.is_finished and last
         if done and decoder is not None:
             text += decoder.flush()
-        sink.put(StreamEvent(seq.request_id, token, text, done, seq.finish_reason if done else None))
+        logprob = top = None
+        if token is not None and seq.params.logprobs:
+            logprob = seq.logprobs[index]
+            top = seq.top_logprobs[index] if seq.params.top_logprobs else None
+        sink.put(StreamEvent(seq.request_id, token, text, done, seq.finish_reason if done else None, logprob, top))
         if done:
             self._sinks.pop(seq.request_id, None)
             self._decoders.pop(seq.request_id, None)
@@ -264,15 +314,15 @@ class LLM(HandoffMixin):
             prepared = []
             for i, (prompt, p) in enumerate(zip(prompts, params)):  # validate every request before queueing any
                 try:
-                    req = self._prepare(prompt, p, chat, None, None)
+                    prepared.append(self._prepare_samples(prompt, p, chat, None, None))
                 except (ValueError, TypeError) as e:
                     raise type(e)(f"request {i}: {e}") from None
-                prepared.append(req)
-            return [self._enqueue(req, sink) for req in prepared]
+            return [rid for reqs in prepared for rid in self._enqueue_samples(reqs, sink)]
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  chat: bool = False) -> list[RequestOutput]:
-        """Run all prompts (raw text or token ids, continued as is) to completion; outputs in input order."""
+        """Run all prompts (raw text or token ids, continued as is) to completion; outputs in input order, the
+        params.n samples of a prompt in a row (n > 1: sample i is seeded with seed + i, see add_samples)."""
         ids = self._submit(prompts, params, chat)
         while any(r not in self._finished for r in ids):
             self._pump()
@@ -332,4 +382,4 @@ class LLM(HandoffMixin):
                 f"max_num_batched_tokens={self.scheduler.max_num_batched_tokens})")
 
 
-__all__ = ["LLM", "RequestOutput", "SequenceStatus", "StreamEvent"]
+__all__ = ["LLM", "RequestOutput", "SequenceStatus", "StreamEvent", "sample_ids"]

@@ -3,7 +3,8 @@
 Continuous batching mixes prompts, prompt chunks, recomputed sequences, decodes and drafts in one step: the
 runner makes each scheduled sequence a Chunk of one packed forward (cache/paged.py's PackedForward, which the
 draft model runs too), so nothing is padded; then it samples per request (sampling.sample_batch: all greedy
-rows in one argmax) or verifies drafts (lesson 10). The sampled ids come back to the host once per step.
+rows in one argmax; penalties and min_tokens from each sequence's history) or verifies drafts (lesson 10). The
+sampled ids come back to the host once per step; log-probabilities, when asked for, are of the raw logits.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from torch import Tensor
 
 from minillm.cache.paged import Chunk, PackedForward, PagedKVCache
 from minillm.engine.scheduler import Schedule
-from minillm.sampling import sample_batch
+from minillm.engine.sequence import Sequence
+from minillm.sampling import sample_batch, token_logprobs
 from minillm.speculative.decoding import verify
 
 
@@ -66,9 +68,8 @@ class ModelRunner:
             if item.draft_ids:
                 q = draft_probs[i] if draft_probs is not None else None
                 out[i] = verify(logits[row:row + n], item.draft_ids, q, item.seq.params, item.seq.generator)
-                if item.seq.params.logprobs:
-                    lp = logits[row:row + len(out[i])].float().log_softmax(dim=-1)
-                    item.seq.logprobs += lp.gather(1, torch.tensor(out[i], device=lp.device)[:, None])[:, 0].tolist()
+                if item.seq.params.logprobs:  # each emitted token under the row that scored it
+                    record_logprobs(item.seq, logits[row:row + len(out[i])], out[i])
             else:
                 plain.append(i)
                 plain_rows.append(row)
@@ -77,9 +78,20 @@ class ModelRunner:
             seqs = [schedule.scheduled[i].seq for i in plain]
             if len(plain_rows) < logits.shape[0]:
                 logits = logits[torch.tensor(plain_rows, device=logits.device)]
-            tokens, logprobs = sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            tokens, logprobs = sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs)
             for j, (i, tok) in enumerate(zip(plain, tokens)):
                 out[i] = [tok]
-                if logprobs is not None and seqs[j].params.logprobs:
+                if seqs[j].params.top_logprobs:
+                    record_logprobs(seqs[j], logits[j:j + 1], [tok])
+                elif logprobs is not None and seqs[j].params.logprobs:
                     seqs[j].logprobs.append(logprobs[j])
         return out
+
+
+def record_logprobs(seq: Sequence, logits: Tensor, tokens: list[int]) -> None:
+    """Append each token's raw log-probability (and its row's params.top_logprobs alternatives) to seq; logits
+    (len(tokens), vocab), the rows that scored them."""
+    chosen, top = token_logprobs(logits, tokens, seq.params.top_logprobs)
+    seq.logprobs += chosen
+    if seq.params.top_logprobs:
+        seq.top_logprobs += top

@@ -137,10 +137,16 @@ def postprocess_step(schedule: Schedule, sampled: list[list[int]], running: dequ
 def reserve_lookahead(schedule: Schedule, block_manager: BlockManager, k: int, max_num_batched_tokens: int) -> None:
     """Speculative decoding (lesson 10): give each decode up to k more KV slots for draft tokens, while free blocks
     and the step's token budget last, and never past the request's max_tokens or the context. Never preempts for
-    them: a decode that gets no slots is verified with no drafts (a plain decode step)."""
+    them: a decode that gets no slots is verified with no drafts (a plain decode step).
+
+    Not for a request with penalties, nor one still under its min_tokens: verification scores draft i with the
+    target's raw distribution, but theirs depends on the tokens before it (counts, masked stops), which drafts
+    change row by row; a plain decode step applies them exactly (sampling.adjust_logits)."""
     budget = max_num_batched_tokens - schedule.num_batched_tokens
     for item in schedule.scheduled:
         seq = item.seq
+        if seq.params.has_penalties or seq.num_output_tokens < seq.params.min_tokens:
+            continue
         n = min(k, budget, seq.params.max_tokens - seq.num_output_tokens - 1, seq.max_model_len - seq.num_tokens)
         if item.is_decode and n > 0 and block_manager.can_append(seq, 1 + n):
             block_manager.may_append(seq, 1 + n)

@@ -43,8 +43,11 @@ class Sequence:
     finish_time: float | None = None
     generator: torch.Generator | None = field(default=None, repr=False)  # per-request RNG for seeded sampling
     logprobs: list[float] = field(default_factory=list, repr=False)  # per output token, when params.logprobs
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list, repr=False)  # params.top_logprobs > 0
     block_hashes: list[bytes] = field(default_factory=list, repr=False)  # names of its full blocks (prefix caching)
     num_named_blocks: int = 0  # leading blocks of block_table that are in the prefix cache
+    # sample i > 0 of n (prefix caching on): admitted once sample 0 has computed the shared prompt (BlockManager)
+    prefix_source: Sequence | None = field(default=None, repr=False)
 
     @classmethod
     def from_request(cls, req: Request, max_model_len: int) -> Sequence:
@@ -87,10 +90,12 @@ class Sequence:
 
     def to_output(self, tokenizer=None) -> RequestOutput:
         text_ids = [t for t in self.output_ids if t not in self.stop_ids]
+        n = len(self.output_ids)  # a verification step may have scored tokens after the stop
         return RequestOutput(self.request_id, list(self.prompt_ids), list(self.output_ids),
                              tokenizer.decode(text_ids) if tokenizer is not None else "", self.finish_reason,
                              self.metrics(), [t - self.arrival_time for t in self.token_times],
-                             self.logprobs[:len(self.output_ids)] if self.params.logprobs else None)
+                             self.logprobs[:n] if self.params.logprobs else None,
+                             self.top_logprobs[:n] if self.params.top_logprobs else None)
 
     def metrics(self) -> dict[str, float | list[float]]:
         """Latencies in seconds (NaN where undefined, e.g. TPOT of a one-token answer)."""

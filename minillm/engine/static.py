@@ -80,6 +80,8 @@ class StaticBatchEngine:
                                    arrival_time=now)
                 if req.params.max_tokens < 1:
                     raise ValueError("max_tokens must be >= 1")
+                if req.params.n != 1:  # the baseline runs each prompt once; minillm.LLM samples n
+                    raise ValueError("n > 1 (samples of a prompt) is for minillm.LLM; pass the prompt n times")
             except (ValueError, TypeError) as e:
                 raise type(e)(f"request {i}: {e}") from None
             seqs.append(Sequence.from_request(req, ctx))

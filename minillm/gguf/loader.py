@@ -10,6 +10,7 @@ import hashlib
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,10 +19,14 @@ from minillm.config import ModelConfig
 from minillm.model import Transformer
 from minillm.gguf.weights import cache_dir, gguf_path, model_source, read_gguf, read_gguf_metadata
 
+if TYPE_CHECKING:
+    from minillm.gguf.tokenizer import Tokenizer
+
 # saved models the course makes, and how (load_model names them in its error when they are missing)
 HOW_TO_MAKE = {
     "smollm2-pruned-20": "run lesson 08 (lessons/08_sparsity_pruning.py), which saves it",
-    "smollm2-135m-student": "train it with `minillm bench distill` (a few minutes quick, ~30 full) or lesson 09",
+    "smollm2-135m-student": "it ships as minillm/assets/smollm2-135m-student.pt; retrain it with "
+                            "`python -m minillm.bench.small_model` (~60 min on 2 CPU cores)",
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -104,6 +109,8 @@ def load_from_file(name: str = "smollm2-135m", dtype: str | torch.dtype = "float
     from minillm.gguf.weights import KNOWN_MODELS
 
     if name not in KNOWN_MODELS:
+        if recipe_path(name).exists() and not built_from_current_recipe(name):
+            build_from_recipe(name)
         if saved_model_exists(name):
             if q4_1_layer is not None or q8_0_tied is not None:
                 raise ValueError(f"{name!r} is a saved float model: load it, then quantize it")
@@ -155,11 +162,37 @@ def load_from_file(name: str = "smollm2-135m", dtype: str | torch.dtype = "float
 
 def load_spec(spec, dtype: str = "float32", device: torch.device | str = "cpu"):
     """(model, tokenizer) for a spec any process can rebuild the same: a registered/saved name, or {"tiny":
-    overrides, "seed": s} (a random model, tokenizer None: prompts are token ids). Worker processes load with it."""
+    overrides, "seed": s} (a random model, tokenizer None: prompts are token ids), optionally with "tokenizer": a
+    name (the random model then speaks that model's vocabulary: text prompts in fast tests). Worker processes load
+    with it."""
     if isinstance(spec, dict):
+        cfg, tok = describe_spec(spec)
         torch.manual_seed(spec.get("seed", 0))
-        return Transformer(ModelConfig.tiny(**spec.get("tiny", {}))).to(getattr(torch, dtype)).to(device).eval(), None
+        return Transformer(cfg).to(getattr(torch, dtype)).to(device).eval(), tok
     return load_from_file(spec, dtype=dtype, device=str(device))
+
+
+def describe_spec(spec) -> tuple[ModelConfig, Tokenizer | None]:
+    """(config, tokenizer) of a spec without loading its weights: what a process that only checks and tokenizes
+    prompts for its workers needs."""
+    from minillm.gguf.tokenizer import Tokenizer
+
+    if isinstance(spec, dict):
+        tok = describe_spec(spec["tokenizer"])[1] if spec.get("tokenizer") is not None else None
+        overrides = dict(spec.get("tiny", {}))
+        if tok is not None:
+            overrides.setdefault("vocab_size", len(tok))
+            if overrides["vocab_size"] < len(tok):
+                raise ValueError(f"vocab_size {overrides['vocab_size']} is smaller than the tokenizer's {len(tok)}")
+        return ModelConfig.tiny(**overrides), tok
+    if not saved_model_exists(spec) and recipe_path(spec).exists():
+        build_from_recipe(spec)  # once, as load_from_file would
+    if saved_model_exists(spec):
+        meta = json.loads((saved_model_dir(spec) / "config.json").read_text())
+        return ModelConfig(**meta["config"]), describe_spec(meta["base"])[1]
+    model_source(spec)  # unknown names fail here, before any download
+    meta = read_gguf_metadata(gguf_path(spec))
+    return ModelConfig.from_gguf_metadata(meta), Tokenizer.from_gguf_metadata(meta)
 
 
 # ------------------------------------------------------------------------------- transformed models on disk
@@ -201,10 +234,53 @@ def save_model(model: Transformer, name: str, base: str = "smollm2-135m", info: 
     return folder
 
 
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def recipe_path(name: str) -> Path:
+    """Where the course ships a small model as a recipe (lesson 09): minillm/assets/<name>.pt (+ .pt.json)."""
+    return ASSETS / f"{name}.pt"
+
+
+def built_from_current_recipe(name: str) -> bool:
+    """Is the saved copy of `name` built from the recipe that ships now (an older build is rebuilt)?"""
+    meta_path = Path(str(recipe_path(name)) + ".json")
+    if not saved_model_exists(name) or not meta_path.exists():
+        return False
+    saved = json.loads((saved_model_dir(name) / "config.json").read_text()).get("info", {})
+    return saved.get("sha256") == json.loads(meta_path.read_text()).get("sha256")
+
+
+@torch.no_grad()
+def build_from_recipe(name: str) -> Path:
+    """Rebuild a shipped student from its base model and a few MB of what training made: the blocks it drops and a
+    low-rank update (A, B) per weight plus its norms (lesson 09's LoRA recovery). The full model (~340 MB) is too
+    large to ship; this takes seconds, runs once, and saves it like save_model (later loads read the cache)."""
+    path = recipe_path(name)
+    meta_path = Path(str(path) + ".json")
+    raw = path.read_bytes()
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    if hashlib.sha256(raw).hexdigest() != meta.get("sha256"):
+        raise RuntimeError(f"{path} does not match the sha256 in {meta_path.name} (corrupted or replaced): restore "
+                           f"it with `git checkout -- {path}` or retrain it "
+                           f"({meta.get('command', HOW_TO_MAKE.get(name))})")
+    recipe = torch.load(path, weights_only=True)
+    print(f"building {name} once from {recipe['base']} + {path.name} ...", flush=True)
+    model, _ = load_from_file(recipe["base"], dtype="float32", device="cpu")
+    drop = set(recipe["dropped_blocks"])
+    model.layers = torch.nn.ModuleList(b for i, b in enumerate(model.layers) if i not in drop)
+    model.config = model.config.with_(n_layers=len(model.layers))
+    for key, value in recipe["state"].items():
+        if key.endswith(".A"):
+            lin = model.get_submodule(key[:-2])
+            lin.weight += recipe["state"][key[:-2] + ".B"].float() @ value.float()
+        elif not key.endswith(".B"):
+            model.get_parameter(key).copy_(value.float())
+    return save_model(model, name, base=recipe["base"], info={**meta, "built_from": str(path)})
+
+
 def load_saved(name: str, dtype: str | torch.dtype | None = None, device: str | None = "cpu"):
     """(model, tokenizer) from save_model's folder; weights round-trip exactly (dtype=None keeps the saved one)."""
-    from minillm.gguf.tokenizer import Tokenizer
-
     folder = saved_model_dir(name)
     if not (folder / "config.json").exists() or not (folder / "model.pt").exists():
         raise FileNotFoundError(f"no saved model {name!r} in {folder}: save one first with "
@@ -227,4 +303,4 @@ def load_saved(name: str, dtype: str | torch.dtype | None = None, device: str | 
         model.lm_head.weight = model.embed.weight
     model = model.to(resolve_dtype(dtype or meta["dtype"])).eval().requires_grad_(False)
     model.saved_info = meta["info"]
-    return model, Tokenizer.from_gguf_metadata(read_gguf_metadata(gguf_path(meta["base"])))
+    return model, describe_spec(meta["base"])[1]

@@ -4,7 +4,9 @@
 joins a two-rank torch.distributed group (gloo / NCCL) and loops:
   prefill (rank 0)  requests -> LLM.add_prefill -> step -> each KVHandoff: its first token to the coordinator,
                     the handoff to rank 1 (`send_handoff`: a length, a pickled header, the KV tensors);
-  decode (rank 1)   a receiver thread takes handoffs off the wire (`recv_handoff`); each joins the engine
+  decode (rank 1)   a receiver thread takes handoffs off the wire (`recv_handoff`) and tells the coordinator
+                    each one "arrived" (from then on the request no longer needs the prefill worker), or that the
+                    link is lost (after every handoff that came before); each joins the engine
                     (LLM.add_prefilled) once the pool has room, and its tokens stream back to the coordinator.
 """
 
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from minillm.cache.kv_transfer import KVHandoff
+from minillm.request import prompt_to_ids
 
 PREFILL, DECODE = 0, 1  # ranks
 ENGINE_KWARGS = ("num_blocks", "kv_cache_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -73,7 +76,7 @@ def _worker_main(link, rank: int, spec, dtype: str, threads: int, engine_kwargs:
     link.send("ready", {"checksum": weights_checksum(model), "block_size": pool.block_size,
                         "kv_dtype": str(pool.storage_dtype), "layers": pool.n_layers,
                         "kv_heads": pool.n_kv_heads, "head_dim": pool.head_dim, "num_blocks": pool.num_blocks,
-                        "vocab_size": model.config.vocab_size})
+                        "vocab_size": model.config.vocab_size, "tokenizer": tok is not None})
     init_group(rank, 2, port, "nccl" if device == "cuda" else "gloo", _GROUP_TIMEOUT_S)
     try:
         (_prefill_loop if rank == PREFILL else _decode_loop)(llm, dev, link, fault)
@@ -83,6 +86,8 @@ def _worker_main(link, rank: int, spec, dtype: str, threads: int, engine_kwargs:
 
 def _prefill_loop(llm, device, link, fault) -> None:
     decode_alive, n_sent = True, 0
+    # tests only: ("hold", n) stops stepping after n handoffs, so a kill drill finds requests on both sides
+    hold = fault[1] if fault is not None and fault[0] == "hold" else None
     while True:
         msg = link.recv(0.0 if llm.has_unfinished() else 0.02)
         while msg is not None:
@@ -93,13 +98,18 @@ def _prefill_loop(llm, device, link, fault) -> None:
                     except Exception:
                         pass
                 return
-            _, rid, prompt, params = msg
-            try:
-                llm.add_prefill(prompt, params, request_id=rid)
-            except (ValueError, TypeError) as e:
-                link.send("error", rid, f"refused: {e}")
+            if msg[0] == "abort":
+                if llm.abort(msg[1]):  # still prefilling here: nothing to hand over
+                    llm.pop_output(msg[1])
+            else:
+                _, rid, prompt, params, chat = msg
+                try:  # text in the chat template here: add_prefill continues text or ids as they are
+                    ids = prompt_to_ids(prompt, llm.tokenizer, llm.model.config.vocab_size, chat)
+                    llm.add_prefill(ids, params, request_id=rid)
+                except (ValueError, TypeError) as e:
+                    link.send("error", rid, f"refused: {e}")
             msg = link.recv()
-        if llm.has_unfinished():
+        if llm.has_unfinished() and (hold is None or n_sent < hold):
             llm.step()
         for h in llm.pop_handoffs():
             link.send("prefilled", h.request_id, {"prompt_ids": h.prompt_ids, "nbytes": h.nbytes,
@@ -142,32 +152,37 @@ def _decode_loop(llm, device, link, fault) -> None:
     def receive() -> None:  # the only thread that touches the process group here
         try:
             while (h := recv_handoff(PREFILL, device)) is not None:
-                arrived.put((h, time.perf_counter()))
-        except Exception as e:
-            arrived.put(e)
+                t = time.perf_counter()
+                # told at once, in wire order: the coordinator knows which requests no longer need the prefill
+                link.send("arrived", h.request_id, {"t_recv": t})
+                arrived.put((h, t))
+        except Exception as e:  # the prefill worker is gone: every handoff it sent was reported above
+            link.send("link_lost", f"{e}")
 
     threading.Thread(target=receive, daemon=True, name="kv-receiver").start()
     sink: queue.SimpleQueue = queue.SimpleQueue()
     pending: deque = deque()  # handoffs with no room yet: kept in order, never dropped
+    aborted: set[str] = set()  # aborted before their handoff arrived: dropped when it does
     while True:
-        msg = link.recv()
-        if msg is not None and msg[0] == "stop":
-            return
-        if msg is not None and msg[0] == "abort":
-            llm.abort(msg[1])
+        while (msg := link.recv()) is not None:
+            if msg[0] == "stop":
+                return
+            if msg[0] == "abort" and not llm.abort(msg[1]):
+                aborted.add(msg[1])
         busy = llm.has_unfinished() or bool(pending)
         try:
             item = arrived.get_nowait() if busy else arrived.get(timeout=0.02)
             while True:
-                if isinstance(item, Exception):
-                    link.send("link_lost", f"{item}")
-                else:
-                    pending.append(item)
+                pending.append(item)
                 item = arrived.get_nowait()
         except queue.Empty:
             pass
         while pending:
             h, t_recv = pending[0]
+            if h.request_id in aborted:
+                aborted.discard(h.request_id)
+                pending.popleft()
+                continue
             if not llm.can_add_prefilled(h) and llm.has_unfinished():
                 break  # blocks come back as decodes finish
             pending.popleft()

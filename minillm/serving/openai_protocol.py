@@ -1,23 +1,24 @@
 """The OpenAI wire format minillm's server speaks: strict request models, the response and chunk objects, and
 OpenAI-style errors (`ApiError`); lesson 12.
 
-Strict because an ignored field (`logit_bias`, `best_of`) would silently change the answer: unknown fields are
-refused, types validated strictly (no "5" for 5), and fields OpenAI has but this server cannot honour
-(`logprobs`, penalties, `n` > 1) refused with a reason. Two of vLLM's extras are accepted (the openai client's
-`extra_body`): `top_k` and `ignore_eos` (exactly max_tokens tokens, for benchmarks). See server.py for the
-endpoints.
+Types are validated strictly (no "5" for 5) and values against OpenAI's ranges, a 400 naming the field. Unknown
+top-level fields are ignored with a log line (vLLM's behaviour), but those that would change what an answer is
+(`logit_bias`, `tools`, ...) are refused: ignoring them would be silently wrong. Honoured: temperature, top_p, n,
+seed, stop, max_tokens, presence/frequency penalties, logprobs (completions: an int, the legacy shape; chat: a bool
+and top_logprobs, per-token content), stream and stream_options; and vLLM's extras (the openai client's
+`extra_body`): top_k, min_tokens, repetition_penalty and ignore_eos (exactly max_tokens tokens, for benchmarks).
+See server.py for the endpoints.
 """
 
 from __future__ import annotations
 
 import logging
-
 import time
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from minillm.sampling import SamplingParams
+from minillm.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 logger = logging.getLogger("minillm.serving.openai_protocol")
 
@@ -75,16 +76,18 @@ class _Common(_Strict):
     model: str | None = None  # None: the served model
     temperature: float = Field(1.0, ge=0, le=2)  # OpenAI's default; 0 = greedy
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = 1
-    seed: int | None = None
+    n: int = Field(1, ge=1, le=128)  # choices, each a sequence sharing the prompt (OpenAI's limit)
+    seed: int | None = Field(None, ge=0, lt=2**64)  # choice i is seeded with seed + i
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None  # OpenAI takes up to 4
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0  # accepted only at their neutral value
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     user: str | None = None  # an end-user tag; nothing to do with sampling
     # vLLM's extra parameters
     top_k: int | None = None  # None, 0 or -1: off
+    min_tokens: int = Field(0, ge=0)  # stop tokens and stop strings count only after this many tokens
+    repetition_penalty: float = Field(1.0, gt=0)  # 1: off
     ignore_eos: bool = False
 
     def stop_strings(self) -> list[str]:
@@ -97,7 +100,7 @@ class _Common(_Strict):
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # legacy: how many alternatives per token
 
 
 class TextPart(_Strict):
@@ -124,7 +127,7 @@ class ChatRequest(_Common):
     max_tokens: int | None = None  # None: as many as the context and the KV pool leave
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class TokenizeRequest(_Strict):
@@ -171,18 +174,17 @@ async def read_request(request, model: type[_Strict], max_bytes: int):
 
 def sampling_params(req: _Common, served: str, max_tokens: int | None, n_prompt: int, max_model_len: int,
                     pool_tokens: int) -> SamplingParams:
-    """OpenAI's fields -> SamplingParams, refusing what this server cannot do (never ignoring it). max_tokens None:
-    as many as the context window and the KV pool leave room for."""
+    """OpenAI's fields -> SamplingParams (n choices: SamplingParams.n, the engine seeds choice i with seed + i).
+    max_tokens None: as many as the context window and the KV pool leave room for."""
     if req.model is not None and req.model != served:
         raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {served!r}", param="model",
                        code="model_not_found")
-    if req.n != 1:
-        raise ApiError(400, f"n must be 1 (one choice per request), got {req.n}", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise ApiError(400, f"{name} is not supported: leave it at 0", param=name)
-    if req.logprobs not in (None, False) or getattr(req, "top_logprobs", None):
-        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
+    if isinstance(req, ChatRequest):  # chat: a bool and how many alternatives; completions: the number itself
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs, top = bool(req.logprobs), req.top_logprobs or 0
+    else:
+        logprobs, top = req.logprobs is not None, req.logprobs or 0
     room = min(max_model_len - n_prompt, pool_tokens - n_prompt + 1)  # the engine's own limits (LLM._prepare)
     if room < 1:  # the prompt alone does not fit: say that, whatever max_tokens asks for
         field = "messages" if hasattr(req, "messages") else "prompt"
@@ -193,12 +195,18 @@ def sampling_params(req: _Common, served: str, max_tokens: int | None, n_prompt:
         raise ApiError(400, f"max_tokens must be in [1, {room}] for this prompt of {n_prompt} tokens (context "
                        f"window {max_model_len}, KV pool {pool_tokens} tokens), got {max_tokens}",
                        param="max_tokens", code="context_length_exceeded")
+    max_tokens = room if max_tokens is None else max_tokens
+    if req.min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens")
     try:
-        return SamplingParams(max_tokens=max(room, 1) if max_tokens is None else max_tokens,
-                              temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                              top_k=None if req.top_k in (None, 0, -1) else req.top_k, ignore_eos=req.ignore_eos)
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
+        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                              top_k=None if req.top_k in (None, 0, -1) else req.top_k, ignore_eos=req.ignore_eos,
+                              logprobs=logprobs, top_logprobs=top, presence_penalty=req.presence_penalty,
+                              frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                              min_tokens=req.min_tokens, n=req.n)
+    except ValueError as e:  # SamplingParams' messages start with the field's name
+        name = str(e).split()[0]
+        raise ApiError(400, str(e), param=name if name in type(req).model_fields else None) from None
 
 
 class StopMatcher:
@@ -207,8 +215,12 @@ class StopMatcher:
     def __init__(self, stops: list[str]):
         self.stops, self.buf = stops, ""
 
-    def push(self, text: str) -> tuple[str, bool]:
+    def push(self, text: str, active: bool = True) -> tuple[str, bool]:
+        """(text that is safe to send, whether a stop string was hit). active False (before min_tokens): no stop
+        string counts yet, everything goes out."""
         self.buf += text
+        if not active:
+            return self.flush(), False
         hits = [i for s in self.stops if (i := self.buf.find(s)) >= 0]
         if hits:
             return self.buf[:min(hits)], True
@@ -224,33 +236,70 @@ class StopMatcher:
 # ---------------------------------------------------------------------------------------------------- responses
 
 
+class LogprobsWriter:
+    """One choice's token log-probabilities in OpenAI's shape, written as the tokens arrive (a stream writes each
+    chunk's own). Chat: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}. Completions
+    (the legacy shape): {tokens, token_logprobs, top_logprobs: [{token: logprob}] (the alternatives and the chosen
+    token, as OpenAI's), text_offset} where text_offset counts characters of the tokens' strings from the start of
+    the completion. A token's string is its bytes decoded (U+FFFD for a part of a character: `bytes` has them)."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tok, self.chat, self.offset = tokenizer, chat, 0
+
+    def _text(self, token_id: int) -> tuple[str, list[int]]:
+        raw = self.tok.token_bytes(token_id)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def write(self, tokens: list[tuple[int, float, list[tuple[int, float]] | None]]) -> dict:
+        """tokens: (id, logprob, [(id, logprob)] alternatives or None), the engine's StreamEvent fields."""
+        if self.chat:
+            def entry(token_id: int, logprob: float) -> dict:
+                text, raw = self._text(token_id)
+                return {"token": text, "logprob": logprob, "bytes": raw}
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top or []]}
+                                for t, lp, top in tokens]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, lp, top in tokens:
+            text = self._text(t)[0]
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append({self._text(a)[0]: alp for a, alp in [*(top or []), (t, lp)]})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """The prompt counts once, whatever n; completion tokens are summed over the choices."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(rid: str, model: str, text: str, finish: str, usage_: dict) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": usage_}
+def choice(chat: bool, index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+    """One choice of a whole (not streamed) answer."""
+    if chat:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
-def chat_body(rid: str, model: str, text: str, finish: str, usage_: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish}], "usage": usage_}
+def body(rid: str, model: str, chat: bool, choices: list[dict], usage_: dict) -> dict:
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage_}
 
 
 def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None, usage_: dict | None = None,
-          role: bool = False, with_usage: bool = False) -> dict:
-    """One SSE chunk. text None: no choice (the usage chunk). with_usage: stream_options.include_usage, where every
-    chunk carries "usage" (null but in the last one), as OpenAI's stream does."""
+          role: bool = False, with_usage: bool = False, index: int = 0, logprobs: dict | None = None) -> dict:
+    """One SSE chunk: choice `index`'s new text and the logprobs of the tokens it carries. text None: no choice
+    (the usage chunk). with_usage: stream_options.include_usage, where every chunk carries "usage" (null but in the
+    last one), as OpenAI's stream does."""
     if text is None:
         choices = []
     elif chat:
         delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        choices = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
     else:
-        choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+        choices = [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]
     out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
            "model": model, "choices": choices}
     if with_usage:

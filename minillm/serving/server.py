@@ -5,8 +5,9 @@
 
 POST /v1/completions and /v1/chat/completions (Server-Sent Events with `stream: true`), GET /v1/models, /health
 and /metrics (Prometheus text), POST /tokenize; the wire format is openai_protocol.py; who may call, access.py.
-vLLM's shape: one `EngineThread` owns the engine and steps it, the asyncio loop parses and streams. A full queue
-gets 429, a client that leaves aborts, shutdown drains.
+vLLM's shape: one `EngineThread` (engine_thread.py) owns the engine and steps it, the asyncio loop parses and
+streams. A full queue gets 429, a client that leaves aborts, shutdown drains. `n` choices are n engine sequences
+sharing the prompt (LLM.add_samples); logprobs come with the engine's events (LogprobsWriter).
 """
 
 from __future__ import annotations
@@ -15,29 +16,31 @@ import asyncio
 import collections
 import json
 import logging
-import threading
 import time
 import uuid
-from concurrent.futures import Future
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from minillm.engine.llm import StreamEvent
+from minillm.engine.llm import sample_ids
 from minillm.sampling import SamplingParams
 from minillm.serving.access import AccessGuard, AccessPolicy
+from minillm.serving.engine_thread import AsyncSink, EngineThread, QueueFull
 from minillm.serving.openai_protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    LogprobsWriter,
     StopMatcher,
     TokenizeRequest,
-    chat_body,
+    body,
+    choice,
     chunk,
-    completion_body,
     read_request,
     sampling_params,
     usage,
@@ -46,101 +49,28 @@ from minillm.serving.openai_protocol import (
 logger = logging.getLogger("minillm.serving.server")
 
 
-class QueueFull(Exception):
-    pass
+class Delta(NamedTuple):
+    """What one engine event adds to a choice of an answer."""
+
+    index: int  # the choice
+    text: str  # text to send (stop strings cut, a possible one held back)
+    finish: str | None  # "stop" | "length" | "abort" on the choice's last delta
+    token: tuple | None  # (id, logprob, top_logprobs) of the token, None for an abort
+    n: int  # the choice's tokens so far
 
 
-class _Sink:
-    """Where the engine puts one request's StreamEvents (on the engine thread): forwarded to the event loop."""
+@dataclass
+class _Call:
+    """One HTTP request in flight: its n choices' engine ids and event queue, and how to answer."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, engine: EngineThread):
-        self.loop, self.engine, self.queue = loop, engine, asyncio.Queue()
-
-    def put(self, event) -> None:
-        if event.finished:  # its output now waits in the engine: the engine thread pops it (else it would leak)
-            self.engine.retired.append(event.request_id)
-            self.engine.wake.set()
-        try:  # call_soon_threadsafe: the one thread-safe way into a running event loop
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
-
-
-class EngineThread:
-    """Runs llm.step() in one background thread while requests are unfinished; other threads `post` commands."""
-
-    def __init__(self, llm, max_waiting: int):
-        self.llm, self.max_waiting = llm, max_waiting
-        self.wake = threading.Event()
-        self.inbox: collections.deque = collections.deque()  # (function, args, Future), run between steps
-        self.retired: collections.deque = collections.deque()  # ids whose last event went out
-        self.in_flight: dict[str, _Sink] = {}  # added here, removed once retired: changed by this thread only
-        self.error: BaseException | None = None
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
-
-    # Commands (add, abort) run on the engine thread between two steps. Not add_request under the engine's
-    # lock from a worker thread: the engine thread re-takes that lock between steps faster than a waiting
-    # thread wakes up, so a new request could wait many steps to get in.
-    def post(self, fn, *args) -> Future:
-        fut: Future = Future()
-        self.inbox.append((fn, args, fut))
-        self.wake.set()
-        return fut
-
-    def add(self, prompt_ids: list[int], params: SamplingParams, rid: str, sink: _Sink) -> None:
-        # backpressure: a 429 at once (a load balancer can send it elsewhere), not a queue that only grows
-        if len(self.llm.scheduler.waiting) >= self.max_waiting:
-            raise QueueFull(f"{self.max_waiting} requests are already waiting for the engine: retry later")
-        self.llm.add_request(prompt_ids, params, request_id=rid, sink=sink)
-        self.in_flight[rid] = sink
-
-    def abort_all(self) -> int:
-        return sum(self.llm.abort(rid) for rid in sorted(self.in_flight))
-
-    def _run(self) -> None:
-        while True:
-            self.wake.clear()  # before looking for work: a post() after this line wakes the wait() below
-            while self.inbox:
-                fn, args, fut = self.inbox.popleft()
-                if fut.set_running_or_notify_cancel():  # False: its caller gave up waiting (then we don't run it)
-                    try:
-                        fut.set_result(fn(*args))
-                    except Exception as e:  # noqa: BLE001  (the caller gets it: a 400, a 429...)
-                        fut.set_exception(e)
-            while self.retired:
-                rid = self.retired.popleft()
-                self.in_flight.pop(rid, None)
-                try:  # the server streamed its output already: the engine must not keep it
-                    self.llm.pop_output(rid)
-                except KeyError:
-                    pass
-            if self.error is None and self.llm.has_unfinished():
-                try:
-                    self.llm.step()
-                except Exception as e:  # a bug: end every request with an error rather than leave them hanging
-                    logger.exception("engine step failed; aborting every request in flight")
-                    self.error = e
-                    for rid, sink in list(self.in_flight.items()):
-                        try:
-                            self.llm.abort(rid)
-                        except Exception:  # noqa: BLE001  (the engine is broken: end the stream ourselves)
-                            sink.put(StreamEvent(rid, None, "", True, "abort"))
-            elif self._stopping:
-                return
-            else:
-                self.wake.wait()
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self._stopping = True
-        self.wake.set()
-        self._thread.join(timeout)
+    rid: str
+    ids: list[str]  # choice i is engine request ids[i]
+    queue: asyncio.Queue  # every choice's StreamEvents
+    stops: list[str]
+    chat: bool
+    n_prompt: int
+    min_tokens: int  # stop strings count from this many tokens on
+    writers: list[LogprobsWriter] | None  # one per choice, when logprobs were asked for
 
 
 class _EventStream(StreamingResponse):
@@ -168,11 +98,12 @@ class Service:
         self.counts = collections.Counter()  # /metrics: requests, prompt and generated tokens, finish reasons
 
     async def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+        """Queue the request's params.n sequences (sample_ids(rid, n)); their events arrive in one queue."""
         if self.closing:
             raise ApiError(503, "the server is shutting down", "server_error", code="shutting_down")
         if self.engine.error is not None:
             raise ApiError(500, f"the engine failed: {self.engine.error!r}", "server_error")
-        sink = _Sink(asyncio.get_running_loop(), self.engine)
+        sink = AsyncSink(asyncio.get_running_loop(), self.engine)
         try:
             await asyncio.wrap_future(self.engine.post(self.engine.add, prompt_ids, params, rid, sink))
         except QueueFull as e:
@@ -180,9 +111,13 @@ class Service:
         except (ValueError, TypeError) as e:
             raise ApiError(400, str(e)) from None
         except asyncio.CancelledError:
-            self.engine.post(self.llm.abort, rid)
+            self.abort(sample_ids(rid, params.n))
             raise
         return sink.queue
+
+    def abort(self, ids: list[str]) -> None:
+        for rid in ids:  # aborting a request that already ended does nothing
+            self.engine.post(self.llm.abort, rid)
 
     def aborted(self) -> ApiError:
         if self.engine.error is not None:
@@ -190,75 +125,100 @@ class Service:
         return ApiError(503, "the request was aborted: the server is shutting down", "server_error",
                         code="aborted")
 
-    async def deltas(self, rid: str, queue: asyncio.Queue, stops: list[str]):
-        """(text, finish_reason or None, tokens so far) for one request, stop strings applied."""
-        matcher, n = StopMatcher(stops), 0
-        while True:
-            ev = await queue.get()
-            n += ev.token_id is not None
-            text, hit = matcher.push(ev.text)
-            if hit:  # the engine does not know about stop strings: end the request here
-                self.engine.post(self.llm.abort, rid)
-                self.counts["generation_tokens"] += n
-                self.counts["finished stop"] += 1
-                yield text, "stop", n
-                return
-            if ev.finished:
-                self.counts["generation_tokens"] += n
-                self.counts[f"finished {ev.finish_reason}"] += 1
-                yield text + matcher.flush(), ev.finish_reason, n
-                return
-            yield text, None, n
+    async def deltas(self, call: _Call):
+        """A Delta per engine event of the call's choices, stop strings applied (from min_tokens on); ends when
+        every choice has finished."""
+        index = {rid: i for i, rid in enumerate(call.ids)}
+        matchers, counts, live = [StopMatcher(call.stops) for _ in call.ids], [0] * len(call.ids), set(index.values())
+        while live:
+            ev = await call.queue.get()
+            i = index[ev.request_id]
+            if i not in live:  # a choice a stop string ended: its abort event, or tokens that were on their way
+                continue
+            token = None
+            if ev.token_id is not None:
+                counts[i] += 1
+                token = (ev.token_id, ev.logprob, ev.top_logprobs)
+            text, hit = matchers[i].push(ev.text, active=counts[i] >= call.min_tokens)
+            if hit:  # the engine does not know about stop strings: end this choice here
+                self.engine.post(self.llm.abort, ev.request_id)
+            elif ev.finished:
+                text += matchers[i].flush()
+            finish = "stop" if hit else ev.finish_reason if ev.finished else None
+            if finish is not None:
+                live.discard(i)
+                self.counts["generation_tokens"] += counts[i]
+                self.counts[f"finished {finish}"] += 1
+            yield Delta(i, text, finish, token, counts[i])
 
     async def respond(self, request: Request, req, prompt_ids: list[int], chat: bool, max_tokens: int | None):
         pool = self.llm.block_manager.num_blocks * self.llm.block_manager.block_size
         params = sampling_params(req, self.model_name, max_tokens, len(prompt_ids), self.llm.max_model_len, pool)
-        stops = req.stop_strings()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        queue = await self.submit(rid, prompt_ids, params)
+        ids, stops = sample_ids(rid, params.n), req.stop_strings()
+        writers = [LogprobsWriter(self.llm.tokenizer, chat) for _ in ids] if params.logprobs else None
+        call = _Call(rid, ids, await self.submit(rid, prompt_ids, params), stops, chat, len(prompt_ids),
+                     params.min_tokens, writers)
         self.counts["requests"] += 1
         self.counts["prompt_tokens"] += len(prompt_ids)
         self.open += 1
         closed = False
 
-        def close() -> None:  # idempotent; aborting a request that already ended does nothing
+        def close() -> None:  # idempotent
             nonlocal closed
             if not closed:
                 closed = True
                 self.open -= 1
-                self.engine.post(self.llm.abort, rid)
+                self.abort(ids)
 
         if req.stream:
             with_usage = req.stream_options is not None and req.stream_options.include_usage
-            return _EventStream(self.sse(rid, queue, stops, chat, len(prompt_ids), with_usage), close)
+            return _EventStream(self.sse(call, with_usage), close)
         try:
-            return await self.collect(request, rid, queue, stops, chat, len(prompt_ids))
+            return await self.collect(request, call)
         finally:
             close()
 
-    async def sse(self, rid, queue, stops, chat, n_prompt, with_usage):
+    async def sse(self, call: _Call, with_usage: bool):
         def data(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
 
-        if chat:  # OpenAI's first chat chunk announces the role
-            yield data(chunk(rid, self.model_name, True, "", None, role=True, with_usage=with_usage))
-        async for text, finish, n in self.deltas(rid, queue, stops):
-            if finish == "abort":  # the stream still ends cleanly: an error event, then [DONE]
+        def make(*args, **kwargs) -> str:
+            return data(chunk(call.rid, self.model_name, call.chat, *args, with_usage=with_usage, **kwargs))
+
+        if call.chat:  # OpenAI's first chunk of each chat choice announces the role
+            for i in range(len(call.ids)):
+                yield make("", None, role=True, index=i)
+        pending, counts = [[] for _ in call.ids], [0] * len(call.ids)  # pending: tokens whose logprobs wait
+        async for d in self.deltas(call):
+            if d.finish == "abort":  # the stream still ends cleanly: an error event, then [DONE]
                 yield data(self.aborted().body())
-            elif text or finish:
-                yield data(chunk(rid, self.model_name, chat, text, finish, with_usage=with_usage))
-            if finish is not None and finish != "abort" and with_usage:
-                yield data(chunk(rid, self.model_name, chat, None, None, usage(n_prompt, n), with_usage=True))
+                break
+            counts[d.index] = d.n
+            if d.token is not None:
+                pending[d.index].append(d.token)
+            if d.text or d.finish:  # a chunk carries the logprobs of the tokens since the last one of its choice
+                logprobs = call.writers[d.index].write(pending[d.index]) if call.writers else None
+                pending[d.index] = []
+                yield make(d.text, d.finish, index=d.index, logprobs=logprobs)
+        else:  # every choice ended (no abort)
+            if with_usage:
+                yield make(None, None, usage(call.n_prompt, sum(counts)))
         yield "data: [DONE]\n\n"
 
-    async def collect(self, request, rid, queue, stops, chat, n_prompt) -> JSONResponse:
-        parts, end = [], (None, 0)
+    async def collect(self, request, call: _Call) -> JSONResponse:
+        n = len(call.ids)
+        texts, tokens, ends = [[] for _ in range(n)], [[] for _ in range(n)], [(None, 0)] * n
 
         async def run() -> None:
-            nonlocal end
-            async for text, finish, n in self.deltas(rid, queue, stops):
-                parts.append(text)
-                end = (finish, n)
+            async for d in self.deltas(call):
+                texts[d.index].append(d.text)
+                if d.token is not None:
+                    tokens[d.index].append(d.token)
+                if d.finish is not None:
+                    ends[d.index] = (d.finish, d.n)
+                if d.finish == "abort":
+                    return
 
         task = asyncio.ensure_future(run())
         try:
@@ -268,11 +228,13 @@ class Service:
                     return JSONResponse({}, status_code=499)  # nobody reads it; the caller's close() aborts
         finally:
             task.cancel()
-        finish, n = end
-        if finish == "abort":
+        task.result()  # what went wrong in run(), if anything
+        if any(finish == "abort" for finish, _ in ends):
             raise self.aborted()
-        body = chat_body if chat else completion_body
-        return JSONResponse(body(rid, self.model_name, "".join(parts), finish, usage(n_prompt, n)))
+        choices = [choice(call.chat, i, "".join(texts[i]), ends[i][0],
+                          call.writers[i].write(tokens[i]) if call.writers else None) for i in range(n)]
+        return JSONResponse(body(call.rid, self.model_name, call.chat, choices,
+                                 usage(call.n_prompt, sum(k for _, k in ends))))
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests, let those in flight finish for `timeout` s, abort the rest (their streams end with an

@@ -5,6 +5,7 @@
   liveness  `poll` hands over what they sent, `dead` names those that exited: their requests are the caller's
             to fail (DisaggregatedLLM) or retry elsewhere (ReplicaPool);
   close     ask each to stop, join, then terminate, then kill: no worker outlives its pool.
+`raise_if_failed` is the one error their front ends raise for requests that ended with finish_reason "error".
 Inside a worker, `WorkerLink` is its end of the pipes; the pool gone reads as a "stop".
 """
 
@@ -202,4 +203,17 @@ def require_same_weights(what: str, checksums: list[float]) -> None:
                            f"the same model file with the same dtype")
 
 
-__all__ = ["WorkerError", "WorkerLink", "WorkerPool", "WorkerTimeout", "require_same_weights"]
+def raise_if_failed(outputs: list) -> None:
+    """RuntimeError naming every request that ended with finish_reason "error" (metrics["error"] says why),
+    grouped by why: what a front end over workers raises unless the caller asked for the outputs as they are."""
+    by_why: dict[str, list[str]] = {}
+    for o in outputs:
+        if o.finish_reason == "error":
+            by_why.setdefault(o.metrics.get("error") or "unknown error", []).append(o.request_id)
+    if by_why:
+        n = sum(map(len, by_why.values()))
+        raise RuntimeError(f"{n} of {len(outputs)} requests failed; " + "; ".join(
+            f"request{'s' * (len(ids) > 1)} {', '.join(ids)}: {why}" for why, ids in by_why.items()))
+
+
+__all__ = ["WorkerError", "WorkerLink", "WorkerPool", "WorkerTimeout", "raise_if_failed", "require_same_weights"]

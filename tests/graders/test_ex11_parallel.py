@@ -362,6 +362,7 @@ def _tp_rank(rank: int, world_size: int, target: str, prompt_ids: list[int], n_n
 
     import minillm.parallel.tensor as tp
     from minillm.parallel.launch import ParallelConfig, rank_generate
+    from minillm.sampling import SamplingParams
 
     learner = importlib.import_module(f"{target}.ex11_parallel")
     calls = {"column_slice": 0, "row_slice": 0}
@@ -375,8 +376,8 @@ def _tp_rank(rank: int, world_size: int, target: str, prompt_ids: list[int], n_n
         return wrapper
 
     tp.column_slice, tp.row_slice = counted("column_slice"), counted("row_slice")
-    out = rank_generate(rank, world_size, "smollm2-135m", prompt_ids, n_new, ParallelConfig(tp=world_size),
-                        "float32", frozenset())
+    request = (prompt_ids, SamplingParams(max_tokens=n_new), frozenset())  # greedy, no stop token
+    (out,) = rank_generate(rank, world_size, "smollm2-135m", [request], ParallelConfig(tp=world_size), "float32")
     return {"token_ids": out["token_ids"], "first_logits": out["first_logits"], "calls": calls,
             "prefill_s": out["prefill_s"], "decode_s": out["decode_s"]}
 
