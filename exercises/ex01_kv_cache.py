@@ -27,12 +27,13 @@ from minillm.kv_cache import CacheFullError  # noqa: F401  (the error to raise, 
 def append_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, start: int) -> int:
     """Write k, v (batch, n_kv_heads, new, head_dim) into one layer's buffers (batch, n_kv_heads, max_len, head_dim)
     at positions start .. start + new - 1; return the new filled length (start + new). If that is past the buffer's
-    capacity, raise CacheFullError naming the capacity and write nothing: never wrap around or truncate."""
-    raise NotImplementedError(
-        "task 01.cache_append: end = start + number of new tokens (k.shape[2]); if end > the buffer's capacity "
-        "(k_cache.shape[2]) raise CacheFullError mentioning the capacity, before writing anything; else copy k, v "
-        "into positions start..end-1 of the sequence dim (dim 2) and return end"
-    )
+    capacity, raise CacheFullError naming the capacity and write nothing: never wrap around or truncate.
+
+    Positions are the buffers' dim 2; the other slots are left as they were. Example: buffers of capacity 8, start
+    5 and 3 new tokens fill positions 5, 6, 7 and return 8; start 6 with 3 new tokens raises CacheFullError (the
+    message names 8) and positions 6 and 7 keep what they held.
+    """
+    raise NotImplementedError("task 01.cache_append: see the docstring; `minillm hint 01 cache_append` for hints")
 
 
 # task 01.cached_attention -----------------------------------------------------------------------------------
@@ -43,9 +44,11 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, n_filled: int)
 
     The newest token is the last query, so it may see every filled key: no causal mask. Slots from n_filled on
     were never written (zeros, or another request's keys): reading them would corrupt the softmax.
+
+    Query head h reads KV head h // (n_heads / n_kv_heads); scores q k^T / sqrt(head_dim) and their softmax in
+    float32 (scores in the hundreds must not overflow); a q_len other than 1 is a ValueError. Example: one head,
+    head_dim 1, q = [[1.]], cached keys [0., 0., NaN] and values [2., 4., NaN] with n_filled = 2: equal scores, so
+    the output is [[3.]], and the NaN slot is never read.
     """
-    raise NotImplementedError(
-        "task 01.cached_attention: slice the first n_filled positions of the caches; query head h reads KV head "
-        "h // (n_heads // n_kv_heads); scores = q k^T / sqrt(head_dim) in float32, softmax over keys (no mask: the "
-        "newest token sees every filled key), @ v; return (batch, n_heads, 1, head_dim) in q's dtype"
-    )
+    raise NotImplementedError("task 01.cached_attention: see the docstring; `minillm hint 01 cached_attention` for "
+                              "hints")

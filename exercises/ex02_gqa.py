@@ -26,12 +26,14 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> T
 
     q (batch, n_heads, q_len, head_dim); k, v (batch, n_kv_heads, kv_len, head_dim). Query head h reads KV head
     h // (n_heads // n_kv_heads). The causal mask is bottom-right aligned (the queries are the last q_len positions).
+
+    Returns (batch, n_heads, q_len, head_dim) in q's dtype; scores and softmax in float32, safe for scores in the
+    hundreds. No tensor of n_heads copies of K or V may be built (no repeat_kv, no repeat_interleave). Example: 9 query
+    heads on 3 KV heads: heads 0, 1, 2 read KV head 0, heads 3, 4, 5 KV head 1 (not heads 0, 3, 6). With q_len 1 and
+    kv_len 5 (a decode step) the query sees all 5 keys.
     """
-    raise NotImplementedError(
-        "task 02.grouped_attention: reshape q to (b, n_kv_heads, group, q_len, d) so adjacent query heads share a "
-        "KV head (h // group, not h % n_kv_heads); scores q k^T / sqrt(d) in float32 broadcast over the group; "
-        "if causal, mask key j > i + (kv_len - q_len) with -inf; softmax, @ v, reshape back, return q's dtype"
-    )
+    raise NotImplementedError("task 02.grouped_attention: see the docstring; `minillm hint 02 grouped_attention` for "
+                              "hints")
 
 
 # task 02.mean_pool ------------------------------------------------------------------------------------------
@@ -39,9 +41,10 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> T
 def mean_pool_kv_heads(w: Tensor, n_kv_heads: int, new_n_kv_heads: int) -> Tensor:
     """Pool a k or v projection weight (n_kv_heads * head_dim, dim) down to (new_n_kv_heads * head_dim, dim) by
     averaging each group of n_kv_heads / new_n_kv_heads adjacent heads' rows (GQA paper, section 2.1). Averages in
-    float32, returns w's dtype; a new_n_kv_heads that does not divide n_kv_heads is a ValueError."""
-    raise NotImplementedError(
-        "task 02.mean_pool: check new_n_kv_heads divides n_kv_heads (else ValueError); view w as "
-        "(new_n_kv_heads, group, head_dim, dim) (adjacent heads form a group), average over the group dim in "
-        "float32, reshape to (new_n_kv_heads * head_dim, dim), cast back to w.dtype"
-    )
+    float32, returns w's dtype; a new_n_kv_heads that does not divide n_kv_heads is a ValueError.
+
+    A head is head_dim consecutive rows (head_dim = rows / n_kv_heads). Example: 4 heads of head_dim 1, rows
+    [[1.], [3.], [5.], [7.]], pooled to 2 heads: [[2.], [6.]] (heads 0 and 1 average, then 2 and 3); pooled to 3 heads:
+    ValueError.
+    """
+    raise NotImplementedError("task 02.mean_pool: see the docstring; `minillm hint 02 mean_pool` for hints")

@@ -36,11 +36,13 @@ def merge_partials(o1: Tensor, m1: Tensor, l1: Tensor, o2: Tensor, m2: Tensor, l
     o is *unnormalised* (o / l is the attention output over J alone). Shapes: o (..., head_dim); m, l (...,).
     An empty key set is m = -inf, l = 0, o = 0. Both partials are rescaled to the common maximum m = max(m1, m2),
     so exp never sees a positive argument (no overflow), and the result is exact, not an approximation.
+
+    Returns (o, m, l) of the union with the same shapes; two empty sides give (0, -inf, 0), never NaN. Example: one
+    key on each side, scores 0 and log 3, values [1.] and [5.]: (o1, m1, l1) = ([1.], 0, 1), (o2, m2, l2) = ([5.],
+    log 3, 1); merged m = log 3, side 1 scaled by 1/3: l = 4/3, o = [1/3 + 5] = [16/3], and o / l = [4.], the
+    softmax-weighted mean (1 * 1 + 3 * 5) / 4.
     """
-    raise NotImplementedError(
-        "task 03.merge: m = max(m1, m2); rescale each side by exp(m_i - m) (an empty side, m_i = -inf, gets 0; "
-        "guard the case where both are -inf); l = sum of rescaled l's, o = sum of rescaled o's"
-    )
+    raise NotImplementedError("task 03.merge: see the docstring; `minillm hint 03 merge` for hints")
 
 
 # task 03.flash ----------------------------------------------------------------------------------------------
@@ -52,14 +54,16 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, block_
     q (batch, n_heads, q_len, head_dim), k/v (batch, n_kv_heads, kv_len, head_dim); causal is bottom-right aligned
     (query i sees keys j <= i + kv_len - q_len). Accumulates in float32, returns q's dtype. With return_lse, also
     return each row's log-sum-exp of its scaled scores, (batch, n_heads, q_len) float32.
+
+    What must hold: equal to naive attention (within float32 rounding) for any q_len and kv_len, multiples of the
+    block sizes or not, GQA (query head h reads KV head h // group), decode (q_len 1) and chunked prefill (q_len <
+    kv_len); no temporary larger than a block_q x block_k tile of scores per head (never a q_len x kv_len one); key
+    blocks entirely above the causal diagonal are skipped, not computed and masked; K/V never copied per query head;
+    block sizes < 1 are a ValueError. Example: q_len = kv_len = 100, block_q = block_k = 64, causal: the first query
+    block (rows 0-63) reads only key block 0-63; the second reads keys 0-63 and 64-99, the latter masked on its
+    diagonal.
     """
-    raise NotImplementedError(
-        "task 03.flash: for each block of queries keep m (running max), l (running sum of exp), acc (unnormalised "
-        "output) in float32; for each key block: scores tile, mask the tile only if it crosses the diagonal, "
-        "m_new = max(m, tile max), rescale l and acc by exp(m - m_new), add exp(scores - m_new) and its @ v; "
-        "stop at the last key the block's last query may see; finally acc / l. GQA: reshape q to "
-        "(b, n_kv_heads, group, q_len, d) and broadcast k[:, :, None]"
-    )
+    raise NotImplementedError("task 03.flash: see the docstring; `minillm hint 03 flash` for hints")
 
 
 # task 03.triton (optional) ----------------------------------------------------------------------------------
@@ -78,9 +82,7 @@ def attend_key_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, 
       MASKED: the tile may run past kv_len or cross the diagonal; mask the loads (other=0.0) and set invisible
       scores to -inf. Unmasked tiles need neither. UPCAST: convert loaded k, v to float32 (the interpreter's bf16
       math is wrong). Return (acc, m_i, l_i) updated.
+    The same online-softmax step as task 03.flash's inner loop, on one tile, in base 2: after the call, acc / l_i
+    is the attention of the tile's queries over every key seen so far.
     """
-    raise NotImplementedError(
-        "task 03.triton: load k, v (masked if MASKED), s = tl.dot(q, tl.trans(k)) * qk_scale, mask with "
-        "tl.where, m_new = max(m_i, row max), p = exp2(s - m_new), rescale = exp2(m_i - m_new), "
-        "l = l * rescale + sum(p), acc = acc * rescale + p @ v; decorate with @triton.jit"
-    )
+    raise NotImplementedError("task 03.triton: see the docstring; `minillm hint 03 triton` for hints")

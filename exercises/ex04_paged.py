@@ -61,11 +61,13 @@ class BlockAllocator:
         return 0 <= n <= len(self._free)
 
     def allocate(self, n: int = 1) -> list[int]:
-        """Take `n` free blocks (ref count 1 each). All or nothing: raises OutOfBlocksError if fewer are free."""
-        raise NotImplementedError(
-            "task 04.allocator: if n > number of free blocks raise OutOfBlocksError (allocating nothing); "
-            "else pop n ids from the left of self._free and set their ref counts to 1"
-        )
+        """Take `n` free blocks (ref count 1 each). All or nothing: raises OutOfBlocksError if fewer are free.
+
+        Blocks come from the front of the free list (the longest free first), so a freed block is reused last;
+        n < 0 is a ValueError, n = 0 returns []. Example: a fresh allocator of 4 blocks: allocate(3) gives [0, 1, 2],
+        then allocate(2) raises OutOfBlocksError and block 3 is still free.
+        """
+        raise NotImplementedError("task 04.allocator: see the docstring; `minillm hint 04 allocator` for hints")
 
     def _check_ids(self, block_ids: list[int]) -> None:
         for i in block_ids:
@@ -77,18 +79,22 @@ class BlockAllocator:
 
         Checks everything before changing anything, so a bad call (a double free, an unknown id) leaves the
         allocator as it was.
+
+        Invalid: an id that is not a block of this pool (the given _check_ids says so), and a block listed more times
+        than it has owners (a double free), counting repeats within the call: ValueError. Blocks whose count
+        reaches 0 go to the end of the free list, in the call's order. Example: blocks 0 and 1 allocated, block 1
+        shared (ref count 2): free([0, 1]) frees block 0 (back on the list) and leaves block 1 with one owner;
+        free([0]) again is a double free, and free([1, 1]) too.
         """
-        raise NotImplementedError(
-            "task 04.allocator: validate everything first (self._check_ids; a block freed more times than its ref "
-            "count is a double free: ValueError), then decrement each ref count and append a block to self._free "
-            "when its count reaches 0"
-        )
+        raise NotImplementedError("task 04.allocator: see the docstring; `minillm hint 04 allocator` for hints")
 
     def incref(self, block_ids: list[int]) -> None:
-        """Add an owner to each (already allocated) block: a forked sequence or a shared prefix."""
-        raise NotImplementedError(
-            "task 04.allocator: every block must be allocated (ref count > 0, else ValueError); add 1 to each"
-        )
+        """Add an owner to each (already allocated) block: a forked sequence or a shared prefix.
+
+        A free block (ref count 0) or an unknown id is a ValueError, and then no count changes. Example: after
+        allocate(1) gave [0], incref([0]) makes ref_count(0) == 2, and two frees of block 0 are needed to free it.
+        """
+        raise NotImplementedError("task 04.allocator: see the docstring; `minillm hint 04 allocator` for hints")
 
     def ref_count(self, block_id: int) -> int:
         self._check_ids([block_id])
@@ -108,18 +114,21 @@ class BlockAllocator:
 
 def slot_mapping(block_tables: list[list[int]], context_lens: list[int], query_lens: list[int], block_size: int
                  ) -> list[int]:
-    """The write path: the pool slot of every new token of one packed forward, in packed order (see the top)."""
-    raise NotImplementedError(
-        "task 04.slots: for each sequence, its new tokens are positions ctx - n .. ctx - 1 (n = its query_len); "
-        "position p -> table[p // block_size] * block_size + p % block_size; concatenate over the sequences"
-    )
+    """The write path: the pool slot of every new token of one packed forward, in packed order (see the top).
+
+    Example: block_size 4, tables [[7, 2], [5]], context_lens [6, 2], query_lens [3, 1]: sequence 0 writes
+    positions 3, 4, 5 (slots 31, 8, 9: block 7's last slot, then block 2's first two), sequence 1 position 1 (slot
+    21), so the result is [31, 8, 9, 21].
+    """
+    raise NotImplementedError("task 04.slots: see the docstring; `minillm hint 04 slots` for hints")
 
 
 def context_slots(block_tables: Tensor, context_lens: Tensor, block_size: int, width: int) -> tuple[Tensor, Tensor]:
     """The read path: (slots (n, width) int64, valid (n, width) bool) of each sequence's positions 0 .. width - 1,
-    valid where position < its context length; padding positions use the sequence's position-0 slot (see the top)."""
-    raise NotImplementedError(
-        "task 04.slots: positions = arange(width); valid = positions < context_lens[:, None]; send invalid "
-        "positions to 0 BEFORE looking up their block (a -1 table entry is no block); block of each position = "
-        "block_tables.gather(1, positions // block_size); slot = block * block_size + positions % block_size"
-    )
+    valid where position < its context length; padding positions use the sequence's position-0 slot (see the top).
+
+    Both tensors on block_tables' device; no Python loop over positions is needed. Example: block_size 4, tables
+    [[7, 2], [5, -1]], context_lens [6, 2], width 6: slots [[28, 29, 30, 31, 8, 9], [20, 21, 20, 20, 20, 20]], valid
+    [[T, T, T, T, T, T], [T, T, F, F, F, F]] (sequence 1's padding never looks up its -1 table entry).
+    """
+    raise NotImplementedError("task 04.slots: see the docstring; `minillm hint 04 slots` for hints")

@@ -29,14 +29,22 @@ from minillm.compress.quant import check_group_size  # noqa: F401  given: the gr
 
 
 def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
-    """w (out, in) -> (q int8 (out, in), scale float32 (out,)): symmetric per row, w ~= q * scale[:, None]."""
-    raise NotImplementedError("task 07.int8: one scale per row, so that the row's largest |w| uses the whole "
-                              "symmetric int8 range; what scale does a row of zeros get?")
+    """w (out, in) -> (q int8 (out, in), scale float32 (out,)): symmetric per row, w ~= q * scale[:, None].
+
+    Any float dtype in; the row's largest |w| maps to +-127 exactly, every value rounds to the nearest code, and q
+    stays in [-127, 127] (never -128). A row of zeros gets codes 0 and a finite, nonzero scale (no 0 / 0). Example:
+    w = [[0.5, -1.0, 0.25], [0., 0., 0.]]: scales [1/127, a finite s], q = [[64, -127, 32], [0, 0, 0]] (63.5 rounds
+    half to even: 64).
+    """
+    raise NotImplementedError("task 07.int8: see the docstring; `minillm hint 07 int8` for hints")
 
 
 def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
-    """q int8 (out, in), scale (out,) -> float32 (out, in): the inverse of quantize_int8 (up to its rounding)."""
-    raise NotImplementedError("task 07.int8: back to float32, each row by its own scale")
+    """q int8 (out, in), scale (out,) -> float32 (out, in): the inverse of quantize_int8 (up to its rounding).
+
+    Example: q = [[64, -127]], scale = [1/127] give [[0.5039, -1.0]]: each element within half a step of the original.
+    """
+    raise NotImplementedError("task 07.int8: see the docstring; `minillm hint 07 int8` for hints")
 
 
 # task 07.int4 -----------------------------------------------------------------------------------------------
@@ -47,41 +55,66 @@ def quantize_int4(w: Tensor, group_size: int, bits: int = 4) -> tuple[Tensor, Te
 
     Asymmetric round-to-nearest per group of `group_size` inputs, as GGUF's Q4_1: scale = (max - min) / 15,
     code = floor((w - min) / scale + 0.5). scale and minimum are returned in float16 (what is stored); codes are
-    computed before that rounding, as llama.cpp does. `bits` < 4 is for quality experiments (3-bit codes)."""
-    raise NotImplementedError("task 07.int4: view each row as groups of group_size consecutive inputs; each group "
-                              "gets its own range, and a group whose range is 0 still needs valid codes")
+    computed before that rounding, as llama.cpp does. `bits` < 4 is for quality experiments (3-bit codes).
+
+    Groups are group_size consecutive inputs of a row (the given check_group_size refuses a size that is odd or
+    does not divide the row); a constant group has scale 0 and codes 0, and must not compute 0 / 0. Rounding is
+    floor(x + 0.5), which differs from torch.round at exact halves. Example: a group [0., 1., 2., 3.] with bits 2
+    (3 steps): minimum 0, scale 1, codes [0, 1, 2, 3]; the group [1., 1., 1., 1.]: minimum 1, scale 0, codes 0.
+    """
+    raise NotImplementedError("task 07.int4: see the docstring; `minillm hint 07 int4` for hints")
 
 
 def dequantize_int4(codes: Tensor, scale: Tensor, minimum: Tensor, group_size: int) -> Tensor:
-    """codes (out, in), scale/minimum (out, in // g) -> float32 (out, in): code * scale + minimum, per group."""
-    raise NotImplementedError("task 07.int4: every code of a group goes back through that group's scale and "
-                              "minimum, in float32")
+    """codes (out, in), scale/minimum (out, in // g) -> float32 (out, in): code * scale + minimum, per group.
+
+    Column j belongs to group j // group_size; float16 scale and minimum are widened to float32 first. Example: codes
+    [[0, 3, 15, 1]], group_size 2, scale [[0.5, 2.]], minimum [[-1., 0.]]: [[-1., 0.5, 30., 2.]].
+    """
+    raise NotImplementedError("task 07.int4: see the docstring; `minillm hint 07 int4` for hints")
 
 
 def pack_int4(codes: Tensor) -> Tensor:
-    """codes uint8 (..., n) in [0, 15], n even -> uint8 (..., n // 2): column 2j in the low nibble, 2j+1 high."""
-    raise NotImplementedError("task 07.int4: two codes per byte (shifts and ors on uint8); an odd column count "
-                              "is a ValueError")
+    """codes uint8 (..., n) in [0, 15], n even -> uint8 (..., n // 2): column 2j in the low nibble, 2j+1 high.
+
+    Any leading dims; an odd last dim is a ValueError. Example: codes [1, 2, 15, 0] pack to [0x21, 0x0F] = [33, 15].
+    """
+    raise NotImplementedError("task 07.int4: see the docstring; `minillm hint 07 int4` for hints")
 
 
 def unpack_int4(packed: Tensor) -> Tensor:
-    """The inverse of pack_int4: uint8 (..., n // 2) -> codes uint8 (..., n)."""
-    raise NotImplementedError("task 07.int4: the low and the high nibble of each byte, back in column order")
+    """The inverse of pack_int4: uint8 (..., n // 2) -> codes uint8 (..., n).
+
+    Byte j gives columns 2j (its low four bits) and 2j + 1 (its high four bits). Example: [33, 15] unpack to
+    [1, 2, 15, 0]; every byte value 0..255 must round-trip through pack_int4.
+    """
+    raise NotImplementedError("task 07.int4: see the docstring; `minillm hint 07 int4` for hints")
 
 
 # task 07.outliers -------------------------------------------------------------------------------------------
 
 
 def quantize_rows_int8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x (tokens, in) -> (int8 (tokens, in), scale float32 (tokens,)): one symmetric scale per row (token)."""
-    raise NotImplementedError("task 07.outliers: task 07.int8's quantization, applied to activations: one scale "
-                              "per token")
+    """x (tokens, in) -> (int8 (tokens, in), scale float32 (tokens,)): one symmetric scale per row (token).
+
+    The same rule as quantize_int8 (largest |x| of a row at +-127, codes in [-127, 127], a row of zeros with a
+    finite nonzero scale), applied to a batch of activations. Example: x = [[2., -1.]]: scale [2/127], codes
+    [[127, -64]] (-63.5 rounds half to even).
+    """
+    raise NotImplementedError("task 07.outliers: see the docstring; `minillm hint 07 outliers` for hints")
 
 
 def int8_matmul_with_outliers(x: Tensor, q: Tensor, scale: Tensor, threshold: float = 6.0) -> tuple[Tensor, Tensor]:
     """y ~= x @ (q * scale[:, None]).T with the LLM.int8() decomposition. Returns (y float32, outlier column mask).
 
     x (tokens, in) float; q int8 (out, in), scale (out,) per output row (from quantize_int8).
-    Columns j with any |x[:, j]| > threshold are multiplied in float; the rest as int8 x int8 -> int32."""
-    raise NotImplementedError("task 07.outliers: find the outlier columns first; quantize what is left per token "
-                              "for the integer matmul, rescale its int32 result, and add the float part")
+    Columns j with any |x[:, j]| > threshold are multiplied in float; the rest as int8 x int8 -> int32.
+
+    The outlier mask is (in,) bool, True for a column where some token's |x| exceeds the threshold (strictly). The
+    regular part is x with those columns zeroed, quantized per token (quantize_rows_int8), multiplied by q with the
+    given _int8_mm (int32 accumulation) and scaled back by the token's and the weight row's scales; the outlier
+    columns of x meet the dequantized weight columns in float32. y is float32 (tokens, out). Example: threshold 6,
+    x = [[1., 50.], [2., -3.]]: column 1 is an outlier (50 > 6), so y = (int8 part of column 0) + x[:, 1:] times the
+    weights' column 1 in float, and a single huge value no longer shrinks every other value's int8 resolution.
+    """
+    raise NotImplementedError("task 07.outliers: see the docstring; `minillm hint 07 outliers` for hints")

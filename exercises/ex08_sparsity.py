@@ -43,31 +43,52 @@ from minillm.compress.sparsity import _check_scores, check_sparsity  # noqa: F40
 
 
 def wanda_scores(weight: Tensor, act_norm: Tensor) -> Tensor:
-    """|W[i, j]| * ||X_j||_2: weight (out, in), act_norm (in,) = the L2 norm of input channel j over the tokens."""
-    raise NotImplementedError("task 08.wanda: a weight matters as much as what it multiplies: input channel j's "
-                              "norm scales every weight of column j, whatever its row")
+    """|W[i, j]| * ||X_j||_2: weight (out, in), act_norm (in,) = the L2 norm of input channel j over the tokens.
+
+    float32 (out, in) whatever the weight's dtype, with no autograd history; an act_norm of any other shape than
+    (in,) is a ValueError. Example: W = [[1., -2.], [3., 0.5]], act_norm = [10., 1.]: [[10., 2.], [30., 0.5]], so
+    W[0, 1] = -2 now scores below W[0, 0] = 1.
+    """
+    raise NotImplementedError("task 08.wanda: see the docstring; `minillm hint 08 wanda` for hints")
 
 
 def unstructured_mask(scores: Tensor, sparsity: float, per_row: bool = True) -> Tensor:
     """True = keep. Zero the lowest-scoring `sparsity` of each output row (per_row, Wanda's comparison group) or of
-    the whole matrix (per_row=False, classic magnitude pruning). Exactly floor(sparsity * n) are zeroed per group."""
-    raise NotImplementedError("task 08.wanda: each comparison group (a row, or the flattened matrix) gives up its "
-                              "lowest scores; how many is a whole number, and where do they sit after a sort?")
+    the whole matrix (per_row=False, classic magnitude pruning). Exactly floor(sparsity * n) are zeroed per group.
+
+    A bool mask of the scores' shape. Every kept score of a group is >= every dropped one (ties may go either way,
+    but the count is exact). The given check_sparsity and _check_scores refuse a sparsity outside [0, 1) and
+    non-finite scores, before any work. Example: scores [[4., 1., 3., 2.], [1., 1., 9., 9.]], sparsity 0.5: per row
+    [[T, F, T, F], [F, F, T, T]]; per_row=False drops the 4 lowest of all 8: the two 1.s of row 1, the 1. and the 2.
+    of row 0.
+    """
+    raise NotImplementedError("task 08.wanda: see the docstring; `minillm hint 08 wanda` for hints")
 
 
 # task 08.2to4 ------------------------------------------------------------------------------------------------
 
 
 def semi_structured_mask(scores: Tensor, n: int = 2, m: int = 4) -> Tensor:
-    """True = keep: the n highest-scoring weights of every m consecutive ones along each row (2:4 by default)."""
-    raise NotImplementedError("task 08.2to4: view each row as runs of m consecutive scores, and pick inside each "
-                              "run, not across the row")
+    """True = keep: the n highest-scoring weights of every m consecutive ones along each row (2:4 by default).
+
+    Exactly n True in every run of m (columns m*g .. m*g + m - 1 of a row), never counted across the row or down a
+    column. ValueError when m does not divide the row width, when not 0 < n < m, and on non-finite scores
+    (_check_scores). Example: one row [5., 1., 2., 8., 0., 3., 3., 1.], 2:4: [T, F, F, T, F, T, T, F] (in the second
+    run the two 3.s win).
+    """
+    raise NotImplementedError("task 08.2to4: see the docstring; `minillm hint 08 2to4` for hints")
 
 
 # task 08.drop_blocks -----------------------------------------------------------------------------------------
 
 
 def drop_blocks(model: Transformer, drop: list[int]) -> Transformer:
-    """Remove blocks `drop` (indices into model.layers) in place; the config's n_layers follows."""
-    raise NotImplementedError("task 08.drop_blocks: validate every index first; then a new container of the blocks "
-                              "you keep, of the kind that registers them as submodules, and a config that agrees")
+    """Remove blocks `drop` (indices into model.layers) in place; the config's n_layers follows.
+
+    Returns the same model object. Refused with ValueError, the model untouched: an index outside 0 .. n - 1
+    (negatives too, and bools), a repeated index, or dropping every block. The kept blocks stay in their order, in
+    an nn.ModuleList (so .to(), state_dict() and the engine see them), and model.config is replaced by one with the
+    new n_layers (ModelConfig is frozen: config.with_). Example: 30 blocks, drop [3, 1]: 28 blocks, the old 0, 2,
+    4, 5, ... in that order, config.n_layers 28; drop [30] or [1, 1] raise and leave 30 blocks.
+    """
+    raise NotImplementedError("task 08.drop_blocks: see the docstring; `minillm hint 08 drop_blocks` for hints")

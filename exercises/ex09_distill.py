@@ -47,20 +47,30 @@ from minillm.compress.distill import DistillConfig, _forward, hidden_cosine_loss
 
 
 def distillation_loss(student_logits: Tensor, teacher_logits: Tensor, temperature: float) -> Tensor:
-    """T^2 * mean over positions of KL(softmax(teacher / T) || softmax(student / T)); logits (..., vocab)."""
-    raise NotImplementedError("task 09.loss: both distributions are log-probabilities first (a softmax of logits in "
-                              "the thousands overflows, and log of an underflowed 0 is -inf); which one weighs the "
-                              "difference, and over which axis is it summed before the mean?")
+    """T^2 * mean over positions of KL(softmax(teacher / T) || softmax(student / T)); logits (..., vocab).
+
+    KL(p || q) of one position is the sum over the vocabulary of p * (log p - log q), p the teacher's; the mean runs
+    over every leading dim. float32 whatever the logits' dtype, finite for logits of +-1000 at T = 0.5, a 0-dim
+    tensor with a gradient to the student's logits. ValueError, before any work, for T <= 0 (or NaN) and for logits
+    of different shapes, even ones that would broadcast. Example: equal logits give 0; one position, vocab 2,
+    teacher [0, 0] (p = [.5, .5]) and student [log 3, 0] (q = [.75, .25]), T = 1: .5 log(.5/.75) + .5 log(.5/.25)
+    = 0.1438.
+    """
+    raise NotImplementedError("task 09.loss: see the docstring; `minillm hint 09 loss` for hints")
 
 
 # task 09.schedule --------------------------------------------------------------------------------------------
 
 
 def lr_at(step: int, cfg: DistillConfig) -> float:
-    """Linear warm-up over cfg.warmup steps, then cosine decay from lr to lr * min_lr_ratio at cfg.steps."""
-    raise NotImplementedError("task 09.schedule: two pieces. Which step is the first, and what should it get? After "
-                              "the warm-up, measure progress from 0 to 1 and let a half cosine period carry the "
-                              "rate from the peak to the floor, not to 0")
+    """Linear warm-up over cfg.warmup steps, then cosine decay from lr to lr * min_lr_ratio at cfg.steps.
+
+    Steps count from 0. Warm-up (step < cfg.warmup) rises linearly so that step 0 already trains and step
+    cfg.warmup - 1 reaches cfg.lr; cfg.warmup = 0 means none. Then a half cosine from cfg.lr at step cfg.warmup to
+    cfg.lr * cfg.min_lr_ratio at step cfg.steps. A plain float. Example: lr 1.0, warmup 4, steps 12, min_lr_ratio
+    0.1: steps 0..3 give 0.25, 0.5, 0.75, 1.0; step 4 gives 1.0, step 8 (half way) 0.55, step 12 gives 0.1.
+    """
+    raise NotImplementedError("task 09.schedule: see the docstring; `minillm hint 09 schedule` for hints")
 
 
 # task 09.step ------------------------------------------------------------------------------------------------
@@ -70,7 +80,15 @@ def train_step(student: nn.Module, teacher: nn.Module, x: Tensor, optimizer: tor
                cfg: DistillConfig) -> dict[str, float]:
     """One optimizer step on token windows x (batch, seq_len): position t of x[:, :-1] predicts x[:, t + 1].
     The teacher runs without gradients; the student's loss is the weighted sum of the enabled terms; gradients are
-    clipped to norm cfg.clip. Returns the loss, each term and the gradient norm before clipping."""
-    raise NotImplementedError("task 09.step: the teacher only answers (no graph); the student's forward and the "
-                              "weighted terms build the loss; then the usual order of an optimizer step, with the "
-                              "clipping where it can still change the update")
+    clipped to norm cfg.clip. Returns the loss, each term and the gradient norm before clipping.
+
+    The teacher runs with autograd off (no .grad, no graph kept). Terms, each computed only when its weight is > 0:
+    "kd" the distillation loss at cfg.temperature, "ce" the cross-entropy of the student's logits against the next
+    tokens, "cos" the given hidden_cosine_loss of the two models' last hidden states (the given _forward returns
+    them when asked); the loss is cfg.kd * kd + cfg.ce * ce + cfg.cos * cos. Then: clear old gradients,
+    backpropagate, clip the norm over every param group's parameters to cfg.clip, step. The lr is left alone.
+    Returns plain floats: {"loss", one key per computed term, "grad_norm"}. Example: cfg.kd 1, cfg.ce 0.5, cfg.cos 0
+    returns {"loss", "kd", "ce", "grad_norm"} with loss == kd + 0.5 * ce, and a second call starts from zero
+    gradients.
+    """
+    raise NotImplementedError("task 09.step: see the docstring; `minillm hint 09 step` for hints")

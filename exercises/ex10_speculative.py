@@ -57,10 +57,13 @@ from minillm.sampling import sample  # noqa: F401
 
 def verify_greedy(target_argmax: list[int], draft: list[int]) -> list[int]:
     """target_argmax[i] is the target's choice after draft[:i] (len(draft) + 1 of them). Returns the accepted
-    drafts followed by the target's own token: the first correction, or the bonus token when all pass."""
-    raise NotImplementedError("task 10.greedy: walk the drafts while each one is what the target would have said at "
-                              "its position; where does the walk stop, and which one token does the target always "
-                              "add, whether the walk ended early or not?")
+    drafts followed by the target's own token: the first correction, or the bonus token when all pass.
+
+    A new list of ints; the arguments are left as they were. Example: target_argmax [5, 6, 9, 2], draft [5, 6, 7]:
+    [5, 6, 9] (the third draft is wrong, 9 corrects it); draft [5, 6, 9] gives [5, 6, 9, 2] (2 is the bonus); draft
+    [4, 6, 9] gives [5] (later matches do not count after a mismatch); draft [] gives [5].
+    """
+    raise NotImplementedError("task 10.greedy: see the docstring; `minillm hint 10 greedy` for hints")
 
 
 # task 10.rejection -------------------------------------------------------------------------------------------
@@ -70,11 +73,15 @@ def rejection_sample(p: Tensor, q: Tensor | None, draft: list[int],
                      generator: torch.Generator | None = None) -> list[int]:
     """The exact rule. p (k + 1, vocab): the target's distributions at the k draft positions and after them;
     q (k, vocab): the drafter's distributions the drafts were drawn from, or None for one-hot guesses.
-    Returns the accepted drafts and one token from the target (residual draw, or bonus)."""
-    raise NotImplementedError("task 10.rejection: accept draft x with probability min(1, p(x) / q(x)), one uniform "
-                              "per draft from the generator; at the first rejection the replacement comes from the "
-                              "part of p that q did not already cover, renormalised (and from p if nothing is left); "
-                              "all accepted: one more token from the last row of p")
+    Returns the accepted drafts and one token from the target (residual draw, or bonus).
+
+    The output is distributed exactly as k + 1 tokens sampled from the target alone (the module docstring gives the
+    rule). All randomness from `generator`; p and q unchanged; a wrong row count of p or q is a ValueError. Example:
+    vocab 2, one draft x = 0 with q[0] = [1, 0] and p[0] = [.25, .75]: accepted with probability .25; rejected, the
+    replacement is drawn from max(0, p - q) = [0, .75] renormalised, i.e. token 1; so the first token is 0 with
+    probability .25 and 1 with .75, exactly p[0].
+    """
+    raise NotImplementedError("task 10.rejection: see the docstring; `minillm hint 10 rejection` for hints")
 
 
 # task 10.ngram -----------------------------------------------------------------------------------------------
@@ -83,7 +90,10 @@ def rejection_sample(p: Tensor, q: Tensor | None, draft: list[int],
 def propose_ngram(ids: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
     """Up to k tokens that continue `ids`, found in `ids` itself: take its last n tokens (n from max_n down to
     min_n: a longer match is better evidence), find their most recent earlier occurrence that has a token after it,
-    and return the (at most k) tokens that followed it. [] when no suffix of length >= min_n occurred before."""
-    raise NotImplementedError("task 10.ngram: for each n from the longest down, the last n tokens are the pattern; "
-                              "search backwards from the latest start that still leaves a token after the match "
-                              "(not the suffix itself), and return what followed, capped at k")
+    and return the (at most k) tokens that followed it. [] when no suffix of length >= min_n occurred before.
+
+    Example: ids [1, 2, 3, 9, 1, 2, 3, 4, 1, 2, 3], k 2, max_n 3: the suffix [1, 2, 3] last occurred earlier at 4,
+    followed by [4, 1]: returns [4, 1] (the older occurrence at 0, followed by 9, loses). ids [7, 7, 7], k 3, max_n
+    2: [7, 7] occurs at 0 (overlapping the suffix is fine), followed by [7]. ids [1, 2, 3]: [] (nothing repeats).
+    """
+    raise NotImplementedError("task 10.ngram: see the docstring; `minillm hint 10 ngram` for hints")

@@ -9,8 +9,8 @@ grade your work:
     minillm grade 12
 
 - 12.hash: `hash_block(parent, tokens)` names one full block: the SHA-256 digest (32 bytes) of the parent block's
-  name followed by the block's token ids as 4-byte little-endian signed ints (int32), i.e.
-  sha256(parent + array("i", tokens).tobytes()). A sequence's first block has the parent ROOT_HASH = bytes(32).
+  name followed by the block's token ids as 4-byte little-endian signed ints (int32; the stdlib's array type
+  with code "i" lays them out so). A sequence's first block has the parent ROOT_HASH = bytes(32).
   `block_hashes(token_ids, block_size, known)` chains them: name[i] = hash_block(name[i - 1], block i's tokens), one
   name per *full* block (a partly filled last block is still being written: it has none). `known` holds names
   already computed for the first blocks (a growing sequence extends its list instead of rehashing its prompt at
@@ -62,20 +62,26 @@ from minillm.cache.prefix_cache import ROOT_HASH, PrefixCacheStats  # noqa: F401
 
 
 def hash_block(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """The name of a full block: SHA-256 over its parent's name and its token ids (int32 each)."""
-    raise NotImplementedError(
-        "task 12.hash: h = hashlib.sha256(parent); h.update(array('i', tokens).tobytes()) (4 bytes per id: a byte "
-        "per id would truncate ids >= 256; Python's hash() is salted per process and easy to collide); return "
-        "h.digest(), 32 bytes")
+    """The name of a full block: SHA-256 over its parent's name and its token ids (int32 each).
+
+    32 bytes: the digest of the parent's bytes followed by each id as 4 little-endian signed bytes. Deterministic
+    across processes and machines (no salted hash()), and ids >= 256 must not collide with smaller ones. Example:
+    hash_block(ROOT_HASH, [1, 2]) is the SHA-256 of 32 zero bytes then 01 00 00 00 02 00 00 00; [1, 2] and
+    [1, 2 + 256] get different names, and the same tokens under another parent get another name.
+    """
+    raise NotImplementedError("task 12.hash: see the docstring; `minillm hint 12 hash` for hints")
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, known: Sequence[bytes] = ()) -> list[bytes]:
     """Chained names of the full blocks of token_ids (a partial last block has none). `known`: names already
-    computed for its first blocks (a growing sequence extends its list instead of rehashing everything)."""
-    raise NotImplementedError(
-        "task 12.hash: out = list(known); parent = out[-1] if out else ROOT_HASH; for each full block i from "
-        "len(out) to len(token_ids) // block_size - 1: parent = hash_block(parent, token_ids[i * block_size:(i + 1) "
-        "* block_size]) and append it; return out")
+    computed for its first blocks (a growing sequence extends its list instead of rehashing everything).
+
+    One name per full block: len(token_ids) // block_size of them; block i's parent is name i - 1, block 0's is
+    ROOT_HASH. The names in `known` are kept as they are (not recomputed) and the chain continues from the last one.
+    Example: block_size 2, token_ids [5, 6, 7, 8, 9]: [n0, n1] with n0 = hash_block(ROOT_HASH, [5, 6]) and n1 =
+    hash_block(n0, [7, 8]); token 9 has no name yet. With known = [n0], the same [n0, n1], hashing only [7, 8].
+    """
+    raise NotImplementedError("task 12.hash: see the docstring; `minillm hint 12 hash` for hints")
 
 
 # tasks 12.match (match, acquire) and 12.lru (num_free, allocate, _evict, free) ----------------------------------
@@ -96,9 +102,9 @@ class PrefixCachingAllocator(BlockAllocator):
         self.stats = PrefixCacheStats()
 
     def num_free(self) -> int:
-        raise NotImplementedError(
-            "task 12.lru: the blocks nobody owns: the unnamed ones in self._free plus the cached ones in "
-            "self._evictable (a cached block can be handed out at any time)")
+        """Blocks nobody owns: the never-named ones in `_free` plus the cached ones in `_evictable` (a cached block
+        is memory the pool can hand out at any time). Example: 10 blocks, 3 owned, 2 cached and unowned: 7."""
+        raise NotImplementedError("task 12.lru: see the docstring; `minillm hint 12 lru` for hints")
 
     def num_used(self) -> int:
         return self.num_blocks - self.num_free()
@@ -110,38 +116,53 @@ class PrefixCachingAllocator(BlockAllocator):
         return 0 <= n <= self.num_free()
 
     def allocate(self, n: int = 1) -> list[int]:
-        """n blocks (ref count 1, unnamed): never-named free blocks first, then the least recently freed cached ones."""
-        raise NotImplementedError(
-            "task 12.lru: n < 0 is a ValueError; n > self.num_free() raises OutOfBlocksError before anything changes; "
-            "else take each block from the left of self._free while it has any, then from self._evict(), and set "
-            "each one's ref count to 1")
+        """n blocks (ref count 1, unnamed): never-named free blocks first, then the least recently freed cached ones.
+
+        All or nothing: n < 0 is a ValueError, n > num_free() an OutOfBlocksError, both before any change. Each
+        cached block handed out is evicted (_evict: its name forgotten, stats.evictions + 1). Example: _free = [4],
+        _evictable = [2 (freed first), 7]: allocate(2) gives [4, 2], block 2's name is gone (a later match no longer
+        finds it), block 7 stays cached, stats.evictions is 1.
+        """
+        raise NotImplementedError("task 12.lru: see the docstring; `minillm hint 12 lru` for hints")
 
     def _evict(self) -> int:
-        """Reuse the least recently freed cached block: its name is forgotten, its contents will be overwritten."""
-        raise NotImplementedError(
-            "task 12.lru: block, _ = self._evictable.popitem(last=False) (the oldest); delete its name from both "
-            "self._name_of and self._block_of; self.stats.evictions += 1; return the block")
+        """Reuse the least recently freed cached block: its name is forgotten, its contents will be overwritten.
+
+        Takes the oldest entry of `_evictable`, removes its name from both `_name_of` and `_block_of`, counts one
+        eviction in `stats`, and returns the block (its ref count is the caller's to set). Example: _evictable [2, 7]
+        -> returns 2; _evictable is [7]; neither dict mentions block 2 or its name.
+        """
+        raise NotImplementedError("task 12.lru: see the docstring; `minillm hint 12 lru` for hints")
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one owner per block. A block left without owners keeps its KV if it is named (most recently freed
-        last in the LRU order); an unnamed one goes back on the free list."""
-        raise NotImplementedError(
-            "task 12.lru: remember len(self._free), call super().free(block_ids) (it checks everything first and "
-            "appends the blocks left without owners to self._free, in order); pop those back off the right of "
-            "self._free, restore their order, and put each named one (in self._name_of) at the end of "
-            "self._evictable (self._evictable[block] = None) and each unnamed one back on self._free")
+        last in the LRU order); an unnamed one goes back on the free list.
+
+        BlockAllocator.free (reach it through super()) does the checks (unknown id, double free: ValueError, nothing
+        changed) and the ref counts, and puts every block left without owners at the end of `_free`, in the call's
+        order. Of those, each named one must then move to the end of `_evictable` instead, in the same order; the
+        unnamed ones stay free. Example: blocks 3 (named) and 5 (unnamed), one owner each: free([3, 5]) leaves
+        _evictable ending with 3, and 5 at the end of _free; num_free() grew by 2.
+        """
+        raise NotImplementedError("task 12.lru: see the docstring; `minillm hint 12 lru` for hints")
 
     def match(self, hashes: Sequence[bytes]) -> list[int]:
-        """The cached blocks of the longest prefix of `hashes`: stops at the first name not in the cache."""
-        raise NotImplementedError(
-            "task 12.match: walk hashes in order, look each up in self._block_of, append its block, and break at the "
-            "first name that is not there; return the list (change nothing else)")
+        """The cached blocks of the longest prefix of `hashes`: stops at the first name not in the cache.
+
+        Only looks: no ref count and no LRU position changes. Example: names a, b, c cached in blocks 4, 1, 9 and d
+        not: match([a, b, d, c]) is [4, 1] (c comes after a miss: of no use); match([d, a]) is [].
+        """
+        raise NotImplementedError("task 12.match: see the docstring; `minillm hint 12 match` for hints")
 
     def acquire(self, block_ids: list[int]) -> None:
-        """Become one more owner of cached blocks found by `match` (an unowned one leaves the LRU list)."""
-        raise NotImplementedError(
-            "task 12.match: first check every block is named (in self._name_of, else ValueError, nothing changed); "
-            "then for each: self._evictable.pop(block, None) and self._ref_counts[block] += 1")
+        """Become one more owner of cached blocks found by `match` (an unowned one leaves the LRU list).
+
+        Every block must be named (else ValueError, nothing changed); each gains one owner, and one that had none
+        leaves `_evictable`, so it can no longer be evicted. Example: block 4 cached and unowned, block 1 cached and
+        owned once: acquire([4, 1]) gives ref counts 1 and 2, and 4 is no longer in _evictable; acquire([6]) with
+        block 6 unnamed raises.
+        """
+        raise NotImplementedError("task 12.match: see the docstring; `minillm hint 12 match` for hints")
 
     def register(self, block: int, name: bytes) -> bool:
         """Name a full, fully computed, owned block. False (and nothing changes) if the block already has a name or

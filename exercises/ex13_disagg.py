@@ -75,34 +75,42 @@ def pack_kv_blocks(pool: KVBlockPool, block_table: list[int], num_tokens: int) -
 
     Returns {"k", "v"} each (n_layers, n_blocks, block_size, n_kv_heads, head_dim) with n_blocks =
     ceil(num_tokens / block_size) (the last block may be partly filled: the receiver only reads num_tokens of it),
-    plus "k_scale" / "v_scale" (n_layers, n_blocks, block_size, n_kv_heads) for an int8 pool."""
-    raise NotImplementedError(
-        "task 13.pack: pack: n_blocks = -(-num_tokens // pool.spec.block_size) (ceil: the partial last block goes "
-        "too); ValueError unless num_tokens >= 1 and n_blocks <= len(block_table); idx = "
-        "torch.tensor(block_table[:n_blocks], dtype=torch.long, device=pool.k.device); return {name: t[:, idx] for "
-        "name, t in stored_tensors(pool).items()} (indexing with a tensor copies; slicing t[:, a:b] would be a view "
-        "the pool later overwrites)")
+    plus "k_scale" / "v_scale" (n_layers, n_blocks, block_size, n_kv_heads) for an int8 pool.
+
+    One entry per name of the given stored_tensors(pool), same dtype and device; packed block i is pool block
+    block_table[i], every layer. New memory: nothing written to the pool afterwards may show in the payload. The pool
+    is left unchanged. ValueError for num_tokens < 1 or more tokens than the table's blocks hold. Example: block_size
+    4, block_table [9, 2, 5], num_tokens 6: 2 blocks, packed block 0 is pool block 9 and packed block 1 is pool
+    block 2 (holding tokens 4 and 5 and two unused slots); block 5 is not sent.
+    """
+    raise NotImplementedError("task 13.pack: see the docstring; `minillm hint 13 pack` for hints")
 
 
 def unpack_kv_blocks(pool: KVBlockPool, block_table: list[int], payload: dict[str, Tensor]) -> None:
     """Write a packed payload into `block_table` (blocks of `pool` the caller already allocated), in order.
 
     Raises ValueError, naming what differs, if the payload does not fit this pool (other kv dtype, block size,
-    heads, layers, or not one block id per packed block)."""
-    raise NotImplementedError(
-        "task 13.pack: unpack: check_payload(pool, len(block_table), payload) first (it raises before anything is "
-        "written); idx = torch.tensor(block_table, dtype=torch.long, device=pool.k.device) in the table's order (not "
-        "sorted); for name, t in stored_tensors(pool).items() (the scales too): t[:, idx] = payload[name]")
+    heads, layers, or not one block id per packed block).
+
+    The given check_payload(pool, n_blocks, payload) makes that check; it must run before anything is written.
+    Packed block i goes into pool block block_table[i], every stored tensor (an int8 pool's scales too), in the
+    table's order whatever its ids; no other block changes. Example: a 2-block payload into block_table [7, 3]:
+    packed block 0 lands in block 7 and packed block 1 in block 3; a block_table of 3 ids raises and writes nothing.
+    """
+    raise NotImplementedError("task 13.pack: see the docstring; `minillm hint 13 pack` for hints")
 
 
 # task 13.route ------------------------------------------------------------------------------------------------
 
 
 def least_loaded(replicas: Sequence[ReplicaState]) -> ReplicaState:
-    """The live replica with the fewest outstanding tokens (ties: the lowest id)."""
-    raise NotImplementedError(
-        "task 13.route: least_loaded: min over live(replicas) (RuntimeError if none) with key "
-        "(r.outstanding_tokens, r.id): tokens, not len(r.in_flight); the lowest id wins a tie")
+    """The live replica with the fewest outstanding tokens (ties: the lowest id).
+
+    Returns the ReplicaState itself. Load is outstanding tokens (what a replica still owes), not its number of
+    requests; no live replica is a RuntimeError (the given live() raises it). Example: replicas 0 (dead, 0 tokens),
+    1 (alive, 300 tokens in 1 request), 2 (alive, 120 tokens in 4 requests), 3 (alive, 120 tokens): replica 2.
+    """
+    raise NotImplementedError("task 13.route: see the docstring; `minillm hint 13 route` for hints")
 
 
 class PrefixAffinityRouter(Router):
@@ -126,30 +134,45 @@ class PrefixAffinityRouter(Router):
         self._seen: dict[int, OrderedDict[bytes, None]] = {}  # replica -> block hashes, least recently used first
 
     def matched_blocks(self, replica_id: int, hashes: Sequence[bytes]) -> int:
-        """How many leading blocks of a prompt (its hashes) the router believes the replica has cached."""
-        raise NotImplementedError(
-            "task 13.route: matched_blocks: seen = self._seen.get(replica_id, {}); count hashes from the first "
-            "while each is in seen, and stop at the first that is not (a later remembered hash does not count)")
+        """How many leading blocks of a prompt (its hashes) the router believes the replica has cached.
+
+        Counts from the first hash while each is remembered for that replica, and stops at the first that is not;
+        a replica never seen remembers nothing. Reads only. Example: remembered {a, c}: hashes [a, b, c] match 1,
+        [b, c] match 0.
+        """
+        raise NotImplementedError("task 13.route: see the docstring; `minillm hint 13 route` for hints")
 
     def is_imbalanced(self, candidate: ReplicaState, lightest: ReplicaState) -> bool:
-        raise NotImplementedError(
-            "task 13.route: is_imbalanced: a, b = candidate.outstanding_tokens, lightest.outstanding_tokens; "
-            "return a - b > self.balance_abs and a > self.balance_rel * b (both, strictly)")
+        """Whether sending the request to `candidate` (the best match) would overload it against `lightest`.
+
+        True when the candidate owes more than balance_abs tokens more than the lightest AND more than balance_rel
+        times as many, both strictly. Example: balance_abs 64, balance_rel 1.5: 200 vs 100 is imbalanced (gap 100 >
+        64, 200 > 150); 150 vs 100 is not (150 is not > 150); 100 vs 0 is imbalanced; 60 vs 0 is not (gap 60).
+        """
+        raise NotImplementedError("task 13.route: see the docstring; `minillm hint 13 route` for hints")
 
     def choose(self, prompt_ids, max_tokens, replicas) -> int:
-        raise NotImplementedError(
-            "task 13.route: choose: hashes = block_hashes(prompt_ids, self.block_size); lightest = min over "
-            "live(replicas) by (r.outstanding_tokens, self.num_remembered(r.id), r.id); best = min over "
-            "live(replicas) by (-self.matched_blocks(r.id, hashes), r.outstanding_tokens, r.id); return lightest.id "
-            "if best matches 0 blocks or self.is_imbalanced(best, lightest), else best.id (remember nothing here)")
+        """The id of the live replica this request goes to (the class docstring gives the policy).
+
+        Among live replicas: the best is the longest leading match of the prompt's block hashes (the given
+        block_hashes, at self.block_size), ties to fewer outstanding tokens, then the lower id; the lightest has the
+        fewest outstanding tokens, ties to fewer remembered blocks, then the lower id. The best wins unless it
+        matches nothing or is_imbalanced(best, lightest); then the lightest. Remembers nothing (on_dispatch does).
+        Example: replica 0 remembers the prompt's first 3 blocks and owes 500 tokens, replica 1 owes 0 (balance_abs
+        1024): replica 0; owing 5000 instead, it is imbalanced (gap > 1024 and > 1.5x): replica 1.
+        """
+        raise NotImplementedError("task 13.route: see the docstring; `minillm hint 13 route` for hints")
 
     def on_dispatch(self, replica_id: int, prompt_ids: Sequence[int]) -> None:
         """Remember the prompt's blocks on that replica. Inserted tail first, so the head is the most recently used:
-        eviction drops a chain's tail before its head, like the engine (a chain only ever matches from its head)."""
-        raise NotImplementedError(
-            "task 13.route: on_dispatch: seen = self._seen.setdefault(replica_id, OrderedDict()); for h in "
-            "reversed(block_hashes(prompt_ids, self.block_size)): seen[h] = None; seen.move_to_end(h) (a known hash "
-            "becomes recent again); then while len(seen) > self.max_blocks: seen.popitem(last=False)")
+        eviction drops a chain's tail before its head, like the engine (a chain only ever matches from its head).
+
+        Every hash of the prompt becomes recently used (one already remembered moves too), the first block's the
+        most recent of all; then the least recently used beyond max_blocks are forgotten. Example: max_blocks 3, a
+        prompt of hashes [a, b, c, d]: the memory keeps [c, b, a] from least to most recent (d, the tail, is
+        dropped); a later prompt [a, e] leaves [b, e, a]: c, the least recently used, went.
+        """
+        raise NotImplementedError("task 13.route: see the docstring; `minillm hint 13 route` for hints")
 
     def on_replica_down(self, replica_id: int) -> None:
         self._seen.pop(replica_id, None)  # its cache died with it

@@ -223,6 +223,12 @@ print(kernel[start: start + 1500] if start >= 0 else kernel[:1500])
 # `scripts/gpu_check.sh` measures it when a GPU is available. This lesson's figures are from the CPU named at the top
 # (no GPU was available when it was executed).
 #
-# **Exercise 06** (`exercises/ex06_fusion.py`, graded by `minillm grade 06`): fuse the q/k/v weights and split the
-# output back with GQA sizes, and fold the residual into RMSNorm; the last task fuses the real model with your
-# functions and checks it still answers "Paris". Next, lesson 07 (quantization) reads fewer bytes per token.
+# **Exercise 06** (`exercises/ex06_fusion.py`, graded by `minillm grade 06`, hints one level at a time with
+# `minillm hint 06`): the two halves of this lesson's technique. First fuse the residual add into the RMSNorm after it
+# (`add_rms_norm`: the sum formed once, float32 statistics), graded against the unfused computation on random shapes
+# and dtypes. Then write the `StaticKVCache` that section 3 compiled through: `begin_forward` places the tokens and
+# builds the mask from *tensor* positions, `attend` writes k/v at those slots and attends over the whole buffer under
+# the mask. It is graded against attention over a contiguous history, and by tracing a decode step with
+# `torch.compile(fullgraph=True)` under `error_on_recompile`: one graph for every position. The last task fuses SmolLM2
+# with your `add_rms_norm` and decodes it through your cache with the forward compiled once: the eager model's
+# tokens, one graph. Next, lesson 07 (quantization) reads fewer bytes per token.

@@ -275,8 +275,11 @@ for a in result["series"]["analytic"]:
 # **Fail fast.** Every process group here has a timeout, and `launch` watches the ranks: when one raises or is
 # killed, the others are stopped and the error names the rank (tests/test_parallel.py kills a rank and times it).
 #
-# **Exercise 11** (`exercises/ex11_parallel.py`, graded by `minillm grade 11`): shard a linear column- and row-wise
-# (graded on simulated ranks: the reassembled output equals the full layer on 1, 2 and 3 ranks; catches the missing
-# all-reduce and the wrong dimension) and the GPipe schedule (graded on the order of forward micro-steps and the
-# bubble count); the last task runs your slicing inside a real 3-rank tensor-parallel SmolLM2. Next, lesson 12:
-# serving.
+# **Exercise 11** (`exercises/ex11_parallel.py`, graded by `minillm grade 11`, hints one level at a time with
+# `minillm hint 11`): shard a linear column- and row-wise; then write the communication of a tensor-parallel forward
+# yourself: the all-reduce that makes a row-parallel layer's partial sums whole (`RowParallelLinear.forward`), the
+# vocabulary-parallel embedding (a masked lookup of the rank's slice, then an all-reduce) and the LM head (an
+# all-gather of the ranks' logit blocks). They are graded on ranks simulated by threads with a counting `Comm`: every
+# rank's output equals the single-process layer, and a forgotten or a doubled all-reduce fails. Then the GPipe
+# schedule. The last task shards SmolLM2 with your slices and collectives, on 3 thread ranks and then on 3 real gloo
+# processes: the single-process logits and greedy tokens, Paris included. Next, lesson 12: serving.

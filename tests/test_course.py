@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import importlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -62,22 +63,8 @@ def test_no_notebook_output_contains_a_solution(lesson):
     assert not leaked, f"{ipynb.name} shows the definition of {leaked} in a cell output (an exercise's answer)"
 
 
-# ------------------------------------------------------------------------------------------------ tiered hints
-
-@pytest.mark.parametrize("lesson", ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13"])
-def test_every_task_has_three_hint_levels(lesson):
-    from minillm.course.grading import TASKS
-    from minillm.course.hints import HINTS, _recipes, hint
-
-    recipes = _recipes(lesson)
-    for marker, _ in TASKS[lesson]:
-        assert marker in HINTS and all(HINTS[marker]), f"{marker} has no level 1/2 hint in minillm/course/hints.py"
-        assert marker in recipes, f"{marker}: no 'task NN.name: ...' recipe in its stub"
-        task = marker.split("_", 2)[2]
-        one, three = hint(lesson, task, 1), hint(lesson, task, 3)
-        assert HINTS[marker][0] in one and HINTS[marker][1] not in one  # level 1 is only the nudge
-        assert HINTS[marker][1] in three and recipes[marker].splitlines()[0] in three
-
+# ------------------------------------------------------------------------------------------- hints and grading
+# (the three hint levels and stubs without solution code: tests/test_exercise_stubs.py)
 
 def test_cli_hint_and_generate_compile_flag(capsys):
     from minillm.cli import build_parser, main
@@ -85,7 +72,53 @@ def test_cli_hint_and_generate_compile_flag(capsys):
     assert build_parser().parse_args(["generate", "hi", "--compile"]).compile is True
     assert build_parser().parse_args(["generate", "hi"]).compile is False
     assert main(["hint", "00", "rope", "--level", "2"]) == 0
-    assert "rotate" in capsys.readouterr().out.lower()
+    out = capsys.readouterr().out
+    assert "rotate" in out.lower() and "hint 2 of 3" in out and "--level 3" in out
+    assert main(["hint", "00", "rope"]) == 0  # level 1 alone: the contract is one more call away
+    out = capsys.readouterr().out
+    assert "hint 1 of 3" in out and "Rotate-half pairing" not in out
+
+
+LONG = ("test_x: n_heads=9, n_kv_heads=3, head_dim=64, shape (2, 5, 48): the fused rows must be q's, then k's, then "
+        "v's; got k's first. expected tensor([1., 2., 3.]) got tensor([3., 2., 1.])")
+
+
+def test_grade_report_keeps_the_whole_message_and_drops_pytest_advice():
+    from minillm.course.grading import failure_summary
+
+    assert len(LONG) > 160
+    summary = failure_summary(f"AssertionError: {LONG}\nassert False", test="test_qkv")
+    assert LONG in summary and summary.startswith("test_qkv:")
+    listed = failure_summary("assert [1, 2, 3] == [1, 2, 4]\n  \n  At index 2 diff: 3 != 4\n  Use -v to get more diff")
+    assert "At index 2 diff: 3 != 4" in listed and "-v" not in listed
+
+
+def test_grade_report_names_the_call_that_raised(tmp_path):
+    """Graded end to end through pytest: a learner's function that raises is named with its file and line, with the
+    grader's call that reached it; a long assertion message comes back whole; pytest's -v advice never does."""
+    from minillm.course.grading import LAST_FAILURES, _grade_files
+
+    (tmp_path / "exercises").mkdir()
+    (tmp_path / "exercises" / "exfake.py").write_text(
+        "def pick(ids, k):\n    if k > len(ids):\n        raise ValueError(f'k={k} is more than {len(ids)} ids')\n"
+        "    return ids[:k]\n\n\ndef stub(x):\n"
+        "    raise NotImplementedError('task 00.rope: see the docstring; `minillm hint 00 rope` for hints')\n")
+    grader = tmp_path / "test_exfake.py"
+    grader.write_text(
+        "import sys\nimport pytest\nsys.path.insert(0, {!r})\nfrom exfake import pick, stub\n\n"
+        "@pytest.mark.task_00_rmsnorm\ndef test_pick():\n    assert pick([1, 2], 3) == [1, 2]\n\n"
+        "@pytest.mark.task_00_attention\ndef test_long():\n    assert pick([1, 2, 3], 2) == [1, 2, 4], {!r}\n\n"
+        "@pytest.mark.task_00_sampler\ndef test_list():\n    assert pick([1, 2, 3], 3) == [1, 2, 4]\n\n"
+        "@pytest.mark.task_00_rope\ndef test_stub():\n    stub(1)\n".format(str(tmp_path / "exercises"), LONG))
+    outcomes = _grade_files([grader], dict(os.environ), tmp_path)
+    assert set(outcomes.values()) == {"fail"}
+    raised = LAST_FAILURES["task_00_rmsnorm"]
+    assert "your pick raised ValueError: k=3 is more than 2 ids" in raised
+    assert "exercises/exfake.py:3" in raised and "pick([1, 2], 3)" in raised
+    assert LONG in LAST_FAILURES["task_00_attention"]
+    assert "At index 2 diff" in LAST_FAILURES["task_00_sampler"]
+    assert all("-v" not in text for text in LAST_FAILURES.values())
+    assert "your stub is not written yet: task 00.rope: see the docstring" in LAST_FAILURES["task_00_rope"]
 
 
 # ------------------------------------------------------------------------------------ prose vs measured numbers

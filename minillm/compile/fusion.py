@@ -16,7 +16,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from minillm.compress.quant import QuantizedLinear
-from minillm.model import MLP, Attention, Block, apply_rope, rms_norm
+from minillm.model import MLP, Attention, Block, apply_rope
 
 
 def fuse_qkv_weights(wq: Tensor, wk: Tensor, wv: Tensor) -> Tensor:
@@ -31,9 +31,11 @@ def split_qkv(qkv: Tensor, n_heads: int, n_kv_heads: int, head_dim: int) -> tupl
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(rms_norm(x + residual), x + residual): the residual stream and the next sublayer's input in one function, so
-    the sum is formed once (a compiler then fuses add, square, mean, rsqrt and scale into one kernel)."""
+    the sum is formed once and normalised where it is formed (a compiler then fuses add, square, mean, rsqrt and
+    scale into one kernel that reads x and residual once). The same arithmetic as rms_norm, op for op."""
     h = x + residual
-    return rms_norm(h, weight, eps), h
+    hf = h.float()  # the statistics in float32, as rms_norm: a float16 square overflows above ~256
+    return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype) * weight, h
 
 
 class FusedQKVAttention(Attention):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -52,9 +53,11 @@ TASKS: dict[str, list[tuple[str, str]]] = {
         ("task_05_real_model", "your scheduler serves a seeded workload on SmolLM2: reference outputs"),
     ],
     "06": [
-        ("task_06_qkv", "fuse the q/k/v weights into one and split the output back (GQA sizes)"),
-        ("task_06_add_norm", "RMSNorm with the residual add folded in"),
-        ("task_06_real_model", "your fusion on SmolLM2: same logits, same answer"),
+        ("task_06_add_norm", "RMSNorm with the residual add fused in: the sum once, float32 statistics"),
+        ("task_06_static_cache", "a static KV cache: write at tensor positions, attend the whole buffer under a mask; "
+                                 "a decode step that compiles once"),
+        ("task_06_real_model", "SmolLM2 fused with your add_rms_norm (same logits), decoded through your static cache "
+                               "with the forward compiled once: the eager tokens, one graph"),
     ],
     "07": [
         ("task_07_int8", "int8 per output row, symmetric [-127, 127], and back"),
@@ -82,8 +85,11 @@ TASKS: dict[str, list[tuple[str, str]]] = {
     ],
     "11": [
         ("task_11_shard", "column- and row-parallel slices of a linear layer: concatenated / summed, they are x @ W.T"),
+        ("task_11_collectives", "the collectives of a TP forward: row-parallel all-reduce, vocabulary-parallel "
+                                "embedding (masked lookup, all-reduce) and head (all-gather)"),
         ("task_11_gpipe", "the GPipe grid: stage r runs micro-batch t - r at step t, m + p - 1 steps, None idles"),
-        ("task_11_real_model", "your slices shard SmolLM2 on 3 ranks: the single-process greedy tokens, Paris"),
+        ("task_11_real_model", "your slices and collectives shard SmolLM2 on 3 thread ranks, then 3 gloo processes: "
+                               "the single-process logits and greedy tokens, Paris"),
     ],
     "12": [
         ("task_12_hash", "chained block names: SHA-256(parent + int32 ids), full blocks only, `known` continued"),
@@ -134,20 +140,27 @@ def run_graders_of(lessons: list[str], target: str = "exercises", extra: list[st
     if not files:
         raise GradingSetupError(f"no graders for lesson(s) {', '.join(lessons)} under {ROOT / 'tests' / 'graders'}: "
                                 f"grading needs the minillm checkout (git clone, then pip install -e '.[dev]')")
-    env = dict(os.environ, MINILLM_GRADE=target)
-    with tempfile.TemporaryDirectory() as tmp:
-        xml = Path(tmp) / "report.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
-               "-o", "junit_family=xunit2", *map(str, files), *(extra or [])]
-        subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)  # failures are outcomes
-        if not xml.exists():
-            raise GradingSetupError("pytest did not run; is the dev extra installed? pip install -e '.[dev]'")
-        outcomes = _outcomes_by_marker(xml, files)
+    outcomes = _grade_files(files, dict(os.environ, MINILLM_GRADE=target), ROOT, extra)
     return {lesson: {m: outcomes.get(m, "missing") for m, _ in TASKS[lesson]} for lesson in lessons}
 
 
-# task marker -> first failure message of the last run_graders call, shown under the table as the learner's hint
+# task marker -> the first failure of the last run_graders call (which test, what it checked or what raised), shown
+# under the table as the learner's hint
 LAST_FAILURES: dict[str, str] = {}
+
+
+def _grade_files(files: list[Path], env: dict[str, str], cwd: Path, extra: list[str] | None = None) -> dict[str, str]:
+    """Run pytest on grader `files` in a subprocess; {task marker: outcome}, the first failure of each task in
+    LAST_FAILURES. Native tracebacks: one `File "...", line N, in fn` per frame, so a failure can name the learner's
+    function that raised."""
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "report.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=native", f"--junitxml={xml}",
+               "-o", "junit_family=xunit2", *map(str, files), *(extra or [])]
+        subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False)  # failures are outcomes
+        if not xml.exists():
+            raise GradingSetupError("pytest did not run; is the dev extra installed? pip install -e '.[dev]'")
+        return _outcomes_by_marker(xml, files)
 
 
 def _outcomes_by_marker(xml: Path, files: list[Path]) -> dict[str, str]:
@@ -156,13 +169,15 @@ def _outcomes_by_marker(xml: Path, files: list[Path]) -> dict[str, str]:
     for f in files:
         spec = importlib.util.spec_from_file_location(f"_grader_{f.stem}", f)
         mod = importlib.util.module_from_spec(spec)
-        sys.path.insert(0, str(ROOT))
+        paths = [str(ROOT), str(f.parent)]
+        sys.path[:0] = paths
         try:
             with warnings.catch_warnings():  # the task marks are registered by the graders' conftest, not here
                 warnings.simplefilter("ignore")
                 spec.loader.exec_module(mod)
         finally:
-            sys.path.remove(str(ROOT))
+            for p in paths:
+                sys.path.remove(p)
         for name, obj in vars(mod).items():
             for mark in getattr(obj, "pytestmark", []):
                 if mark.name.startswith("task_"):
@@ -177,7 +192,8 @@ def _outcomes_by_marker(xml: Path, files: list[Path]) -> dict[str, str]:
         failed = case.find("failure") if case.find("failure") is not None else case.find("error")
         if failed is not None:
             outcome = "fail"
-            LAST_FAILURES.setdefault(task, failure_summary(failed.get("message") or "", failed.text or ""))
+            LAST_FAILURES.setdefault(task, failure_summary(failed.get("message") or "", failed.text or "",
+                                                           test=case.get("name", "")))
         elif case.find("skipped") is not None:
             outcome = "skip"
         else:
@@ -187,14 +203,59 @@ def _outcomes_by_marker(xml: Path, files: list[Path]) -> dict[str, str]:
     return result
 
 
-def failure_summary(message: str, details: str = "", max_lines: int = 8) -> str:
-    """The failing case in a few lines: the assertion message (which names the inputs and expected vs got), else
-    the last `E ` lines of the traceback."""
-    lines = [ln.rstrip() for ln in message.strip().splitlines() if ln.strip()]
-    if len(lines) <= 1 and details:
-        lines = [ln[1:].strip() for ln in details.splitlines() if ln.startswith("E ")] or lines
-    lines = [ln[:160] for ln in lines[:max_lines]]
+# pytest's advice to its own user ("Use -v to get more diff", "use '-vv' to show"): a `minillm grade` user cannot
+# pass -v, and the message already says what differs
+_PYTEST_ADVICE = re.compile(r"use '?-v+'? to (get|see|show)|full output truncated", re.IGNORECASE)
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n(?P<src>[^\n]*)', re.MULTILINE)
+_ASSERTION = ("AssertionError", "Failed")  # a grader's check (assert, pytest.fail), as opposed to a raise
+
+
+def _frames(details: str) -> list[tuple[str, int, str, str]]:
+    """(path, line, function, source line) of each frame of a native traceback, outermost first."""
+    return [(m["path"], int(m["line"]), m["fn"], m["src"].strip()) for m in _FRAME.finditer(details)]
+
+
+def _is_learner(path: str) -> bool:
+    return Path(path).parent.name in ("exercises", "solutions")
+
+
+def failure_summary(message: str, details: str = "", test: str = "", max_lines: int = 40) -> str:
+    """The failing case, whole: the grader's assertion message (its inputs, expected vs got) without pytest's advice
+    to its own user. When the graded code raised instead, which call of the test raised what, and where in the
+    learner's file."""
+    exc_type, sep, rest = message.partition(": ")
+    raised = sep and re.fullmatch(r"[\w.]+", exc_type) and exc_type.rsplit(".", 1)[-1] not in _ASSERTION
+    if sep and not raised and exc_type.rsplit(".", 1)[-1] in _ASSERTION:
+        message = rest  # "AssertionError: " says nothing the message does not
+    lines = [ln.rstrip() for ln in message.strip().splitlines() if ln.strip() and not _PYTEST_ADVICE.search(ln)]
+    if not lines and details:  # no message at all: the last lines of the traceback
+        lines = [ln.strip() for ln in details.strip().splitlines()[-3:]]
+    if raised:
+        lines[:1] = _raised(exc_type, rest.splitlines()[0] if rest else "", _frames(details))
+    if test:
+        lines.insert(0, f"{test}:")
+    if len(lines) > max_lines:
+        lines = lines[:max_lines] + [f"... ({len(lines) - max_lines} more lines)"]
     return "\n".join(lines)
+
+
+def _raised(exc_type: str, text: str, frames: list[tuple[str, int, str, str]]) -> list[str]:
+    """What raised, where in the learner's file, and the grader's call that led there."""
+    mine = [i for i, f in enumerate(frames) if _is_learner(f[0])]
+    if not mine:
+        head = [f"{exc_type} raised: {text}"]
+        where = [f for f in frames[-1:] if not Path(f[0]).name.startswith("test_")]  # inside minillm or torch
+    else:
+        _, _, fn, _ = frames[mine[-1]]
+        stub = exc_type == "NotImplementedError"
+        head = [f"your {fn} is not written yet: {text}" if stub else f"your {fn} raised {exc_type}: {text}"]
+        where = [] if stub else [frames[mine[-1]]]
+    out = head + [f"  at {Path(p).parent.name}/{Path(p).name}:{line}: {src}" for p, line, _, src in where]
+    first = mine[0] if mine else len(frames)
+    calls = [f for f in frames[:first] if Path(f[0]).name.startswith("test_")]
+    if calls:
+        out.append(f"  the grader's call: {calls[-1][3]}")
+    return out
 
 
 def print_table(lesson: str, outcomes: dict[str, str], target: str) -> None:

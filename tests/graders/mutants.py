@@ -30,6 +30,16 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 SOFTMAX_NO_MAX = "(scores.exp() / scores.exp().sum(dim=-1, keepdim=True))"  # exp overflows for scores > 88
 # a mutant method is compiled outside its class, where zero-argument super() has no class to go by: name the base
 SUPER_FREE = ("super().free(block_ids)", "BlockAllocator.free(self, block_ids)")
+# a static cache that attends over the filled length only (a host int): eager-correct, but its shapes change every
+# token, so a compiled decode step recompiles at every position
+SLICE_TO_FILLED = (
+    ("    b, n_heads, n_new, d = q.shape\n",
+     "    live = min(self.max_len, self.seq_len + k.shape[2])\n"
+     "    k_all, v_all, mask = k_all[:, :, :live], v_all[:, :, :live], self._mask[:, :live]\n"
+     "    b, n_heads, n_new, d = q.shape\n"),
+    ("attn_mask=self._mask)", "attn_mask=mask)"),
+    ("attn_mask=self._mask, enable_gqa", "attn_mask=mask, enable_gqa"),
+)
 
 
 @dataclass(frozen=True)
@@ -188,6 +198,36 @@ MUTANTS = [
              "active = [r for r, finished in zip(active, done) if not finished] + "
              "list(requests[start + max_batch:start + max_batch + sum(done)])"),),
            "a static batch that refills is continuous batching"),
+    # ---------------------------------------------------------------- ex06
+    Mutant("add_norm_stats_in_input_dtype", "ex06_fusion", "add_rms_norm", "task_06_add_norm",
+           (("hf = h.float()", "hf = h"),), "mean of squares in float16: squares of ~300 overflow to inf"),
+    Mutant("add_norm_eps_outside_sqrt", "ex06_fusion", "add_rms_norm", "task_06_add_norm",
+           (("torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)",
+             "1 / (hf.pow(2).mean(-1, keepdim=True).sqrt() + eps)"),), "eps added after the square root"),
+    Mutant("add_norm_returns_x", "ex06_fusion", "add_rms_norm", "task_06_add_norm",
+           (("* weight, h", "* weight, x"),), "returns the sublayer's output instead of the new residual stream"),
+    Mutant("add_norm_norms_x_only", "ex06_fusion", "add_rms_norm", "task_06_add_norm",
+           (("hf = h.float()", "hf = x.float()"),), "normalises x before the residual is added"),
+    Mutant("add_norm_in_place", "ex06_fusion", "add_rms_norm", "task_06_add_norm",
+           (("h = x + residual", "h = x.add_(residual)"),), "adds into x: the caller's tensor changes"),
+    Mutant("static_mask_excludes_self", "ex06_fusion", "StaticKVCache.begin_forward", "task_06_static_cache",
+           (("<= positions[:, None]", "< positions[:, None]"),), "a query may not see the key written at its own slot"),
+    Mutant("static_no_mask", "ex06_fusion", "StaticKVCache.attend", "task_06_static_cache",
+           (("attn_mask=self._mask)", ")"), ("attn_mask=self._mask, enable_gqa", "enable_gqa")),
+           "attends over the whole buffer unmasked: stale and unwritten slots count"),
+    Mutant("static_seq_len_not_advanced", "ex06_fusion", "StaticKVCache.begin_forward", "task_06_static_cache",
+           (("        self.seq_len += n_new\n", ""),), "an eager prefill leaves seq_len behind: the next one "
+                                                          "overwrites it"),
+    Mutant("static_v_not_written", "ex06_fusion", "StaticKVCache.attend", "task_06_static_cache",
+           (("    v_all.index_copy_(2, self._positions, v.to(v_all.dtype))\n", ""),),
+           "values never written: attention reads stale slots"),
+    Mutant("static_slices_to_filled", "ex06_fusion", "StaticKVCache.attend", "task_06_static_cache",
+           SLICE_TO_FILLED, "attends over the filled length only: right in eager, but the shape changes every token "
+                            "(a recompile per step)"),
+    Mutant("static_slices_to_filled_real", "ex06_fusion", "StaticKVCache.attend", "task_06_real_model",
+           SLICE_TO_FILLED, "SmolLM2's compiled decode recompiles at every token"),
+    Mutant("add_norm_returns_x_real", "ex06_fusion", "add_rms_norm", "task_06_real_model",
+           (("* weight, h", "* weight, x"),), "the fused SmolLM2 loses its residual stream after every attention"),
     # ---------------------------------------------------------------- ex07
     Mutant("int8_per_tensor_scale", "ex07_quant", "quantize_int8", "task_07_int8",
            (("amax = w.abs().amax(dim=1)", "amax = w.abs().amax().expand(w.shape[0])"),),
@@ -578,6 +618,29 @@ MUTANTS = [
            (("return weight[rank * n:(rank + 1) * n].clone(memory_format=torch.contiguous_format)",
              "return weight[rank::degree].contiguous()"),),
            "strided rows: a rank's q/k/v rows mix every head's dims, and its gate/up channels miss its rows of down"),
+    Mutant("row_forgets_all_reduce", "ex11_parallel", "RowParallelLinear.forward", "task_11_collectives",
+           (("return self.comm.all_reduce(y) if self.reduce else y", "return y"),),
+           "no all-reduce after a row-parallel layer: each rank keeps a 1/degree share of the output"),
+    Mutant("row_all_reduces_twice", "ex11_parallel", "RowParallelLinear.forward", "task_11_collectives",
+           (("return self.comm.all_reduce(y) if self.reduce else y",
+             "return self.comm.all_reduce(self.comm.all_reduce(y)) if self.reduce else y"),),
+           "all-reduced twice: the in-place sum is summed again, the output times the degree"),
+    Mutant("row_reduces_regardless", "ex11_parallel", "RowParallelLinear.forward", "task_11_collectives",
+           (("return self.comm.all_reduce(y) if self.reduce else y", "return self.comm.all_reduce(y)"),),
+           "all-reduces even with reduce=False, where sequence parallelism reduce-scatters instead"),
+    Mutant("embed_clamps_without_mask", "ex11_parallel", "VocabParallelEmbedding.partial", "task_11_collectives",
+           ((" * mine[..., None].to(self.weight.dtype)", ""),),
+           "foreign ids clamped into the slice and looked up: every rank adds a wrong row"),
+    Mutant("embed_forgets_all_reduce", "ex11_parallel", "VocabParallelEmbedding.forward", "task_11_collectives",
+           (("return self.comm.all_reduce(self.partial(ids))", "return self.partial(ids)"),),
+           "the embedding's partials never summed: zeros for every id another rank owns"),
+    Mutant("head_all_reduces", "ex11_parallel", "VocabParallelHead.forward", "task_11_collectives",
+           (("self.comm.all_gather(F.linear(h, self.weight), dim=-1)",
+             "self.comm.all_reduce(F.linear(h, self.weight))"),),
+           "the vocabulary blocks summed instead of concatenated"),
+    Mutant("row_forgets_all_reduce_real", "ex11_parallel", "RowParallelLinear.forward", "task_11_real_model",
+           (("return self.comm.all_reduce(y) if self.reduce else y", "return y"),),
+           "SmolLM2's blocks keep partial sums on every rank"),
     Mutant("gpipe_stage_ahead", "ex11_parallel", "gpipe_schedule", "task_11_gpipe",
            (("[t - r if 0 <= t - r < n_micro else None", "[t + r if 0 <= t + r < n_micro else None"),),
            "stage r runs micro-batch t + r: later stages run ahead of their inputs"),

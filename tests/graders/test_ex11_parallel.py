@@ -1,24 +1,31 @@
-"""Grader for exercise 11: the column- and row-parallel slices of a linear layer and the GPipe grid.
+"""Grader for exercise 11: the column- and row-parallel slices of a linear layer, the collectives of a
+tensor-parallel forward, and the GPipe grid.
 
 Everything is compared with oracles written here, not with minillm.parallel.tensor or minillm.parallel.pipeline.
 The shard tasks simulate the ranks in this process: rank r's output x @ W_r.T (column parallel) or its partial
 x_r @ W_r.T (row parallel), gathered by concatenation or by a plain sum (the all-reduce), against x @ W.T in float64,
-then each shard against the block it must hold (`block_oracle`), on random shapes, dtypes and degrees 1-3. The GPipe
-grid is checked against `gpipe_oracle`, an event-by-event simulation of the pipeline (a stage starts a micro-batch as
-soon as the previous stage has finished it and the stage itself is free), and its rules are checked one by one on
-random sizes, so a wrong grid is named by the rule it breaks.
+then each shard against the block it must hold (`block_oracle`), on random shapes, dtypes and degrees 1-3. The
+collectives run on ranks simulated by threads that exchange through `ThreadComm` (Comm's all_reduce / all_gather,
+each call counted): every rank's output against the single-process layer in float64, and exactly the collectives
+a forward needs (a forgotten all-reduce leaves a 1/degree share, a second one multiplies by the degree); then a
+tiny random model sharded with your classes on 3 thread ranks. The GPipe grid is checked against `gpipe_oracle`, an
+event-by-event simulation of the pipeline (a stage starts a micro-batch as soon as the previous stage has finished it
+and the stage itself is free), and its rules are checked one by one on random sizes, so a wrong grid is named by the
+rule it breaks.
 
 The real-model task first runs your slices of SmolLM2's first block as three simulated ranks here (fast, with a
-precise message), then launches three real ranks (minillm.parallel.distributed.launch, gloo on CPU): each imports your
-module by name, puts your column_slice and row_slice into minillm.parallel.tensor, and runs
-minillm.parallel.launch.rank_generate with tp=3. The ranks must decode the single-process model's 16 greedy tokens of
-"The capital of France is".
+precise message), then the whole model with your slices and collectives on 3 thread ranks (the single-process
+logits), then launches three real ranks (minillm.parallel.distributed.launch, gloo on CPU): each imports your module
+by name, puts your slices and classes into minillm.parallel.tensor, and runs minillm.parallel.launch.rank_generate
+with tp=3. The ranks must decode the single-process model's 16 greedy tokens of "The capital of France is".
 """
 
 from __future__ import annotations
 
 import copy
+import threading
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -348,6 +355,216 @@ def test_gpipe_refuses_an_empty_pipeline():
                                                     f"at least one stage and one micro-batch")
 
 
+# ========================================================================================= task 11.collectives
+
+
+class ThreadGroup:
+    """`degree` ranks simulated by threads of this process: each posts its tensor, waits for the others, reads all."""
+
+    def __init__(self, degree: int):
+        self.degree, self.slots = degree, [None] * degree
+        self.barrier = threading.Barrier(degree, timeout=120)
+
+
+class ThreadComm:
+    """minillm.parallel.distributed.Comm's all_reduce / all_gather between thread ranks, each call counted. Every
+    rank adds the parts in rank order, so all ranks hold bit-identical sums (as a real all-reduce promises)."""
+
+    def __init__(self, group: ThreadGroup, rank: int):
+        self.group, self.rank, self.world_size = group, rank, group.degree
+        self.calls: Counter = Counter()
+
+    def _exchange(self, x: Tensor) -> list[Tensor]:
+        g = self.group
+        g.slots[self.rank] = x.detach().clone()
+        g.barrier.wait()
+        parts = list(g.slots)
+        g.barrier.wait()  # every rank has read the slots before the next exchange writes them
+        return parts
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        self.calls["all_reduce"] += 1
+        parts = self._exchange(x)
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        x.copy_(total)
+        return x
+
+    def all_gather(self, x: Tensor, dim: int) -> Tensor:
+        self.calls["all_gather"] += 1
+        return torch.cat(self._exchange(x), dim=dim)
+
+    def reduce_scatter(self, x: Tensor, dim: int) -> Tensor:
+        self.calls["reduce_scatter"] += 1
+        raise AssertionError("a tensor-parallel forward has no reduce-scatter (that is sequence parallelism)")
+
+
+def run_ranks(degree: int, fn) -> list:
+    """fn(rank, comm) on `degree` thread ranks; their results in rank order, or the first rank's error re-raised."""
+    group = ThreadGroup(degree)
+    comms = [ThreadComm(group, r) for r in range(degree)]
+    results, errors = [None] * degree, [None] * degree
+
+    def main(r: int) -> None:
+        torch.set_num_threads(1)
+        try:
+            with torch.inference_mode():
+                results[r] = (fn(r, comms[r]), comms[r].calls)
+        except BaseException as e:  # noqa: BLE001  (re-raised in the grading thread below)
+            errors[r] = e
+            group.barrier.abort()  # the other ranks would wait for this one's collective forever
+
+    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(degree)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)),
+                 next((e for e in errors if e is not None), None))
+    if isinstance(first, threading.BrokenBarrierError):
+        raise AssertionError("the ranks made different numbers of collective calls and one waited for the others "
+                             "forever: every rank must call the same collectives in the same order")
+    if first is not None:
+        raise first
+    return results
+
+
+@pytest.fixture
+def reference_slices(monkeypatch):
+    """Your classes' given __init__ slice with this module's row_slice: task 11.shard's grader grades yours, this
+    task uses minillm's (a task that needs another task's code uses the reference)."""
+    monkeypatch.setattr(impl, "row_slice", minillm.parallel.tensor.row_slice, raising=False)
+
+
+def _calls(counted: Counter, what: str, **want: int) -> None:
+    got = {k: v for k, v in counted.items() if v}
+    assert got == {k: v for k, v in want.items() if v}, f"{what}: collectives called {got or 'none'}, expected " \
+                                                         f"{ {k: v for k, v in want.items() if v} or 'none'}"
+
+
+@pytest.mark.task_11_collectives
+@pytest.mark.parametrize("degree", [1, 2, 3])
+def test_row_parallel_linear_all_reduces_once(degree, reference_slices):
+    g = torch.Generator().manual_seed(degree)
+    w = torch.randn(10, 6 * degree, generator=g, dtype=torch.float64)
+    x = torch.randn(2, 5, 6 * degree, generator=g, dtype=torch.float64)
+    want = x @ w.T
+    linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.float64)
+    linear.weight.data.copy_(w)
+    n = w.shape[1] // degree
+
+    def rank(r, comm):
+        x_r = x[..., r * n:(r + 1) * n]
+        whole = impl.RowParallelLinear(linear, r, degree, comm)(x_r.clone())
+        calls_whole = dict(comm.calls)
+        part = impl.RowParallelLinear(linear, r, degree, comm, reduce=False)(x_r.clone())
+        return whole, calls_whole, part, x_r @ w[:, r * n:(r + 1) * n].T
+
+    for r, ((whole, calls_whole, part, want_part), calls) in enumerate(run_ranks(degree, rank)):
+        case = f"degree {degree}, rank {r}: RowParallelLinear(W {tuple(w.shape)})(x_r {tuple(x[..., :n].shape)})"
+        _calls(Counter(calls_whole), f"{case} with reduce=True", all_reduce=1)
+        assert torch.is_tensor(whole) and whole.shape == want.shape, (
+            f"{case}: output {getattr(whole, 'shape', whole)}, expected {tuple(want.shape)}")
+        err = (whole - want).abs().max().item()
+        ratio = (whole.abs().sum() / want.abs().sum()).item()
+        assert err <= 1e-9, (f"{case}: differs from the whole layer x @ W.T by {err:.3g} on this rank (|output| / "
+                             f"|expected| = {ratio:.3g}: {degree}.0 is a sum taken twice, {1 / degree:.3g} a partial "
+                             f"never summed)")
+        _calls(calls - Counter(calls_whole), f"{case} with reduce=False")
+        assert torch.is_tensor(part) and part.shape == want.shape and (part - want_part).abs().max().item() <= 1e-9, (
+            f"{case} with reduce=False must return the rank's own partial product x_r @ W_r.T, uncommunicated")
+    forbid_calls(impl.RowParallelLinear.forward, LIBRARY)
+
+
+@pytest.mark.task_11_collectives
+@pytest.mark.parametrize("degree", [1, 2, 3])
+def test_vocab_parallel_embedding_and_head(degree):
+    g = torch.Generator().manual_seed(10 + degree)
+    vocab, dim = 4 * degree, 5
+    w = torch.randn(vocab, dim, generator=g, dtype=torch.float64)
+    ids = torch.tensor([[0, vocab - 1, 3 % vocab, 4 % vocab], [vocab // 2, 1, vocab - 2, 0]])
+    h = torch.randn(2, 3, dim, generator=g, dtype=torch.float64)
+    n = vocab // degree
+
+    def rank(r, comm):
+        emb = impl.VocabParallelEmbedding(w, r, degree, comm)
+        part = emb.partial(ids)
+        after_partial = dict(comm.calls)
+        whole = emb(ids)
+        after_embed = dict(comm.calls)
+        logits = impl.VocabParallelHead(emb.weight, comm)(h)
+        return part, after_partial, whole, after_embed, logits
+
+    want_rows, want_logits = torch.nn.functional.embedding(ids, w), h @ w.T
+    for r, ((part, after_partial, whole, after_embed, logits), calls) in enumerate(run_ranks(degree, rank)):
+        case = f"degree {degree}, rank {r} (ids {r * n}..{r * n + n - 1} of {vocab})"
+        _calls(Counter(after_partial), f"{case}: VocabParallelEmbedding.partial")
+        mine = ((ids >= r * n) & (ids < r * n + n))[..., None]
+        want_part = torch.where(mine, want_rows, torch.zeros_like(want_rows))
+        assert torch.is_tensor(part) and part.shape == want_part.shape, (
+            f"{case}: partial({ids.tolist()}) has shape {getattr(part, 'shape', part)}, expected "
+            f"{tuple(want_part.shape)}")
+        assert torch.equal(part, want_part), (
+            f"{case}: partial({ids.tolist()}) must hold the rows of this rank's ids and zeros for every other id; "
+            f"wrong at (row, position) {(part != want_part).any(-1).nonzero().tolist()}")
+        _calls(Counter(after_embed), f"{case}: VocabParallelEmbedding.forward", all_reduce=1)
+        assert torch.is_tensor(whole) and whole.shape == want_rows.shape and \
+            (whole - want_rows).abs().max().item() <= 1e-12, (
+            f"{case}: the embedding of {ids.tolist()} must be the whole table's rows on every rank")
+        _calls(calls - Counter(after_embed), f"{case}: VocabParallelHead.forward", all_gather=1)
+        assert torch.is_tensor(logits) and logits.shape == want_logits.shape, (
+            f"{case}: the head's logits have shape {getattr(logits, 'shape', logits)}, expected "
+            f"{tuple(want_logits.shape)} (every rank gets the whole vocabulary)")
+        assert (logits - want_logits).abs().max().item() <= 1e-9, (
+            f"{case}: the head's logits differ from h @ W.T (the ranks' blocks, side by side in rank order)")
+    for fn in (impl.VocabParallelEmbedding.partial, impl.VocabParallelEmbedding.forward,
+               impl.VocabParallelHead.forward):
+        forbid_calls(fn, LIBRARY)
+
+
+TINY = {"n_heads": 6, "n_kv_heads": 3, "dim": 48, "ffn_dim": 96, "vocab_size": 384, "n_layers": 3, "max_seq_len": 64}
+
+
+def thread_ranks_logits(model, ids: list[int], degree: int) -> list[tuple[Tensor, Counter]]:
+    """`model` sharded with minillm.parallel.tensor.shard_tensor_parallel (whatever slices and classes it holds now)
+    on `degree` thread ranks: each rank's logits of `ids` and the collectives it called in the forward."""
+    from minillm.parallel.tensor import shard_tensor_parallel
+
+    copies = [copy.deepcopy(model) for _ in range(degree)]
+
+    def rank(r, comm):
+        shard_tensor_parallel(copies[r], comm)
+        comm.calls.clear()
+        return copies[r](torch.tensor([ids]))
+
+    return [(logits, calls) for logits, calls in run_ranks(degree, rank)]
+
+
+def check_tp_model(model, ids, degree: int, atol: float, what: str) -> None:
+    with torch.inference_mode():
+        want = model(torch.tensor([ids]))
+    blocks = len(model.layers)
+    for r, (logits, calls) in enumerate(thread_ranks_logits(model, ids, degree)):
+        case = f"{what}, tp={degree}, rank {r}"
+        _calls(calls, f"{case}: one forward ({blocks} blocks)", all_reduce=2 * blocks + 1, all_gather=1)
+        assert logits.shape == want.shape, f"{case}: logits {tuple(logits.shape)}, expected {tuple(want.shape)}"
+        err = (logits - want).abs().max().item()
+        assert err <= atol, f"{case}: the logits differ from the single-process model's by up to {err:.3g} (> {atol})"
+
+
+@pytest.mark.task_11_collectives
+def test_tiny_model_on_three_thread_ranks(reference_slices, monkeypatch):
+    """A random tiny model (6 query / 3 KV heads: attention splits at tp=3) sharded with your three classes: the
+    single-process logits on every rank, with 2 all-reduces per block, 1 for the embedding and 1 all-gather."""
+    from minillm.gguf.loader import load_spec
+
+    for name in ("RowParallelLinear", "VocabParallelEmbedding", "VocabParallelHead"):
+        monkeypatch.setattr(minillm.parallel.tensor, name, getattr(impl, name))
+    model, _ = load_spec({"tiny": TINY, "seed": 0}, "float64")
+    check_tp_model(model, [(7 * i + 3) % TINY["vocab_size"] for i in range(9)], 3, 1e-9, "a tiny random model")
+
+
 # ============================================================================================ task 11.real_model
 
 _PROMPT = "The capital of France is"
@@ -357,7 +574,8 @@ _DEGREE = 3  # SmolLM2-135M: 9 query heads, 3 KV heads: attention splits too (at
 
 def _tp_rank(rank: int, world_size: int, target: str, prompt_ids: list[int], n_new: int) -> dict:
     """One rank of the real-model task (runs in a fresh process started by launch, which imports this module by
-    name): your column_slice and row_slice put into minillm.parallel.tensor, then the engine's rank loop."""
+    name): your column_slice, row_slice and collectives' classes put into minillm.parallel.tensor, then the engine's
+    rank loop."""
     import importlib
 
     import minillm.parallel.tensor as tp
@@ -366,6 +584,8 @@ def _tp_rank(rank: int, world_size: int, target: str, prompt_ids: list[int], n_n
 
     learner = importlib.import_module(f"{target}.ex11_parallel")
     calls = {"column_slice": 0, "row_slice": 0}
+    for name in ("RowParallelLinear", "VocabParallelEmbedding", "VocabParallelHead"):
+        setattr(tp, name, getattr(learner, name))
 
     def counted(name):
         fn = getattr(learner, name)
@@ -375,7 +595,9 @@ def _tp_rank(rank: int, world_size: int, target: str, prompt_ids: list[int], n_n
             return fn(weight, rank, degree)
         return wrapper
 
+    # minillm's column_shard reads tp.column_slice; your RowParallelLinear's __init__ reads your module's row_slice
     tp.column_slice, tp.row_slice = counted("column_slice"), counted("row_slice")
+    learner.row_slice = tp.row_slice
     request = (prompt_ids, SamplingParams(max_tokens=n_new), frozenset())  # greedy, no stop token
     (out,) = rank_generate(rank, world_size, "smollm2-135m", [request], ParallelConfig(tp=world_size), "float32")
     return {"token_ids": out["token_ids"], "first_logits": out["first_logits"], "calls": calls,
@@ -428,17 +650,22 @@ def _simulated_block0(model, ids: list[int], degree: int) -> None:
 
 @pytest.mark.task_11_real_model
 def test_your_slices_run_smollm2_on_three_ranks(request, monkeypatch):
-    """Three real ranks shard SmolLM2 with your column_slice and row_slice and decode greedily: the tokens must be
-    the single-process model's, Paris included."""
+    """SmolLM2 sharded with your column_slice, row_slice and collectives: block 0 on 3 simulated ranks, then the whole
+    model on 3 thread ranks here (the single-process logits, the collectives a forward needs), then three real ranks
+    that decode greedily: the tokens must be the single-process model's, Paris included."""
     from minillm.parallel.distributed import launch
 
     impl.column_slice(torch.zeros(3, 2), 0, 3), impl.row_slice(torch.zeros(2, 3), 0, 3)  # a stub fails before the load
+    impl.RowParallelLinear(torch.nn.Linear(3, 2, bias=False), 0, 3, None, reduce=False)(torch.zeros(1))
     model, tok = request.getfixturevalue("real_model")
     ids = tok.encode(_PROMPT)
     with monkeypatch.context() as m:
         m.setattr(minillm.parallel.tensor, "column_slice", impl.column_slice)
         m.setattr(minillm.parallel.tensor, "row_slice", impl.row_slice)
         one_thread(_simulated_block0)(model, ids, _DEGREE)
+        for name in ("RowParallelLinear", "VocabParallelEmbedding", "VocabParallelHead"):
+            m.setattr(minillm.parallel.tensor, name, getattr(impl, name))
+        check_tp_model(model, ids, _DEGREE, 1e-3, "SmolLM2 on thread ranks with your slices and collectives")
 
     want = one_thread(minillm.generate)(model, tok, ids, max_new_tokens=_NEW, ignore_eos=True).token_ids
     with torch.inference_mode():
