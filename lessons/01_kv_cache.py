@@ -34,6 +34,7 @@ import matplotlib.pyplot as plt
 import torch
 
 import minillm
+from minillm.bench import roofline
 from minillm.bench.hardware import hardware_info, hardware_summary, peak_flops
 from minillm.bench.metrics import decode_bytes_per_token, model_flops_per_token, weight_bytes
 from minillm.config import LLAMA2_7B, LLAMA2_70B, SMOLLM2_135M
@@ -169,6 +170,13 @@ print(f"SmolLM2-135M's fp16 cache outgrows its fp16 weights ({w16 / 2**20:.0f} M
 print(f"per token, Llama-2-7B's cache is {kv_bytes_per_token(LLAMA2_7B) / kv_bytes_per_token(SMOLLM2_135M):.1f}x "
       f"SmolLM2-135M's, and Llama-2-70B's is {kv_bytes_per_token(LLAMA2_70B) / kv_bytes_per_token(LLAMA2_7B):.2f}x "
       f"Llama-2-7B's")
+# the prediction, checked against the engine's own allocation: a Llama-2-7B-shaped KVCache on the meta device
+# (shapes and dtypes, no memory), the same class that reserved SmolLM2's cache above
+predicted = 2 * LLAMA2_7B.n_layers * LLAMA2_7B.n_kv_heads * LLAMA2_7B.head_dim * 2 * 4096
+reserved = KVCache(LLAMA2_7B, 1, 4096, dtype=torch.float16, device="meta").nbytes()
+print(f"predicted {predicted / 2**30:.2f} GiB (2 x {LLAMA2_7B.n_layers} x {LLAMA2_7B.n_kv_heads} x "
+      f"{LLAMA2_7B.head_dim} x 2 B x 4096), measured {reserved / 2**30:.2f} GiB reserved by KVCache, because the "
+      f"cache holds exactly one K and one V vector per layer, KV head and position: nothing else grows with context")
 
 contexts = [2**i for i in range(7, 16)]
 fig, ax = plt.subplots(figsize=(6.4, 4))
@@ -197,6 +205,11 @@ plt.show()
 # read from memory to do 2 FLOPs (one multiply, one add). In float32 that is 0.5 FLOP per byte; a CPU (or GPU) can
 # do tens to hundreds of FLOPs in the time it reads one byte. So the step's time is set by *bytes moved*, not FLOPs:
 # the roof is bandwidth / (weight bytes + KV bytes read).
+#
+# **MBU** (model bandwidth utilisation) measures how close a step gets to that roof: *achieved bytes/s over peak
+# bytes/s*, where achieved = the bytes the step must read (weights + K/V) / the step's time. The peak on a GPU is its
+# datasheet figure; on this CPU it is the bandwidth `hardware_info` measured above (a large copy), the one figure
+# every lesson, `minillm generate` and every bench divide by. MFU is the same for FLOP/s.
 
 # %%
 ctx = 32 + n_new // 2
@@ -208,8 +221,8 @@ print(f"per decode step at context {ctx}: {bytes_tok / 1e6:.0f} MB read, {flops_
       f"-> arithmetic intensity {flops_tok / bytes_tok:.2f} FLOP/byte")
 print(f"time if bandwidth-bound: {bytes_tok / bw * 1e3:.1f} ms; if compute-bound: {flops_tok / peak * 1e3:.1f} ms; "
       f"measured (median step): {measured_s * 1e3:.1f} ms")
-print(f"MBU = {bytes_tok / measured_s / bw:.0%} of the measured copy bandwidth; "
-      f"MFU = {flops_tok / measured_s / peak:.1%} of the measured matmul FLOP/s")
+print(f"MBU = achieved {bytes_tok / measured_s / 1e9:.1f} GB/s / peak {bw / 1e9:.1f} GB/s = "
+      f"{bytes_tok / measured_s / bw:.0%}; MFU = {flops_tok / measured_s / peak:.1%} of the measured matmul FLOP/s")
 
 # %% [markdown]
 # The bandwidth-bound time is several times the compute-bound time: whatever the implementation, a batch-1 decode step
@@ -221,8 +234,43 @@ print(f"MBU = {bytes_tok / measured_s / bw:.0%} of the measured copy bandwidth; 
 # for memory: it removes the recomputation, and in exchange every sequence holds its K/V for its whole life.
 #
 # **On this machine** (a shared 2-core CPU; see the hardware line above) absolute times move with other processes'
-# load, so read ratios measured in the same run. On a GPU the same picture holds with ~100x more bandwidth and
-# ~1000x more FLOP/s: decode at batch 1 is even more firmly memory-bound there.
+# load, so read ratios measured in the same run.
+#
+# **A roofline model: when does the cache pay?** (`minillm/bench/roofline.py`; a model, not a measurement.) A step
+# takes max(bytes / bandwidth, FLOPs / FLOP/s) plus a fixed cost per op: dispatch on this CPU (measured now), a kernel
+# launch on a GPU, where launches overlap the GPU's work and the largest term sets the time. The H100's figures are
+# from its datasheet. Without the cache the step at position *t* does *t* tokens' FLOPs; with it, one token's. The
+# cache saves FLOPs, so it pays exactly as much as FLOPs were what the step waited for.
+
+# %%
+cpu, ops = roofline.this_cpu(torch.float32), roofline.eager_ops(model)
+t = 32 + n_new  # the last position of section 3's run; and a long context, where the recomputed FLOPs pile up
+for machine in (cpu, roofline.H100_SXM):
+    cases = {}
+    for name, cfg in (("SmolLM2-135M", SMOLLM2_135M), ("Llama-2-7B", LLAMA2_7B)):
+        n_ops = ops * cfg.n_layers // SMOLLM2_135M.n_layers  # the same code per block
+        for pos in (t, 4096):
+            cases[f"{name} at position {pos}"] = (
+                roofline.forward_step(cfg, machine, tokens=pos, context=pos // 2, ops=n_ops),  # no cache
+                roofline.forward_step(cfg, machine, tokens=1, context=pos, ops=n_ops))  # KV cache
+    rows = roofline.table(cases, machine)
+    roofline.print_table(rows)  # before = recompute everything, after = KV cache
+    if machine is cpu:
+        predicted = rows[0]["speedup"]
+    else:
+        idle = [r["case"] for r in rows if r["speedup"] < 1.05 and r["bound_before"] == "ops"]
+print(f"({cpu.source}, {cpu.op_seconds * 1e6:.1f} us per op, {ops} ops per step; H100: {roofline.H100_SXM.source})")
+measured = lat["none"][-1] / lat["contiguous"][-1]
+mfu_recompute = t * model_flops_per_token(model.config, t // 2) / (lat["none"][-1] / 1e3) / peak
+mbu_cached = decode_bytes_per_token(model, t) / (lat["contiguous"][-1] / 1e3) / bw
+print(f"predicted {predicted:.1f}x at position {t} on this CPU, measured {measured:.1f}x (section 3's last step), "
+      f"because the model puts both steps on their roofs, and here the recompute step reached {mfu_recompute:.0%} "
+      f"of the FLOP/s roof and the cached step {mbu_cached:.0%} of the bandwidth roof (MBU): measured / predicted "
+      f"~ {mbu_cached:.2f} / {mfu_recompute:.2f}")
+if idle:
+    print(f"on the H100 model the cache buys nothing for {', '.join(idle)}: those steps wait for their ~{ops:,} "
+          f"kernel launches, not for bytes or FLOPs; it pays once the recomputed FLOPs outgrow the launches, or once "
+          f"the launches are gone (one CUDA graph per step, lesson 06)")
 
 # %% [markdown]
 # **Exercise 01** (`exercises/ex01_kv_cache.py`): write the cache's write (`append_kv`) and one decode step's

@@ -41,6 +41,7 @@ import matplotlib.pyplot as plt
 import torch
 
 import minillm
+from minillm.bench import roofline
 from minillm.bench.batching import hf_padded_generate
 from minillm.bench.harness import time_fn
 from minillm.engine import LLM
@@ -73,6 +74,36 @@ for b, ms, tps in rows:
     print(f"{b:5d} {ms:8.1f} {tps:9.1f}")
 print(f"batch {rows[-1][0]} makes {rows[-1][2] / rows[0][2]:.1f}x the tokens/s of batch 1 "
       f"for {rows[-1][1] / rows[0][1]:.2f}x the step time")
+
+# the prediction, from a roofline model (minillm/bench/roofline.py): max(weight bytes / bandwidth, FLOPs / FLOP/s)
+# plus a fixed cost per op, with this CPU's roofs measured now and an H100's datasheet figures
+cpu, ops = roofline.this_cpu(torch.float32), roofline.eager_ops(model)
+big = rows[-1][0]
+
+
+def step_ratio(machine) -> float:
+    one, many = (roofline.forward_step(model.config, machine, batch=b, ops=ops) for b in (1, big))
+    return machine.seconds(many) / machine.seconds(one)
+
+
+def knee(machine, launches: bool = True) -> float:
+    """The batch at which the step's FLOPs take as long as its weight reads (and, on a GPU, its launches)."""
+    one = machine.terms(roofline.forward_step(model.config, machine, ops=ops))
+    floor = max(one["memory"], one["ops"]) if machine.overlaps_ops and launches else one["memory"]
+    return floor / one["compute"]
+
+
+h100 = roofline.H100_SXM
+measured, predicted = rows[-1][1] / rows[0][1], step_ratio(cpu)
+print(f"predicted {predicted:.2f}x the step time for batch {big} (this CPU: reading the weights takes as long as "
+      f"the FLOPs of ~{knee(cpu):.0f} sequences), measured {measured:.2f}x, because "
+      + ("the model's roofs are best cases: at these shapes torch's matmuls reach only part of the measured FLOP/s, "
+         "and a step's other ops (norms, RoPE, attention) also grow with the batch" if measured > predicted else
+         "a fixed part of the measured step (per-op dispatch, matmuls below the bandwidth roof) does not grow with "
+         "the batch, and the model counts it at its floor"))
+print(f"the same model for an H100 (datasheet, bf16): {step_ratio(h100):.2f}x for batch {big}; its FLOPs catch up "
+      f"with its weight reads at batch ~{knee(h100, launches=False):,.0f}, and with {ops} eager kernel launches only "
+      f"at ~{knee(h100):,.0f} ({cpu.source}; {h100.source})")
 
 # %% [markdown]
 # ## 2. The two policies, with the model abstracted away
@@ -221,20 +252,23 @@ print("free blocks after the run:", tight.num_free_blocks(), "of", tight.block_m
 # %% [markdown]
 # ## What the numbers say
 #
-# * **Section 1**: a bigger batch costs little extra time per step, because the step is dominated by reading the
-#   weights; on a GPU the curve is flatter still, up to batches in the hundreds. Everything below builds on it.
+# * **Section 1**: a bigger batch costs little extra time per step while the step is dominated by reading the
+#   weights (and, on a GPU, by launching its kernels); the roofline model printed there says up to which batch that
+#   holds on this CPU and on an H100. Everything below builds on it.
 # * **Static batching's loss is the bubbles**, not a slower step: its steps are *cheaper* (fewer live rows), but
 #   there are many more of them, at low occupancy, and the requests of later batches wait for every earlier batch
 #   (see its TTFT percentiles).
 # * **Continuous batching** keeps occupancy high while there is work, so the same weight reads produce more tokens.
 #   Its TPOT can be a bit higher (fuller, costlier steps, and prefills of newcomers share steps with decodes: the
 #   ITL tail), which is the usual throughput/latency trade; chunked prefill (`max_num_batched_tokens`) bounds it.
-# * **On this CPU** the step time grows faster with the batch than on a GPU (the matmuls are compute-bound sooner
-#   at 2 cores), so the measured throughput ratio is below the step-count ratio of section 2. Numbers come from a
-#   noisy shared machine: the ratios, measured side by side in one run, are what to read.
+# * **On this CPU** the step time grows with the batch sooner than on a GPU (section 1's model: a few cores reach
+#   their FLOP/s limit at a small batch), so the measured throughput ratio is below the step-count ratio of
+#   section 2. Numbers come from a noisy shared machine: the ratios, measured side by side in one run, are what to
+#   read.
 # * **transformers' `generate`** pads every batch to its longest prompt and runs every row until the longest output
-#   is done (it cannot stop a row without an EOS); it also keeps the GGUF weights packed and dequantizes them in its
-#   kernels. It is the outside reference, not a tuned server.
+#   is done (it cannot stop a row without an EOS). It loads the same GGUF file by dequantizing every tensor to
+#   float32 at load ("Converting and de-quantizing GGUF tensors" in the cell's log), so it computes on the same
+#   float weights as minillm here. It is the outside reference, not a tuned server.
 # * **Preemption by recompute** trades compute for memory: the evicted sequence's KV is thrown away and rebuilt by a
 #   prefill, which is cheap next to its decode steps. vLLM can also swap blocks to host memory instead.
 #

@@ -37,12 +37,14 @@
 
 # %%
 import copy
+import dataclasses
 import time
 
 import matplotlib.pyplot as plt
 import torch
 
 import minillm
+from minillm.bench import roofline
 from minillm.bench.fusion import first_divergence, ladder
 from minillm.bench.hardware import bf16_status
 from minillm.compile.fusion import count_ops, fuse
@@ -110,6 +112,13 @@ with torch.inference_mode():
     diff = float((fused(x) - model(x)).abs().max())
 print(f"aten ops per decode step: eager {ops_step['eager']}, fused {ops_step['fused']} "
       f"({ops_step['fused'] / ops_step['eager']:.0%} of eager); max |logit difference| fused vs eager: {diff:.2e}")
+n_blocks = len(model.layers)
+predicted_ops = ops_step["eager"] - n_blocks * (2 + 1 + 6 + 1)  # the question's arithmetic, per block
+added_back = (ops_step["fused"] - predicted_ops) / n_blocks
+print(f"predicted {predicted_ops} ops ({n_blocks} blocks x 10 fewer), measured {ops_step['fused']}, because "
+      + (f"fusion adds {added_back:.0f} op(s) per block back: each fused matmul's output is split into its parts "
+         f"(q, k, v; gate, up), one split_with_sizes per fused matmul" if added_back > 0 else
+         f"fusion removed {-added_back:.0f} more op(s) per block than the estimate counted"))
 
 # %% [markdown]
 # ## 3. Compiling the decode step
@@ -138,22 +147,27 @@ print("greedy tokens, compiled vs eager (float32):",
 # %% [markdown]
 # ## 4. The ladder, against the roofs measured in this run
 #
-# Each variant decodes the same 32-token prompt greedily; tok/s counts the tokens after the first. Three roofs,
-# measured here and now: the **read probe** (a large reduction: a decode step only *reads* weights), and the
-# **matmul ceiling** — torch's own batch-1 matrix-vector products over this model's weights with nothing else in
-# the step, i.e. what torch's kernels can reach on this machine at all. MBU = bytes read per token × tok/s ÷ read
-# bandwidth. bf16 halves the bytes; whether it is faster depends on whether this CPU has bf16 instructions (above).
+# Each variant decodes the same 32-token prompt greedily; tok/s counts the tokens after the first. **MBU** is lesson
+# 01's: achieved bytes/s over peak bytes/s, achieved = bytes read per token (weights + K/V) × tok/s, peak = the copy
+# probe (`hardware.probe_bandwidth`, the figure every lesson and bench divides by; a GPU's datasheet figure there).
+# Two more roofs, measured here and now, each as a share: the **read probe** (a large reduction: a decode step only
+# *reads* weights, and reads alone may stream faster than a copy), and the **matmul ceiling** — torch's own batch-1
+# matrix-vector products over this model's weights with nothing else in the step, i.e. what torch's kernels can
+# reach on this machine at all. bf16 halves the bytes; whether it is faster depends on whether this CPU has bf16
+# instructions (above).
 
 # %%
 repeat = pick(3, 1)
 # quick mode (CI) compiles nothing more here: section 3 showed compilation, and each compile takes half a minute
 rows, tokens, extra = ladder(model, prompt_ids, n_new, repeat,
                              compiled_dtypes=pick((torch.float32, torch.bfloat16), ()))
-print(f"read bandwidth {extra['read_GBps']:.1f} GB/s; {n_new} new tokens, best of {repeat} round-robin rounds")
-print(f"{'variant':<18}{'tok/s':>8}{'ops/step':>10}{'MBU':>7}{'of ceiling':>12}{'roof tok/s':>12}{'ceiling tok/s':>15}")
+print(f"peak (copy probe) {extra['copy_GBps']:.1f} GB/s, read probe {extra['read_GBps']:.1f} GB/s; {n_new} new tokens, "
+      f"best of {repeat} round-robin rounds")
+print(f"{'variant':<18}{'tok/s':>8}{'ops/step':>10}{'MBU':>7}{'of read':>9}{'of ceiling':>12}{'roof tok/s':>12}"
+      f"{'ceiling tok/s':>15}")
 for r in rows:
-    print(f"{r['variant']:<18}{r['decode_tok_s']:>8.1f}{r['ops_per_step'] or '-':>10}{r['mbu_read']:>7.0%}"
-          f"{r['of_matmul_ceiling']:>12.0%}{r['roof_tok_s']:>12.1f}{r['ceiling_tok_s']:>15.1f}")
+    print(f"{r['variant']:<18}{r['decode_tok_s']:>8.1f}{r['ops_per_step'] or '-':>10}{r['mbu']:>7.0%}"
+          f"{r['of_read_probe']:>9.0%}{r['of_matmul_ceiling']:>12.0%}{r['roof_tok_s']:>12.1f}{r['ceiling_tok_s']:>15.1f}")
 
 # %%
 fig, ax = plt.subplots(figsize=(8, 3.8))
@@ -163,7 +177,7 @@ for i, r in enumerate(rows):
     ax.hlines(r["ceiling_tok_s"], i - 0.4, i + 0.4, colors="k", linestyles="--",
               label="matmul ceiling" if i == 0 else None)
     ax.hlines(r["roof_tok_s"], i - 0.4, i + 0.4, colors="r", linestyles=":",
-              label="read-bandwidth roof" if i == 0 else None)
+              label="bandwidth roof (MBU 100%)" if i == 0 else None)
 ax.set_ylabel("decode tokens/s (batch 1)")
 ax.set_title("SmolLM2-135M decode: eager → fused → compiled")
 ax.legend(loc="upper left")
@@ -193,9 +207,57 @@ print(f"eager float32 runs at {1 - gap:.0%} of the matmul ceiling: at most {gap:
 # the matrix-vector products, and removing ops cannot help much; inductor's CPU code also calls matvec kernels of its
 # own, which need not be faster than eager's. That is what a CPU with few cores and a 135M-parameter model tends to
 # show, and why gpt-fast's big wins (eager 25 → compiled 107 tok/s on Llama-7B) are GPU numbers, where each of those
-# ~2,000 ops is a kernel launch of several microseconds. The ceiling itself is not the read roof either: torch's
+# ~2,000 ops is a kernel launch of several microseconds. The ceiling itself is not the bandwidth roof either: torch's
 # matvec kernels reach only part of the memory bandwidth at these shapes — the next lesson's quantized kernels are
 # measured against both.
+#
+# **A roofline model: why the sign flips on a GPU** (`minillm/bench/roofline.py`; a model, not a measurement). A step
+# takes max(bytes / bandwidth, FLOPs / FLOP/s) plus its ops × a fixed cost per op. On this CPU the same core
+# dispatches and computes, so the op cost adds to the roofline time; on a GPU the CPU queues launches while earlier
+# kernels run, so the larger of the launches and the roofline time sets the pace. This CPU's numbers are measured
+# now (the per-op cost: a multiply of two 576-wide rows, the floor of what an eager op costs); the H100's are its
+# datasheet's, with ~5 µs per kernel launched from eager PyTorch. Compiled is modelled at its best: no per-op cost
+# on this CPU; on the GPU one CUDA graph per step, whose replay still runs ~2 kernels per matmul (the matmul and one
+# fused elementwise kernel) at ~1 µs each with no CPU launch (an assumption, stated here, not a datasheet figure).
+
+# %%
+cpu, h100 = roofline.this_cpu(torch.float32), roofline.H100_SXM
+graph = dataclasses.replace(h100, name="H100 SXM, CUDA graph (model)", op_seconds=1e-6)
+n_mm = sum(isinstance(mod, torch.nn.Linear) for mod in model.modules())
+ctx = len(prompt_ids) + n_new // 2
+predicted = {}
+print(f"{'machine':<30}{'eager ms':>10}{'fused ms':>10}{'compiled ms':>13}{'fused':>8}{'compiled':>10}  eager bound by")
+# compiled at its best: no per-op cost on this CPU; on the GPU a graph replay of ~2 kernels per matmul
+for machine, compiled_on, compiled_ops in ((cpu, cpu, 0), (h100, graph, 2 * n_mm)):
+    steps = {k: roofline.forward_step(model.config, machine, context=ctx, ops=n) for k, n in ops_step.items()}
+    steps["compiled"] = roofline.forward_step(model.config, machine, context=ctx, ops=compiled_ops)
+    ms = {k: (compiled_on if k == "compiled" else machine).seconds(v) * 1e3 for k, v in steps.items()}
+    predicted[machine.name] = {k: ms["eager"] / ms[k] for k in ("fused", "compiled")}
+    print(f"{machine.name[:29]:<30}{ms['eager']:>10.2f}{ms['fused']:>10.2f}{ms['compiled']:>13.3f}"
+          f"{predicted[machine.name]['fused']:>7.2f}x{predicted[machine.name]['compiled']:>9.1f}x  "
+          f"{machine.bound(steps['eager'])}")
+for machine in (cpu, h100):  # the launch-overhead arithmetic behind each eager row
+    terms = machine.terms(roofline.forward_step(model.config, machine, context=ctx, ops=ops_step["eager"]))
+    print(f"  eager on {machine.name}: {terms['memory'] * 1e3:.2f} ms to read the weights, "
+          f"{terms['compute'] * 1e3:.3f} ms of FLOPs, {ops_step['eager']} ops x {machine.op_seconds * 1e6:.1f} us = "
+          f"{terms['ops'] * 1e3:.2f} ms of per-op cost ({machine.source})")
+removed_ms, step_ms = (ops_step["eager"] - ops_step["fused"]) * cpu.op_seconds * 1e3, 1e3 / tps["eager float32"]
+measured = {k: tps[f"{k} float32"] / tps["eager float32"] for k in ("fused", "compiled") if f"{k} float32" in tps}
+print(f"predicted fused/eager {predicted[cpu.name]['fused']:.2f}x on this CPU, measured {measured['fused']:.2f}x, "
+      f"because the {ops_step['eager'] - ops_step['fused']} ops fusion removes cost ~{removed_ms:.2f} ms of a "
+      f"{step_ms:.0f} ms step ({removed_ms / step_ms:.1%}): a change that small is inside a shared machine's noise, "
+      f"either sign")
+if "compiled" in measured:
+    print(f"predicted compiled/eager at most {predicted[cpu.name]['compiled']:.2f}x on this CPU, measured "
+          f"{measured['compiled']:.2f}x, because removing every op's cost wins at most that much, "
+          + ("and generated matvecs a little slower than eager's give it back" if measured["compiled"] < 1 else
+             "and the generated code kept the rest"))
+lost = [k for k, v in measured.items() if v < 1]
+print(f"on the H100 model: fused {predicted[h100.name]['fused']:.2f}x, "
+      f"compiled {predicted[h100.name]['compiled']:.0f}x, because its eager step is launch-bound "
+      f"({ops_step['eager']} launches take longer than reading the weights), so every op removed is time removed: "
+      + (f"{' and '.join(lost)}, a loss on this CPU, is a gain there" if lost else
+         "a few percent at most on this CPU becomes a multiple there"))
 
 # %% [markdown]
 # ## 5. What the compiler generated
@@ -219,9 +281,10 @@ print(kernel[start: start + 1500] if start >= 0 else kernel[:1500])
 # ## 6. On a GPU
 #
 # On CUDA, `compile=True` uses mode="reduce-overhead": the compiled step is recorded as a **CUDA graph** and replayed,
-# so the ~hundreds of kernels of a step cost one launch. That is where the big ratios of this technique come from;
-# `scripts/gpu_check.sh` measures it when a GPU is available. This lesson's figures are from the CPU named at the top
-# (no GPU was available when it was executed).
+# so the ~hundreds of kernels of a step cost one launch. That is where the big ratios of this technique come from
+# (section 4's roofline model: on an H100 the eager step of this model is launch-bound, several times longer than
+# reading its weights); `scripts/gpu_check.sh` measures it when a GPU is available. This lesson's figures are from
+# the CPU named at the top (no GPU was available when it was executed).
 #
 # **Exercise 06** (`exercises/ex06_fusion.py`, graded by `minillm grade 06`, hints one level at a time with
 # `minillm hint 06`): the two halves of this lesson's technique. First fuse the residual add into the RMSNorm after it

@@ -32,14 +32,16 @@
 
 # %%
 import collections
+import dataclasses
 
 import matplotlib.pyplot as plt
 import torch
 from gguf import GGUFReader
 
 import minillm
-from minillm.bench import run_entry
+from minillm.bench import roofline, run_entry
 from minillm.bench.hardware import bf16_status
+from minillm.config import LLAMA2_7B, SMOLLM2_135M
 from minillm.course.lesson import QUICK, hardware_line, pick
 from minillm.compress.llm_int8 import outlier_profile
 from minillm.compress.quality import eval_ids
@@ -90,23 +92,53 @@ del q4_model
 #
 # **int8 per output channel, symmetric**: each row gets a scale max|w|/127 and w ≈ q·scale with q in [-127, 127].
 # **int4 group-wise, asymmetric**: each group of g inputs gets its own scale and minimum; smaller groups follow the
-# local range (less error) but store more scale bytes per weight. Error is relative to the weight's RMS.
+# local range (less error) but store more scale bytes per weight. Error is relative to the weight's RMS. Beside the
+# measured error, a prediction: rounding to a grid of step Δ leaves an error spread evenly within ±Δ/2, Δ/√12 RMS;
+# and the same formats on a weight that was never quantized (a Gaussian of the same shape and RMS).
 #
 # *Predict before you run the next cell:* int8 has 255 levels per row, int4 has 16 per group. Roughly how many times
 # larger do you expect int4 g64's relative error to be than int8's on this weight? Write your number down.
 
 # %%
-w = fp32_model.layers[12].attn.wq.weight
-rms = w.pow(2).mean().sqrt()
-q, s = quantize_int8(w)
-rows = [("int8 per channel", 8 + 32 / w.shape[1], (dequantize_int8(q, s) - w).pow(2).mean().sqrt() / rms)]
-for g in (32, 64):
-    for bits in (4, 3):
-        c, sc, mn = quantize_int4(w, g, bits)
-        rows.append((f"int{bits} g{g}", bits + 32 / g, (dequantize_int4(c, sc, mn, g) - w).pow(2).mean().sqrt() / rms))
-print(f"{'format':<18}{'bits/weight':>12}{'rel. RMS error':>16}")
-for name, bits, err in rows:
-    print(f"{name:<18}{bits:>12.2f}{err:>16.2%}")
+w = fp32_model.layers[12].attn.wq.weight.detach()
+fresh = torch.randn(w.shape, generator=torch.Generator().manual_seed(0)) * w.pow(2).mean().sqrt()
+
+
+def rel_error(w, bits=None, g=None) -> float:
+    """Round-to-nearest's RMS error relative to the weight's RMS: int8 per channel (bits None) or int<bits> g<g>."""
+    if bits is None:
+        back = dequantize_int8(*quantize_int8(w))
+    else:
+        back = dequantize_int4(*quantize_int4(w, g, bits), g)
+    return float((back - w).pow(2).mean().sqrt() / w.pow(2).mean().sqrt())
+
+
+def step_error(w, bits=None, g=None) -> float:
+    """The prediction, Δ/√12 relative to the weight's RMS: Δ = max|w| / 127 per row for int8, (max - min) /
+    (2^bits - 1) per group for int<bits>."""
+    if bits is None:
+        step = w.abs().amax(1) / 127
+    else:
+        groups = w.reshape(w.shape[0], -1, g)
+        step = (groups.amax(-1) - groups.amin(-1)) / (2**bits - 1)
+    return float((step.pow(2).mean() / 12).sqrt() / w.pow(2).mean().sqrt())
+
+
+formats = [("int8 per channel", None, None, 8 + 32 / w.shape[1])]
+formats += [(f"int{bits} g{g}", bits, g, bits + 32 / g) for g in (32, 64) for bits in (4, 3)]
+err = {name: (step_error(w, bits, g), rel_error(w, bits, g), rel_error(fresh, bits, g))
+       for name, bits, g, _ in formats}
+print(f"{'format':<18}{'bits/weight':>12}{'predicted':>11}{'this weight':>13}{'never quantized':>17}")
+for name, _, _, bpw in formats:
+    print(f"{name:<18}{bpw:>12.2f}" + "".join(f"{e:>{n}.2%}" for e, n in zip(err[name], (11, 13, 17))))
+(p8, m8, _), (p64, m64, _), (p32, m32, f32) = err["int8 per channel"], err["int4 g64"], err["int4 g32"]
+print(f"predicted int4 g64 / int8 = {p64 / p8:.0f}x, measured {m64 / m8:.0f}x, because the error follows the rounding "
+      f"step: 16 levels across a group's range against 255 across a row's")
+if m32 < 0.1 * p32:
+    print(f"int4 g32: predicted {p32:.1%}, measured {m32:.2%}, because this weight already is a 4-bit g32 weight: the "
+          f"file stores it as Q4_1 codes in groups of 32 (section 1), round-to-nearest finds the same codes, and only "
+          f"the fp16 rounding of each group's scale and minimum is left. A weight that was never quantized loses "
+          f"{f32:.1%}.")
 
 # %% [markdown]
 # ## 3. LLM.int8() and outlier features
@@ -146,9 +178,11 @@ print(f"the residual stream (q/k/v input) has {n_attn} outlier columns summed ov
 #
 # `minillm bench quant` loads each variant fresh, counts its weight bytes from its tensors, decodes the same prompt
 # greedily (variants round-robin, best round), times a prefill, and scores perplexity, KL and top-1 agreement against
-# the fp32 reference on the head of the pydoc text. AWQ calibrates on the text's tail. 3-bit rows are quality only.
+# the fp32 reference on the head of the pydoc text. AWQ calibrates on the text's tail. 3-bit rows are quality only:
+# there is no 3-bit kernel, so they run in float, and their size is computed for the packed format (hollow markers).
 
 # %%
+ops = roofline.eager_ops(fp32_model)  # for section 4's roofline model
 del fp32_model
 result = run_entry("quant", quick=QUICK, save=True, out="../results")
 bench = [r for r in result.rows if "ppl" in r]
@@ -156,8 +190,9 @@ bench = [r for r in result.rows if "ppl" in r]
 # %%
 fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
 for r in bench:
-    a1.scatter(r["weight_MB"], r["ppl"])
-    a1.annotate(r["variant"], (r["weight_MB"], r["ppl"]), fontsize=7)
+    computed = "size" in r  # quality-only rows: bytes of the packed format, computed (the bench's "size" column)
+    a1.scatter(r["weight_MB"], r["ppl"], facecolors="none" if computed else None, edgecolors="k" if computed else None)
+    a1.annotate(r["variant"] + (" (size computed)" if computed else ""), (r["weight_MB"], r["ppl"]), fontsize=7)
 a1.set_xlabel("weight MB")
 a1.set_ylabel("perplexity (pydoc head)")
 a1.set_yscale("log")
@@ -189,6 +224,78 @@ if "Q4_1 from the file" in by:
           f"weights, only the arithmetic differs; decode {f4['decode_tok_s'] / base['decode_tok_s']:.2f}x bf16.")
 fastest = max(timed, key=lambda r: r["decode_tok_s"])
 print(f"fastest decode here: {fastest['variant']} at {fastest['decode_tok_s']:.1f} tok/s.")
+emb = SMOLLM2_135M.vocab_size * SMOLLM2_135M.dim
+print(f"\nWhich weights each row shrinks: the int8/int4 rows (RTN and AWQ) quantize every Linear and the tied "
+      f"embedding/LM head ({emb / 1e6:.1f}M of the {SMOLLM2_135M.n_params() / 1e6:.1f}M parameters); 'Q4_1 from the "
+      f"file' keeps the file's Q8_0 (8-bit) embedding/LM head; the 3-bit rows keep it in float.")
+if "int4 g32 RTN" in by and "Q4_1 from the file" in by:
+    g32 = by["int4 g32 RTN"]
+    print(f"int4 g32 RTN finds the file's own codes for every block Linear (section 1 showed one layer), so its "
+          f"{f4['weight_MB'] - g32['weight_MB']:.1f} MB fewer and its perplexity {g32['ppl']:.2f} against the file's "
+          f"{f4['ppl']:.2f} (KL {g32['kl']:.4f} against {f4['kl']:.4f}) are the LM head at 4 bits instead of 8.")
+
+# %% [markdown]
+# **A roofline model: where fewer bytes pay** (`minillm/bench/roofline.py`; a model, not a measurement). A step takes
+# max(bytes / bandwidth, FLOPs / FLOP/s) plus its ops × a fixed cost per op (on a GPU the launches overlap the work,
+# so the largest term sets the time). Quantization changes only the first term's bytes: it pays where that term sets
+# the time. The model takes each row's measured weight bytes, FLOPs at this CPU's measured float32 rate for every
+# format, and leaves out the work of unpacking the weights, so it is a best case for the quantized rows. This CPU's
+# numbers are measured now; the H100's are its datasheet's (bf16 weights before quantization).
+
+# %%
+cpu, h100 = roofline.this_cpu(torch.float32), roofline.H100_SXM
+ref_mb = ref["weight_MB"]  # the fp32 model: 4 bytes per parameter
+
+
+def step(machine, cfg, mb, tokens):
+    """One batch-1 step of `tokens` with the weights at `mb` MB of SmolLM2's fp32 size scaled to the machine's."""
+    scale = mb / ref_mb * 4 / machine.bytes_per_weight
+    return roofline.forward_step(cfg, machine, tokens=tokens, context=64 if tokens == 1 else tokens // 2,
+                                 ops=ops * cfg.n_layers // SMOLLM2_135M.n_layers, weight_scale=scale)
+
+
+def model_ratio(machine, mb, tokens, cfg=SMOLLM2_135M, base_mb=None):
+    before = step(machine, cfg, ref_mb / 2 if base_mb is None else base_mb, tokens)  # bf16 unless told otherwise
+    return machine.seconds(before) / machine.seconds(step(machine, cfg, mb, tokens))
+
+
+print(f"speedup over {base['variant']} (H100 model: over bf16)")
+print(f"{'':<28}{'decode (1 token)':^32}{'prefill (128 tokens)':^32}")
+print(f"{'variant':<22}{'MB':>6}{'CPU model':>11}{'measured':>10}{'H100 model':>11}{'CPU model':>11}{'measured':>10}"
+      f"{'H100 model':>11}")
+quantized = [r for r in timed if r is not ref and r is not base]
+for r in quantized:
+    print(f"{r['variant']:<22}{r['weight_MB']:>6.0f}"
+          f"{model_ratio(cpu, r['weight_MB'], 1, base_mb=base['weight_MB']):>10.2f}x"
+          f"{r['decode_tok_s'] / base['decode_tok_s']:>9.2f}x{model_ratio(h100, r['weight_MB'], 1):>10.2f}x"
+          f"{model_ratio(cpu, r['weight_MB'], 128, base_mb=base['weight_MB']):>10.2f}x"
+          f"{r['prefill_tok_s'] / base['prefill_tok_s']:>9.2f}x{model_ratio(h100, r['weight_MB'], 128):>10.2f}x")
+print(f"({cpu.source}, {cpu.op_seconds * 1e6:.1f} us per op; H100: {h100.source}, ~{ops} launches per step)")
+best_prefill = max(model_ratio(cpu, r["weight_MB"], 128, base_mb=base["weight_MB"]) for r in quantized)
+measured_prefill = ", ".join(f"{r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x" for r in quantized)
+slower = [r["variant"] for r in quantized if r["prefill_tok_s"] < base["prefill_tok_s"]]
+faster = [r["variant"] for r in quantized if r["prefill_tok_s"] > 1.02 * best_prefill * base["prefill_tok_s"]]
+print(f"prefill: predicted at most {best_prefill:.2f}x for every format, measured {measured_prefill}, because 128 "
+      f"tokens make the step compute-bound: fewer bytes buy nothing, and unpacking the weights costs work the model "
+      f"leaves out" + (f" (slower here: {', '.join(slower)})" if slower else "")
+      + (f"; above the model: {', '.join(faster)}, whose kernels compute in integers, at a rate of their own that the "
+         f"model (this CPU's float32 FLOP/s) does not know" if faster else ""))
+i8 = by["int8 weight-only"]
+mbu_base, mbu_i8 = (r["weight_MB"] * 1e6 * r["decode_tok_s"] / cpu.bandwidth for r in (base, i8))
+print(f"int8 decode: predicted {model_ratio(cpu, i8['weight_MB'], 1, base_mb=base['weight_MB']):.2f}x on this CPU, "
+      f"measured {i8['decode_tok_s'] / base['decode_tok_s']:.2f}x, because a batch-1 step waits for its bytes here and "
+      f"the model puts both on the bandwidth roof, where {base['variant']} reached {mbu_base:.0%} of it (MBU) and int8 "
+      f"{mbu_i8:.0%}; on the H100 model {model_ratio(h100, i8['weight_MB'], 1):.2f}x, because this small model's "
+      f"eager step waits for its ~{ops} launches there.")
+# a bigger model with its launches gone (lesson 06's CUDA-graph model: ~2 kernels per matmul at ~1 us each)
+graph = dataclasses.replace(h100, name="H100 SXM, CUDA graph (model)", op_seconds=1e-6)
+llama_ops = 2 * (7 * LLAMA2_7B.n_layers + 1)  # q, k, v, o, gate, up, down per block, and the LM head
+llama = {mb: roofline.forward_step(LLAMA2_7B, graph, context=64, ops=llama_ops, weight_scale=mb / (ref_mb / 2))
+         for mb in (ref_mb / 2, i8["weight_MB"], ref_mb / 8)}
+t_llama = {mb: graph.seconds(st) for mb, st in llama.items()}
+print(f"Llama-2-7B in one CUDA graph per step (H100 model): bound by {graph.bound(llama[ref_mb / 2])} in bf16; int8 "
+      f"{t_llama[ref_mb / 2] / t_llama[i8['weight_MB']]:.2f}x, a quarter of bf16's bytes (int4) "
+      f"{t_llama[ref_mb / 2] / t_llama[ref_mb / 8]:.2f}x: where the bytes set the time, fewer bytes pay on a GPU too.")
 
 # %% [markdown]
 # ## 5. A low-bit kernel for the CPU: fewer bytes become less time

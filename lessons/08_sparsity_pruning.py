@@ -57,14 +57,30 @@ calib = calibration_ids(tok, pick(512, 128))  # the tail of the pydoc text; perp
 # ## 1. Which weights to remove: magnitude vs Wanda on one real layer
 #
 # Wanda needs the L2 norm of each input channel over some calibration tokens — one forward pass, no gradients.
-# Take block 12's `mlp.down` (its input is where lesson 07 found the outliers), prune it to 50% both ways, and
-# measure the error each mask causes *on the layer's output* for calibration activations.
+# Lesson 07 found the outliers at the input of `mlp.down`; the cell measures, for every block, how far its loudest
+# input channel stands above the median one, and takes the block where it stands highest. It prunes that layer to
+# 50% both ways and measures the error each mask causes *on the layer's output* for calibration activations. Beside
+# it, a prediction from the weights and channel norms alone: if input channels were independent, removing W[i, j]
+# would add W[i, j]²·‖x_j‖² to the output's squared error.
 #
 # *Predict before you run the next cell:* both masks remove half of the weights. Will Wanda's output error be about
 # the same as magnitude's, half of it, or a small fraction? Write your guess down.
 
 # %%
-layer = model.layers[12].mlp.down
+sum_sq = {}  # block -> per input channel of its mlp.down, the sum of x_j² over the calibration tokens
+hooks = [block.mlp.down.register_forward_pre_hook(
+    lambda mod, args, i=i: sum_sq.__setitem__(i, args[0].reshape(-1, args[0].shape[-1]).pow(2).sum(0)))
+    for i, block in enumerate(model.layers)]
+with torch.inference_mode():
+    model(torch.tensor([calib]))
+for hook in hooks:
+    hook.remove()
+spread = {i: float(v.sqrt().max() / v.sqrt().median()) for i, v in sum_sq.items()}
+pick_block = max(spread, key=spread.get)
+print("loudest / median input channel of mlp.down, block by block:", " ".join(f"{spread[i]:.0f}" for i in spread))
+print(f"taking block {pick_block} ({spread[pick_block]:.0f}x; the median block: "
+      f"{sorted(spread.values())[len(spread) // 2]:.0f}x)")
+layer = model.layers[pick_block].mlp.down
 seen = []
 hook = layer.register_forward_pre_hook(lambda mod, args: seen.append(args[0].reshape(-1, args[0].shape[-1])))
 with torch.inference_mode():
@@ -72,19 +88,30 @@ with torch.inference_mode():
 hook.remove()
 x = torch.cat(seen)  # (tokens, 1536): the layer's real inputs
 norm = x.pow(2).sum(0).sqrt()
-w = layer.weight
+w = layer.weight.detach()
 masks = {"magnitude (per matrix)": unstructured_mask(magnitude_scores(w), 0.5, per_row=False),
          "magnitude (per row)": unstructured_mask(magnitude_scores(w), 0.5),
          "Wanda (per row)": unstructured_mask(wanda_scores(w, norm), 0.5),
          "Wanda 2:4": semi_structured_mask(wanda_scores(w, norm))}
 want = x @ w.T
+energy = w.pow(2) * norm.pow(2)  # what each weight adds to the output's squared size, channels taken independent
 print(f"input channel norms: median {norm.median():.1f}, max {norm.max():.1f} ({norm.max() / norm.median():.0f}x)")
-print(f"{'mask':<24}{'kept':>7}{'rel. output error':>20}")
+print(f"{'mask':<24}{'kept':>7}{'predicted error':>17}{'rel. output error':>20}")
+pred, meas = {}, {}
 for name, mask in masks.items():
-    err = (x @ (w * mask).T - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()
-    print(f"{name:<24}{mask.float().mean():>7.0%}{err:>20.2%}")
+    pred[name] = float((energy * ~mask).sum().sqrt() / energy.sum().sqrt())
+    meas[name] = float((x @ (w * mask).T - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
+    print(f"{name:<24}{mask.float().mean():>7.0%}{pred[name]:>17.2%}{meas[name]:>20.2%}")
 agree = (masks["magnitude (per row)"] == masks["Wanda (per row)"]).float().mean()
+loud = norm > 10 * norm.median()
+share = energy[:, loud].sum() / energy.sum()
+dropped = 1 - masks["magnitude (per row)"][:, loud].float().mean()
+by_mag, by_wanda = "magnitude (per row)", "Wanda (per row)"
 print(f"magnitude and Wanda agree on {agree:.0%} of the weights; they differ on the loud channels")
+print(f"predicted Wanda / magnitude error = {pred[by_wanda] / pred[by_mag]:.2f}, measured "
+      f"{meas[by_wanda] / meas[by_mag]:.2f}, because the {int(loud.sum())} input channels louder than 10x the median "
+      f"({loud.float().mean():.1%} of them) carry {share:.0%} of the output's energy: Wanda keeps their weights, "
+      f"magnitude drops {dropped:.0%} of them")
 
 # %% [markdown]
 # ## 2. What zeros cost to store
@@ -204,6 +231,58 @@ print(f"saved to {folder} (lesson 09 starts from it: minillm.gguf.loader.load_sa
 # `scripts/gpu_check.sh` times it for this model's shapes (`scripts/gpu_check_sparsity.py`). No GPU was available
 # when this notebook was executed: its numbers are the CPU named at the top, where torch has no sparse kernel.
 #
+# **A roofline model: when 2:4 pays** (`minillm/bench/roofline.py`; a model, not a measurement). A step takes
+# max(bytes / bandwidth, FLOPs / FLOP/s) plus its ops × a fixed cost per op (on a GPU the launches overlap the work,
+# so the largest term sets the time). A 2:4 kernel reads 0.5625x the bytes of each block matrix (half the values
+# plus the positions) and, on a sparse tensor core, spends half the time on its FLOPs; the embedding/LM head stays
+# dense. Without a kernel the zeros are read and multiplied like any weight. This CPU's numbers are measured now; the
+# H100's are its datasheet's (bf16; the sparse tensor-core rate is twice the dense 989 TFLOP/s).
+
+# %%
+from minillm.bench import roofline  # noqa: E402
+from minillm.bench.harness import time_fn  # noqa: E402
+from minillm.config import LLAMA2_7B  # noqa: E402
+
+cpu, h100, ops = roofline.this_cpu(torch.float32), roofline.H100_SXM, roofline.eager_ops(model)
+
+
+def sparse_scales(cfg) -> tuple[float, float]:
+    """(bytes, matmul FLOPs) of a model whose block matrices are 2:4, as fractions of the dense model's."""
+    read = cfg.n_params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
+    blocks = read - cfg.vocab_size * cfg.dim - 2 * cfg.n_layers * cfg.dim  # the head and the norms stay dense
+    return (read - blocks + 0.5625 * blocks) / read, (read - blocks + 0.5 * blocks) / read
+
+
+def speedup(machine, cfg, tokens, kernel=True) -> float:
+    n_ops = ops * cfg.n_layers // model.config.n_layers
+    byte_scale, flop_scale = sparse_scales(cfg) if kernel else (1.0, 1.0)
+    dense, sparse = (roofline.forward_step(cfg, machine, tokens=tokens, context=max(64, tokens // 2), ops=n_ops,
+                                           weight_scale=b, matmul_flop_scale=f)
+                     for b, f in ((1.0, 1.0), (byte_scale, flop_scale)))
+    return machine.seconds(dense) / machine.seconds(sparse)
+
+
+SMOLLM2 = model.config
+cases = [("SmolLM2 decode", SMOLLM2, 1), ("SmolLM2 prefill 2048", SMOLLM2, 2048),
+         ("Llama-2-7B decode", LLAMA2_7B, 1), ("Llama-2-7B prefill 2048", LLAMA2_7B, 2048)]
+print(f"{'2:4 vs dense, model':<26}" + "".join(f"{name:>24}" for name, _, _ in cases))
+for label, machine, kernel in (("this CPU, no 2:4 kernel", cpu, False), ("this CPU, if it had one", cpu, True),
+                               ("H100 SXM, sparse cores", h100, True)):
+    print(f"{label:<26}" + "".join(f"{speedup(machine, cfg, n, kernel):>23.2f}x" for _, cfg, n in cases))
+print(f"({cpu.source}, {cpu.op_seconds * 1e6:.1f} us per op; H100: {h100.source})")
+xb = torch.randn(1, w.shape[1])
+w24f = w24.float()
+dense_s = time_fn(lambda: xb @ w.T, warmup=2, repeat=pick(50, 10)).median
+masked_s = time_fn(lambda: xb @ w24f.T, warmup=2, repeat=pick(50, 10)).median
+expand_s = time_fn(lambda: xb @ decompress_2to4(values, meta).float().T, warmup=2, repeat=pick(50, 10)).median
+print(f"predicted 1.00x on this CPU (no 2:4 kernel: the zeros are read and multiplied), measured on block "
+      f"{pick_block}'s mlp.down at batch 1: {dense_s / masked_s:.2f}x with the zeros in a dense matrix, "
+      f"{dense_s / expand_s:.2f}x kept in the 2:4 layout and expanded for each call, because without a kernel the "
+      f"layout saves bytes at rest and costs work in use; the sign flips where a kernel exists and the step is bound "
+      f"by what 2:4 halves: on the H100 model, {speedup(h100, LLAMA2_7B, 2048):.2f}x for a 2048-token Llama-2-7B "
+      f"prefill, {speedup(h100, SMOLLM2, 1):.2f}x for this model's launch-bound decode")
+
+# %% [markdown]
 # **Exercise 08** (`exercises/ex08_sparsity.py`, graded by `minillm grade 08`): Wanda scores and per-row masks, a
 # 2:4 mask, and dropping blocks from a model; the last task prunes the real model with your functions. Next, lesson 09
 # recovers the pruned model's quality by distilling the unpruned one into it.

@@ -32,6 +32,7 @@
 
 # %%
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,7 +41,7 @@ import matplotlib.pyplot as plt
 import torch
 
 import minillm
-from minillm.bench import run_entry
+from minillm.bench import roofline, run_entry
 from minillm.bench.prefix_cache import shared_prefix_prompts, simulate_hit_rate
 from minillm.course.lesson import QUICK, hardware_line, pick
 from minillm.cache.prefix_cache import block_hashes
@@ -194,6 +195,31 @@ print(f"{'workload':<26}" + "".join(f"{n:>7}" for n in pools) + "   (pool size i
 for name, rates in hit.items():
     print(f"{name:<26}" + "".join(f"{r:>7.2f}" for r in rates))
 
+
+def seen_before(prompts: list[list[int]], block: int = 16) -> float:
+    """The hit rate a cache that never evicts would reach, from the prompts alone: each prompt's longest prefix shared
+    with an earlier prompt, in whole blocks and short of its last token (always recomputed), over all prompt tokens."""
+    reused = 0
+    for i, p in enumerate(prompts):
+        shared_len = max((len(os.path.commonprefix([p, q])) for q in prompts[:i]), default=0)
+        reused += min(shared_len, len(p) - 1) // block * block
+    return reused / sum(len(p) for p in prompts)
+
+
+bound = {name: seen_before(ps) for name, ps in workloads.items()}
+print("\nranking predicted from the prompts alone:", " > ".join(sorted(bound, key=bound.get, reverse=True)))
+for name, rates in hit.items():
+    if bound[name] == 0:
+        why = "no prompt starts like an earlier one, so there is nothing to reuse"
+    elif rates[0] >= bound[name] - 0.005:
+        why = f"the shared blocks stay cached even in {pools[0]} blocks"
+    else:
+        enough = next((n for n, r in zip(pools, rates) if r >= bound[name] - 0.005), None)
+        why = (f"below {enough} blocks the pool evicts shared blocks before they come back" if enough else
+               "even the largest pool evicts shared blocks before they come back")
+    print(f"{name}: predicted {bound[name]:.2f} (prefix seen before), measured {rates[-1]:.2f} at {pools[-1]} "
+          f"blocks and {rates[0]:.2f} at {pools[0]}, because {why}")
+
 # %%
 fig, ax = plt.subplots(figsize=(7, 3.5))
 for name, rates in hit.items():
@@ -282,6 +308,37 @@ plt.show()
 # chunk. On a GPU a step of a few hundred tokens costs barely more than a step of one (decode is memory bound), so
 # vLLM and SGLang default to budgets in the thousands; on this CPU every token in a step costs time, and the best
 # budget is much smaller.
+#
+# **A roofline model** of that difference (`minillm/bench/roofline.py`: a model, not a measurement). A step's time
+# is max(weight bytes / bandwidth, FLOPs / FLOP/s) plus a fixed cost per op (on a GPU, kernel launches overlap the
+# GPU's work, so the largest of the three terms sets the time). This CPU's three numbers are measured now; the H100's
+# are datasheet figures. How much longer is a step of the bench's decodes when it also carries a prompt chunk?
+
+# %%
+cpu = roofline.this_cpu(torch.float32)
+ops = roofline.eager_ops(model)
+decodes, long_len = cp["settings"]["decodes"], cp["settings"]["long_len"]
+ctx = 32 + cp["settings"]["decode_len"] // 2  # the decodes' keys at mid-run: a 32-token prompt and half the output
+chunks = [c for c in (16, 64, 256, long_len) if c <= long_len]
+print(f"{'machine':<34}" + "".join(f"{f'+{c} tok':>11}" for c in chunks) + "   (step time / a step of decodes alone)")
+growth = {}
+for machine in (cpu, roofline.H100_SXM):
+    alone = machine.seconds(roofline.forward_step(model.config, machine, tokens=decodes, context=ctx, ops=ops))
+    growth[machine.name] = [machine.seconds(roofline.forward_step(model.config, machine, tokens=decodes + c,
+                                                                  context=ctx + c // 2, ops=ops)) / alone
+                            for c in chunks]
+    print(f"{machine.name[:33]:<34}" + "".join(f"{g:>10.1f}x" for g in growth[machine.name]))
+print(f"  ({cpu.source}, {cpu.op_seconds * 1e6:.1f} us per op, {ops} ops per step; H100: {roofline.H100_SXM.source})")
+plain = next(r for r in cp["rows"] if not r["chunked"])
+measured = plain["max_step_s"] / plain["decode_itl_p50_s"]
+model_says = growth[cpu.name][-1]
+print(f"predicted {model_says:.0f}x for a step that carries a whole {long_len}-token prompt on this CPU, measured "
+      f"{measured:.0f}x (the bench's longest unchunked step over its median decode gap), because "
+      + ("the engine's own per-step work (scheduling, the paged-cache gather), which the model leaves out, "
+         "lengthens every step alike and so shrinks the ratio" if measured < model_says / 1.5 else
+         "a prompt in the step costs its FLOPs, which the model counts") +
+      f"; on the H100 the same step costs {growth[roofline.H100_SXM.name][-1]:.1f}x: launches, not tokens, set its "
+      f"time, which is why GPU engines take budgets in the thousands.")
 
 # %% [markdown]
 # ## 6. Reading a serving benchmark
@@ -294,20 +351,27 @@ plt.show()
 # - **TPOT / ITL** (time per output token, inter-token latency): the decode step time, which grows with the batch
 #   and with any prefill that shares the step (section 5);
 # - **throughput** (requests/s, output tokens/s): what the operator pays for. It rises with the rate until the engine
-#   is saturated, then stays flat while the queue, and TTFT with it, grows without bound;
+#   is saturated, then stays flat while the queue, and TTFT with it, grows as long as requests keep arriving;
 # - **goodput**: requests/s that met the latency objective (here TTFT and TPOT limits, printed below). It is the
-#   number that matters: past saturation, throughput looks fine and goodput collapses.
+#   number that matters: past saturation throughput holds at the capacity while goodput falls.
+#
+# A queue needs two things: requests arriving faster than the engine finishes them, and for long enough. The server
+# has 16 slots (`max_num_seqs`), so the bench sends each rate's requests over the same ~24 s: past the capacity
+# about (rate - capacity) × 24 requests are left waiting. (Sixteen requests per rate, as an earlier version sent,
+# all fit into the slots at once: TPOT rose, nobody waited, and goodput equalled throughput at every rate.) The
+# lines under the table say what this run shows.
 
 # %%
 sv = recorded("serve")
-print(f"{'workload':<14}{'rate':>6}{'req/s':>7}{'tok/s':>7}{'TTFT p50':>9}{'p99':>7}{'TPOT p50':>9}{'p99':>7}"
-      f"{'goodput':>8}{'lost':>5}{'5xx':>5}{'hit':>6}")
+print(f"{'workload':<14}{'rate':>6}{'sent':>5}{'req/s':>7}{'tok/s':>7}{'TTFT p50':>9}{'p99':>7}{'TPOT p50':>9}"
+      f"{'p99':>7}{'goodput':>8}{'SLO met':>8}{'lost':>5}{'5xx':>5}{'hit':>6}")
 for r in sv["rows"]:
     if isinstance(r["rate"], str):
         continue
-    print(f"{r['workload']:<14}{r['rate']:>6}{r['requests_per_s']:>7.2f}{r['output_tok_per_s']:>7.1f}"
+    print(f"{r['workload']:<14}{r['rate']:>6}{r['sent']:>5}{r['requests_per_s']:>7.2f}{r['output_tok_per_s']:>7.1f}"
           f"{r['ttft_p50']:>9.2f}{r['ttft_p99']:>7.2f}{r['tpot_p50']:>9.3f}{r['tpot_p99']:>7.3f}"
-          f"{r['goodput_req_per_s']:>8.2f}{r['lost']:>5}{r['errors_5xx']:>5}{r['prefix_hit_rate']:>6.2f}")
+          f"{r['goodput_req_per_s']:>8.2f}{r.get('slo_attained', float('nan')):>8.0%}{r['lost']:>5}"
+          f"{r['errors_5xx']:>5}{r['prefix_hit_rate']:>6.2f}")
 for r in sv["rows"]:
     if isinstance(r["rate"], str):
         print(f"{r['workload']:<36} {r['output_tok_per_s']:6.2f} tok/s, TPOT {r['tpot_mean'] * 1000:6.1f} ms, "
@@ -316,6 +380,25 @@ for k, v in sv["ratios"].items():
     print(f"{k} = {v:.3f}")
 for note in sv["notes"]:
     print("note:", note)
+sweep = [r for r in sv["rows"] if r["workload"] == "short-chat" and not isinstance(r["rate"], str)]
+capacity = max(r["requests_per_s"] for r in sweep)
+over = [r for r in sweep if r["rate"] > 1.1 * capacity]
+print(f"\ncapacity: at most {capacity:.2f} short chats/s completed at any rate of this sweep")
+for r in sweep:
+    ok = r.get("slo_attained", r["goodput_req_per_s"] / max(r["requests_per_s"], 1e-9))
+    state = "more than the capacity" if r in over else "within the capacity"
+    print(f"  {r['rate']:>4} req/s offered ({state}): {r['requests_per_s']:.2f} completed/s, "
+          f"{r['goodput_req_per_s']:.2f} within the SLO ({ok:.0%} of {r['sent']}), TTFT p99 {r['ttft_p99']:.1f} s")
+if not over:
+    print("no rate of this run passed the capacity: no queue formed, and goodput can only fall with TPOT")
+elif all(r["goodput_req_per_s"] >= 0.95 * r["requests_per_s"] for r in over):
+    print("past the capacity goodput still kept up with throughput: too few requests arrived there for the wait to "
+          "pass the TTFT limit (a burst that fits into the free slots waits for nothing)")
+else:
+    worst = over[-1]
+    print(f"past the capacity, throughput held at {worst['requests_per_s']:.2f} req/s while goodput fell to "
+          f"{worst['goodput_req_per_s']:.2f}: the waiting requests' TTFT (p99 {worst['ttft_p99']:.1f} s) is over the "
+          f"{sv['settings']['slo_ttft_s']:g} s limit")
 
 # %%
 s = sv["series"]
@@ -338,10 +421,10 @@ plt.show()
 
 # %% [markdown]
 # Read the left plot from the left: while throughput follows the offered load, the engine keeps up; where it bends
-# away, requests queue, TTFT on the right climbs, and goodput falls below throughput. The rate at that bend is this
-# machine's capacity for this workload; everything the course built (a faster step, a smaller cache, more requests per
-# step, fewer prefill tokens) moves it to the right. The overhead rows compare the same requests through HTTP and in
-# process: what the server layer costs per token.
+# away (the lines under the table say where, in this run), requests queue, TTFT on the right climbs, and goodput
+# parts from throughput. The rate at that bend is this machine's capacity for this workload; everything the course
+# built (a faster step, a smaller cache, more requests per step, fewer prefill tokens) moves it to the right. The
+# overhead rows compare the same requests through HTTP and in process: what the server layer costs per token.
 
 # %% [markdown]
 # **Exercise 12** (`exercises/ex12_prefix_cache.py`, graded by `minillm grade 12`, hints with `minillm hint 12`): the

@@ -397,3 +397,46 @@ def test_disagg_parts_are_checked_before_anything_runs():
         import inspect
 
         assert list(inspect.signature(importlib.import_module(module).measure).parameters)[:2] == ["quick", "threads"]
+
+
+# ------------------------------------------------------------------------------------------- the roofline model
+
+
+def test_roofline_adds_the_op_cost_on_a_cpu_and_overlaps_it_on_a_gpu():
+    """A CPU dispatches and computes on the same core (the op cost adds); a GPU runs kernels while the next launches
+    queue (the largest term sets the time)."""
+    import dataclasses
+
+    from minillm.bench.roofline import Machine, Step
+
+    cpu = Machine("test cpu", bandwidth=1e10, flops=1e11, op_seconds=1e-6, bytes_per_weight=4, overlaps_ops=False,
+                  source="made up")
+    gpu = dataclasses.replace(cpu, overlaps_ops=True)
+    step = Step(bytes=1e8, flops=5e8, ops=2000)  # 10 ms of bytes, 5 ms of FLOPs, 2 ms of ops
+    assert cpu.seconds(step) == pytest.approx(0.012) and cpu.bound(step) == "memory"
+    assert gpu.seconds(step) == pytest.approx(0.010)
+    launches = Step(bytes=1e6, flops=1e6, ops=20_000)  # 20 ms of launches, next to almost no work
+    assert gpu.seconds(launches) == pytest.approx(0.020) and gpu.bound(launches) == "ops"
+
+
+def test_forward_step_reads_the_weights_once_and_does_the_flops_per_token():
+    from minillm.bench.roofline import H100_SXM, forward_step
+
+    cfg = ModelConfig()  # SmolLM2-135M: the LM head is the embedding, read whole
+    one, eight = forward_step(cfg, H100_SXM, tokens=1), forward_step(cfg, H100_SXM, tokens=8)
+    assert one.bytes == eight.bytes == cfg.n_params() * 2  # bf16, no context: the weights only
+    assert one.flops == model_flops_per_token(cfg, 0) and eight.flops == pytest.approx(8 * one.flops)
+    assert forward_step(cfg, H100_SXM, weight_scale=0.5).bytes == pytest.approx(one.bytes / 2)
+    untied = forward_step(LLAMA2_7B, H100_SXM)  # an untied embedding is looked up, not read
+    assert untied.bytes == (LLAMA2_7B.n_params() - LLAMA2_7B.vocab_size * LLAMA2_7B.dim) * 2
+    with_kv = forward_step(cfg, H100_SXM, context=100, batch=2)
+    assert with_kv.bytes - one.bytes == 2 * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 100 * 2
+
+
+def test_packed_3bit_bytes_counts_the_codes_and_group_scales_of_the_block_matrices():
+    from minillm.bench.quant import packed_3bit_bytes
+
+    model = Transformer(ModelConfig.tiny())
+    blocks = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head)
+    others = sum(p.numel() for p in model.parameters()) - blocks
+    assert packed_3bit_bytes(model, group_size=64) == round(blocks * (3 + 32 / 64) / 8 + others * 2)

@@ -1,6 +1,7 @@
 """The install path: the README's commands, .ci/run and pyproject agree, so CI tests what the README tells people to
-run: the CPU build of torch from PyTorch's CPU index, the same torch version CI installs, and one triton pin that
-lives in the `kernels` extra (which the README's test command installs, and CI runs that command)."""
+run: two lines on a fresh CPU machine (set up + generate, set up + test), each pinning the CPU build of torch from
+PyTorch's CPU index, the GPU lines pinning the same version from PyPI, CI running exactly the two CPU lines and
+installing nothing of its own, and one triton pin that lives in the `kernels` extra."""
 
 from __future__ import annotations
 
@@ -21,26 +22,37 @@ def _ci_commands() -> list[str]:
     return [ln.split("#")[0].strip() for ln in CI.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
 
 
+def _readme_command(marker: str) -> str:
+    """The line in the ```bash block right after `<!-- marker -->`, as .ci/run reads it."""
+    return README.split(f"<!-- {marker} -->", 1)[1].split("```bash\n", 1)[1].split("\n", 1)[0]
+
+
 def _kernels_triton():
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["kernels"]
     (req,) = [requirements.Requirement(r) for r in extra if r.startswith("triton")]
     return req
 
 
-def test_ci_runs_the_readme_test_command_and_installs_no_triton_of_its_own():
-    test_cmd = README.split("<!-- test-command -->", 1)[1].split("```bash\n", 1)[1].split("\n", 1)[0]
-    assert '".[dev,kernels]"' in test_cmd and "pytest" in test_cmd
-    assert "<!-- test-command" in CI and 'bash -c "$cmd"' in CI  # CI reads and runs that line
-    pip_lines = [c for c in _ci_commands() if "pip install" in c]
-    assert pip_lines and not any("triton" in c for c in pip_lines), pip_lines  # the extra decides, for both
+CPU_TORCH = re.compile(r"pip install --extra-index-url https://download\.pytorch\.org/whl/cpu torch==([\w.]+) -e ")
 
 
-def test_readme_gives_the_cpu_build_of_the_torch_ci_installs():
-    (ci_torch,) = re.findall(r"pip install -q torch==([\w.]+)", CI)
-    cpu = re.search(r"pip install torch==([\w.]+) --index-url https://download.pytorch.org/whl/cpu", README)
-    assert cpu, "README: no CPU-only torch install from PyTorch's CPU index"
-    assert cpu.group(1) == ci_torch
-    assert re.search(rf"pip install torch=={re.escape(ci_torch)}\n", README)  # and the GPU (CUDA) one
+def test_ci_runs_the_two_readme_lines_and_installs_nothing_of_its_own():
+    generate, test = _readme_command("generate-command"), _readme_command("test-command")
+    assert "minillm generate" in generate and '".[dev,kernels]"' in test and "pytest" in test
+    for marker in ("<!-- generate-command -->", "<!-- test-command -->"):
+        assert marker in CI  # CI reads each line after its marker...
+    assert 'bash -c "$cmd"' in CI  # ...and runs it
+    assert CI.index("generate-command") < CI.index("test-command")  # in the README's order
+    assert not [c for c in _ci_commands() if "pip install" in c]  # torch and triton: the README's lines decide
+
+
+def test_readme_pins_one_torch_for_cpu_and_gpu():
+    pins = [CPU_TORCH.search(_readme_command(m)) for m in ("generate-command", "test-command")]
+    assert all(pins), "README: each CPU line installs torch==X from PyTorch's CPU index with minillm"
+    (version,) = {m.group(1) for m in pins}
+    assert version == "2.13.0"  # the torch CI tests
+    gpu = re.findall(r"^python -m pip install torch==([\w.]+) -e .*$", README, re.MULTILINE)
+    assert gpu and set(gpu) == {version}, "README: the GPU lines pin the same torch, from PyPI (the CUDA build)"
 
 
 def test_kernels_extra_pins_the_tested_triton_and_accepts_a_cuda_torchs_own():

@@ -569,6 +569,17 @@ def test_the_load_generator_counts_what_did_not_complete(server):
     assert summarize_load(samples, wall)["lost"] == 1 and "Connect" in samples[0].error
 
 
+def test_the_rate_sweep_keeps_requests_arriving_long_enough_to_queue():
+    """Goodput falls below throughput only where a queue forms, and a queue grows at (rate - capacity) per second:
+    each rate sends its requests over the same stretch of time, so a higher rate sends more of them (16 requests at
+    4 req/s would arrive within 4 s and all fit into the server's 16 slots)."""
+    from minillm.bench.serve import ARRIVAL_WINDOW_S, MIN_REQUESTS, requests_at
+
+    assert requests_at(0.1) == MIN_REQUESTS
+    assert requests_at(4.0) == round(4.0 * ARRIVAL_WINDOW_S) > 16 * 4  # well past minillm serve's 16 slots
+    assert requests_at(4.0, window_s=2.0, least=3) == 8
+
+
 def test_bench_options_go_only_to_entries_that_take_them(capsys):
     from minillm.cli import main
 

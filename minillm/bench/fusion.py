@@ -1,11 +1,12 @@
 """`minillm bench fusion` (lesson 06): eager -> fused -> compiled batch-1 decode, with the ops each step dispatches.
 
 Every variant decodes the same prompt ids greedily in one process, one after another, and the table gives tok/s, the
-aten ops one decode step dispatches (eager and fused; a compiled step runs one generated program), and MBU against
-three roofs measured in the same run: the copy probe (bytes read + written), a read-only probe (a decode step only
-*reads* weights, so this is the fairer roof; MBU uses it), and the ceiling of torch's own batch-1 matrix-vector
-products over the model's weights, with nothing else in the step (what torch can reach on this machine at all).
-transformers' generate runs beside it in bf16 (full mode).
+aten ops one decode step dispatches (eager and fused; a compiled step runs one generated program), and the bytes it
+reads per token against three roofs measured in the same run: MBU, over the copy probe (hardware.probe_bandwidth,
+the peak bytes/s every lesson and bench divides by), the share of a read-only probe (a large reduction: a decode step
+only *reads* weights), and the share of the ceiling of torch's own batch-1 matrix-vector products over the model's
+weights, with nothing else in the step (what torch can reach on this machine at all). transformers' generate runs
+beside it in bf16 (full mode).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import copy
 
 import torch
 
-from minillm.bench.hardware import bandwidth, bf16_status
+from minillm.bench.hardware import bf16_status, probe_bandwidth
 from minillm.bench.harness import BenchResult, time_fn
 from minillm.bench.metrics import decode_bytes_per_token, decode_tok_s, timer
 from minillm.bench.kv_cache import hf_decode, hf_model, matmul_bytes_per_s
@@ -80,9 +81,10 @@ def ladder(base, ids: list[int], n_new: int, repeat: int, dtypes=(torch.float32,
                 decode_tok_s(fused, ids, 4, 1, compile=True)
             compile_s[f"compiled {d}"] = t.seconds
     best = {k: 0.0 for k in variants}
-    tokens, read_bw, ceiling = {}, 0.0, {d: 0.0 for d in per_token}
+    tokens, read_bw, copy_bw, ceiling = {}, 0.0, 0.0, {d: 0.0 for d in per_token}
     for _ in range(repeat):
         read_bw = max(read_bw, read_bandwidth())
+        copy_bw = max(copy_bw, probe_bandwidth())
         for d, (_, eager) in per_token.items():
             ceiling[d] = max(ceiling[d], matmul_bytes_per_s(eager, repeat=3))
         for key, (model, compiled, _) in variants.items():
@@ -97,11 +99,12 @@ def ladder(base, ids: list[int], n_new: int, repeat: int, dtypes=(torch.float32,
                 model(torch.tensor([ids]), kv_cache=cache)
             ops = count_ops(model, torch.tensor([ids[:1]]), kv_cache=cache)
         moved = per_token[d][0]
-        rows.append({"variant": key, "decode_tok_s": best[key], "ops_per_step": ops,
-                     "mbu_read": moved * best[key] / read_bw, "of_matmul_ceiling": moved * best[key] / ceiling[d],
-                     "roof_tok_s": read_bw / moved, "ceiling_tok_s": ceiling[d] / moved,
+        rows.append({"variant": key, "decode_tok_s": best[key], "ops_per_step": ops, "bytes_per_token": moved,
+                     "mbu": moved * best[key] / copy_bw, "of_read_probe": moved * best[key] / read_bw,
+                     "of_matmul_ceiling": moved * best[key] / ceiling[d],
+                     "roof_tok_s": copy_bw / moved, "ceiling_tok_s": ceiling[d] / moved,
                      "compile_s": compile_s.get(key)})
-    return rows, tokens, {"compile_s": compile_s, "read_GBps": read_bw / 1e9}
+    return rows, tokens, {"compile_s": compile_s, "read_GBps": read_bw / 1e9, "copy_GBps": copy_bw / 1e9}
 
 
 def run(quick: bool = False) -> BenchResult:
@@ -130,8 +133,8 @@ def run(quick: bool = False) -> BenchResult:
               f"compiled bf16 greedy tokens first differ from eager bf16's at new token {div} of {n_new} (fused "
               f"matmuls and generated kernels sum bf16 products in another order)"),
              "variants, roofs and the matvec ceiling are timed round-robin, best round each (a shared machine)",
-             ("mbu_read divides bytes read per token (weights + KV) by the read-only probe (a decode step only reads "
-              "weights); the copy probe counts reads and writes")]
+             ("mbu divides the bytes read per token (weights + KV) x tok/s by the copy probe (reads + writes "
+              "counted), the peak bytes/s every bench uses; of_read_probe by a read-only probe (a large reduction)")]
     if not quick:  # transformers in the same run, bf16; and a second process compiling from inductor's disk cache
         hf = hf_model(torch.bfloat16)
         hf_decode(hf, ids, 4)
@@ -151,5 +154,5 @@ def run(quick: bool = False) -> BenchResult:
         name="fusion", rows=rows, ratios=ratios, targets=targets,
         settings={"prompt_tokens": prompt_len, "new_tokens": n_new, "batch": 1, "repeat": repeat,
                   "threads": torch.get_num_threads(), "read_GBps": extra["read_GBps"],
-                  "copy_GBps": bandwidth("cpu") / 1e9, "compile_s": compile_s},
+                  "copy_GBps": extra["copy_GBps"], "compile_s": compile_s},
         notes=notes)

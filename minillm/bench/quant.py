@@ -3,10 +3,13 @@
 Every variant is the same SmolLM2 file; the reference is its fp32 dequantization (the file's Q4_1 weights
 expanded), bf16 the path the quantized kernels replace. Per variant: weight bytes, batch-1 decode and prefill
 tok/s, perplexity, KL to the reference and top-1 agreement on the pydoc text (AWQ calibrates on its held-apart
-tail). 3-bit rows are quality only. Then the int8 KV cache: sequences admitted in the same KV byte budget, and
-throughput. torchao runs beside minillm when installed. Last, bench lowbit's parts (minillm/bench/lowbit.py): the CPU
-low-bit kernels against torch's and llama.cpp's (llama-cpp-python, an optional extra) at 1 and 2 threads, the
-verify / 16-row step, and the engine with q4 weights.
+tail). 3-bit rows are quality only: rounded to 3 bits and stored in float (no 3-bit kernel), so their weight_MB is
+computed for the packed format (`packed_3bit_bytes`), not counted from the float tensors. Which weights a row
+quantizes differs: the int8/int4 rows (RTN and AWQ) quantize every Linear *and* the tied embedding/LM head, the file's
+Q4_1 row keeps the file's Q8_0 embedding/LM head, the 3-bit rows keep it in float. Then the int8 KV cache: sequences
+admitted in the same KV byte budget, and throughput. torchao runs beside minillm when installed. Last, bench lowbit's
+parts (minillm/bench/lowbit.py): the CPU low-bit kernels against torch's and llama.cpp's (llama-cpp-python, an
+optional extra) at 1 and 2 threads, the verify / 16-row step, and the engine with q4 weights.
 """
 
 from __future__ import annotations
@@ -72,10 +75,22 @@ def variants(quick: bool, calib: list[int]):
         out["int4 g32 RTN"] = (lambda: quantize(fresh(), "int4", group_size=32), False)
         out["Q4_1 from the file"] = (lambda: fresh(weights="q4"), False)
         out["LLM.int8() fp32"] = (lambda: quantize(fresh("float32"), "llm.int8"), False)
-        # 3-bit: rounded to 3 bits and stored in float (there is no 3-bit kernel), so quality only
+        # 3-bit: rounded to 3 bits and stored in float (there is no 3-bit kernel), so quality only; run() computes
+        # their packed size (packed_3bit_bytes, groups of 64)
         out["3-bit g64 RTN"] = (lambda: fake_quantize_int4(fresh("float32"), 64, 3), True)
         out["3-bit g64 AWQ"] = (lambda: fake_quantize_int4(awq("float32", 64, 3), 64, 3), True)
     return out
+
+
+def packed_3bit_bytes(model, group_size: int, bits: int = 3, other_bytes: int = 2) -> int:
+    """Bytes a fake-quantized model would read if its format had a kernel: `bits` per weight of every block Linear
+    plus an fp16 scale and minimum per group (32 bits per group), and every other weight (the embedding, tied to the
+    LM head, left unquantized; the norms) at `other_bytes` per value (bf16)."""
+    head = getattr(model, "lm_head", None)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    quantized = sum(m.weight.numel() for m in linears)
+    others = sum(p.numel() for p in model.parameters()) - quantized  # model.parameters() counts a tied tensor once
+    return round(quantized * (bits + 32 / group_size) / 8 + others * other_bytes)
 
 
 def torchao_variants() -> tuple[dict, str | None]:
@@ -154,7 +169,11 @@ def run(quick: bool = False) -> BenchResult:
             mb = model_bytes(model) / 1e6
         except RuntimeError:  # a peer's tensor subclass hides its storage
             mb = float("nan")
+        if quality_only:  # stored in float: the bytes its packed format would take, computed
+            mb = packed_3bit_bytes(model, group_size=64) / 1e6
         row = {"variant": name, "weight_MB": mb, **quality(model, ref_logits, chunks)}
+        if quality_only:
+            row["size"] = "computed: 3-bit g64 packed, embedding bf16"
         if not quality_only:
             row["prefill_tok_s"] = prefill_tok_s(model, ids[:128], min(repeat, 2))
             models[name] = model
@@ -204,6 +223,9 @@ def run(quick: bool = False) -> BenchResult:
     notes = [f"bf16 on this CPU: {bf16_status('cpu')}",
              "the reference is the fp32 model dequantized from the file's Q4_1 weights",
              "groups of 128 do not divide the model's 576-wide inputs: g64 stands in for the paper's g128",
+             ("int8/int4 rows (RTN and AWQ) quantize every Linear and the tied embedding/LM head; 'Q4_1 from the "
+              "file' keeps the file's Q8_0 embedding/LM head; 3-bit rows keep it in float, and their weight_MB is "
+              "computed for packed 3-bit codes + fp16 scale and minimum per 64 weights, the embedding in bf16"),
              "int8/int4 g32 matmuls run minillm's CPU kernels (int8 activations per block of 32); int4 g64 runs "
              "torch's int4 kernel (bf16 activations)",
              peer_note]

@@ -5,6 +5,11 @@ chunk: TTFT, ITL, TPOT, E2E, throughput, goodput under `SLO`, `lost` requests; f
 (`ignore_eos`). Workloads: short chats, chats sharing one system prompt, long documents. Given no URL it
 starts its own `minillm serve` and measures the server's overhead against `LLM.generate` (`overhead`).
 
+The rate sweep sends each rate's requests over the same stretch of time (`requests_at`), not a fixed count: a queue
+grows at (offered rate - capacity) per second, so only arrivals that go on long enough past the capacity form one.
+A fixed 16 requests at 4 req/s would arrive within 4 s and fit into the server's 16 slots: no queue, and goodput
+equal to throughput at every rate.
+
     minillm bench serve --quick          minillm bench serve --url http://127.0.0.1:8000 --rate 0.5 --rate 1
 """
 
@@ -32,6 +37,13 @@ from minillm.bench.workload import corpus_ids
 
 SLO = {"ttft_s": 2.0, "tpot_s": 0.5}
 WORKLOADS = ("short-chat", "shared-system", "long-doc")
+ARRIVAL_WINDOW_S = 24.0  # full mode: each rate's requests arrive over about this long (at least MIN_REQUESTS)
+MIN_REQUESTS = 16
+
+
+def requests_at(rate: float, window_s: float = ARRIVAL_WINDOW_S, least: int = MIN_REQUESTS) -> int:
+    """How many requests a rate sends: enough to keep arriving for `window_s` seconds, and at least `least`."""
+    return max(least, round(rate * window_s))
 
 
 @dataclass
@@ -221,7 +233,7 @@ def _measure(url: str, workload: str, reqs, rate: float) -> dict:
 def _row(workload: str, rate, summary: dict) -> dict:
     cols = ("sent", "completed", "lost", "errors_4xx", "errors_5xx", "requests_per_s", "output_tok_per_s",
             "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p90", "tpot_p99", "itl_p50", "itl_p99",
-            "e2e_p50", "e2e_p99", "goodput_req_per_s", "prefix_hit_rate")
+            "e2e_p50", "e2e_p99", "goodput_req_per_s", "slo_attained", "prefix_hit_rate")
     return {"workload": workload, "rate": rate, **{c: summary[c] for c in cols}}
 
 
@@ -268,30 +280,34 @@ def run(quick: bool = False, url: str | None = None, rate: float | list[float] |
 
     threads = torch.get_num_threads()
     if quick:
-        sweep, plan, out_len, n_sweep, n_overhead = [2.0], {}, 8, 4, 2
+        sweep, plan, out_len, n_overhead = [2.0], {}, 8, 2
     else:
-        sweep, out_len, n_sweep, n_overhead = [0.25, 0.5, 1.0, 2.0, 4.0], 32, 16, 6
+        # rates well past the capacity: a 2-core CPU completed at most ~1.6 short chats/s in an earlier run
+        sweep, out_len, n_overhead = [0.5, 1.0, 1.5, 2.0, 3.0, 4.0], 32, 6
         plan = {"shared-system": (0.5, 12), "long-doc": (0.1, 6)}  # workload -> (rate, requests)
     if rate is not None:
         sweep = sorted(rate) if isinstance(rate, (list, tuple)) else [float(rate)]
+    n_sweep = {r: 4 if quick else requests_at(r) for r in sweep}
     own = url is None
     url = None if own else url.rstrip("/").removesuffix("/v1")  # the server's root, however it was written
     engine = {"max_num_seqs": max_num_seqs, "enable_prefix_caching": True}  # minillm serve's defaults
+    # the sweep studies a queue, not load shedding: room for every request to wait (past max_waiting, 429s)
+    options = ("--max-num-seqs", str(max_num_seqs), "--max-waiting", str(max(64, *n_sweep.values())))
     rows, series = [], {"workload": "short-chat"}
     with ThreadPoolExecutor(1) as pool:
         # the model loads here while the server loads in its own process: the prompts need its tokenizer, the
         # in-process comparison its weights
         loading = pool.submit(load_model, model, dtype="float32", device="cpu") if own else None
-        with server_process(model, threads, "--max-num-seqs", str(max_num_seqs)) if own else nullcontext(url) as base:
+        with server_process(model, threads, *options) if own else nullcontext(url) as base:
             m, tok = loading.result() if own else (None, Tokenizer.from_gguf_metadata(
                 read_gguf_metadata(gguf_path(model))))
             asyncio.run(run_load(base, make_requests(tok, "short-chat", 1, 2, model, seed=99), concurrency=1))
             for r in sweep:  # (the warm-up above: a fresh server's first forward pays one-off costs)
-                reqs = make_requests(tok, "short-chat", n_sweep, out_len, model, seed=int(r * 100))
+                reqs = make_requests(tok, "short-chat", n_sweep[r], out_len, model, seed=int(r * 100))
                 s = _measure(base, "short-chat", reqs, r)
                 rows.append(_row("short-chat", r, s))
-                for k in ("requests_per_s", "output_tok_per_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99",
-                          "itl_p99", "e2e_p50", "goodput_req_per_s", "lost"):
+                for k in ("sent", "requests_per_s", "output_tok_per_s", "ttft_p50", "ttft_p99", "tpot_p50",
+                          "tpot_p99", "itl_p99", "e2e_p50", "goodput_req_per_s", "slo_attained", "lost"):
                     series.setdefault(k, []).append(s[k])
                 series.setdefault("rate", []).append(r)
             for w, (r, n) in plan.items():
@@ -303,9 +319,13 @@ def run(quick: bool = False, url: str | None = None, rate: float | list[float] |
     ratios = {"lost_requests": float(sum(r["lost"] for r in rows)),
               "server_errors_5xx": float(sum(r["errors_5xx"] for r in rows))}
     targets = {"lost_requests": ("<=", 0), "server_errors_5xx": ("<=", 0)}
+    sizes = ", ".join(f"{n} at {r:g}" for r, n in n_sweep.items())
     notes = [(f"client-side measurement (httpx2 streaming SSE); outputs of exactly {out_len} tokens (vLLM's "
               f"ignore_eos); greedy; Poisson arrivals; goodput SLO: TTFT <= {SLO['ttft_s']} s and TPOT <= "
               f"{SLO['tpot_s']} s; lost = sent - completed with a finish_reason and [DONE]."),
+             (f"short-chat requests per rate (req/s): {sizes}"
+              + ("" if quick else f": about {ARRIVAL_WINDOW_S:g} s of arrivals each (at least {MIN_REQUESTS}), "
+                 f"so that past the server's capacity a queue forms; {max_num_seqs} slots (max_num_seqs)") + "."),
              ("workloads: short-chat = one user message of 16-64 tokens of pydoc text; shared-system = one 480-token "
               "system prompt shared by every request + 8-32 user tokens; long-doc = 768-1024 tokens to continue "
               "(16 output tokens).")]
@@ -323,6 +343,7 @@ def run(quick: bool = False, url: str | None = None, rate: float | list[float] |
         notes.append(f"server at {url} (not started here): no in-process comparison.")
     return BenchResult(name="serve", rows=rows, ratios=ratios, targets=targets, series=series, notes=notes,
                        settings={"quick": quick, "model": model, "url": url or "own minillm serve subprocess",
-                                 "rates": sweep, "requests_per_rate": n_sweep, "output_tokens": out_len,
+                                 "rates": sweep, "requests_per_rate": list(n_sweep.values()),
+                                 "output_tokens": out_len,
                                  **({"engine": engine} if own else {}), "threads": threads,
                                  "slo_ttft_s": SLO["ttft_s"], "slo_tpot_s": SLO["tpot_s"], "device": "cpu"})
