@@ -11,25 +11,29 @@
 # ---
 
 # %% [markdown]
-# # Lesson 09 — Distillation: heal a pruned model with the teacher's soft targets
+# # Lesson 09 — Distillation: a small model that keeps the teacher's answers
 #
 # Lesson 08 made SmolLM2 smaller and faster by dropping whole blocks, and its perplexity exploded: the remaining
 # blocks were trained to follow the ones that are gone. Training can repair that, and the cheapest teacher for it is
 # the model we started from. **Knowledge distillation** (Hinton et al., 2015; DistilBERT, 2019) trains the small
-# *student* to reproduce the large *teacher's* next-token distribution at every position, not just the one token the
-# text happens to contain:
+# *student* to reproduce the large *teacher*. It comes in two kinds, and this lesson needs both:
 #
-# - a label carries one token's worth of information per position; the teacher's distribution also says which other
-#   tokens were plausible, and how plausible ("dark knowledge"), so each training token teaches more;
-# - a temperature T > 1 softens both distributions so that those small probabilities matter in the loss; the loss is
-#   multiplied by T² so that its gradients stay on the scale of the label loss whatever T is.
+# - **standard KD**: the teacher's next-token distribution at every position of plain text, not just the one token the
+#   text happens to contain. A label carries one token's worth of information; the distribution also says which other
+#   tokens were plausible ("dark knowledge"). A temperature T > 1 softens both distributions, and the loss is
+#   multiplied by T² to keep its gradients on the scale of the label loss.
+# - **ability transfer**: what an instruct model can *do* — answer a question, follow an instruction — shows only in
+#   its answers. So the teacher answers a few thousand chat prompts with the batching engine, and the student learns
+#   those answers: cross-entropy on the teacher's own tokens (sequence-level KD) plus KL to its logits over them.
 #
 # Why it matters for inference: the student is a cheaper model with (nearly) the teacher's behaviour — the draft model
-# of speculative decoding (lesson 10) and the small model of a cascade. Its speed comes from lesson 08 (fewer blocks);
-# its agreement with the teacher, measured here, is what lesson 10's acceptance rate will be.
+# of speculative decoding (lesson 10) and the small model of a cascade (lesson 13). Its speed comes from lesson 08
+# (fewer blocks); whether it is worth serving is measured here as *retained ability*: on held-out chat prompts the
+# student never trained on, how often its greedy answer starts with the teacher's first sentence, token for token.
 #
-# Sections: (1) what a soft target carries; (2) the three loss terms; (3) the student and a live training loop that
-# resumes exactly; (4) the benchmark — KD vs fine-tuning on labels with the same budget; (5) the student, by name.
+# Sections: (1) what a soft target carries; (2) the loss terms and T²; (3) the teacher's answers as data;
+# (4) LoRA recovery, and a loop that resumes exactly; (5) the benchmark — a size sweep, ability transfer vs text-only
+# KD, adapters vs every weight; (6) the student, by name.
 
 # %%
 import copy
@@ -44,7 +48,10 @@ import torch.nn.functional as F
 import minillm
 from minillm.bench import run_entry
 from minillm.bench.hardware import native_bf16
-from minillm.compress.distill import DistillConfig, distill, distillation_loss, hidden_cosine_loss, train_ids
+from minillm.compress.ability import AbilityConfig, chat_batch_at, distill_ability
+from minillm.compress.chat_data import ALWAYS_HELD_OUT, chat_ids, chat_prompts, is_held_out, split
+from minillm.compress.distill import distillation_loss, hidden_cosine_loss, train_ids
+from minillm.compress.lora import add_lora
 from minillm.course.lesson import QUICK, hardware_line, pick
 from minillm.compress.pruning import block_importance, drop_blocks, least_important
 from minillm.compress.quality import calibration_ids, eval_ids
@@ -87,156 +94,222 @@ for T in (1.0, 2.0):
 #
 # Why T²: the gradient of the softened KL with respect to the student's logits is (p_s − p_t)/T, and when the two
 # models' logits are close, p_s − p_t itself shrinks like 1/T — so the term's gradients fall like 1/T², and the T²
-# factor puts them back on the scale of the cross-entropy term. Measure it on the real model (a freshly pruned
-# student, far from the teacher, so the 1/T² law holds only roughly):
+# factor puts them back on the scale of the cross-entropy term. The "close" matters. Measure it twice on real
+# logits: for the freshly pruned student (far from the teacher) and for the shipped student (section 6, trained).
+#
+# *Predict before you run the next cell:* with the T² factor, does the gradient stay flat from T = 1 to T = 8 for
+# both students?
 
 # %%
-student = drop_blocks(copy.deepcopy(teacher), least_important(block_importance(teacher, calibration_ids(tok, 256)),
-                                                              14))
+importance = block_importance(teacher, calibration_ids(tok, 256))
+pruned = drop_blocks(copy.deepcopy(teacher), least_important(importance, 14))
+shipped, _ = minillm.load_model("smollm2-135m-student", dtype="float32")  # rebuilt from minillm/assets on first use
 batch = torch.tensor([eval_ids(tok, 65)])
 with torch.no_grad():
     t_logits = teacher(batch[:, :-1])
-s_logits = student(batch[:, :-1]).detach().requires_grad_(True)
-print(f"{'T':>4}{'KL (no T^2)':>14}{'|grad| no T^2':>16}{'|grad| with T^2':>18}")
-for T in (1.0, 2.0, 4.0, 8.0):
-    loss = distillation_loss(s_logits, t_logits, T)
-    (g,) = torch.autograd.grad(loss, s_logits)
-    print(f"{T:>4.0f}{loss.item() / T**2:>14.4f}{g.norm().item() / T**2:>16.2e}{g.norm().item():>18.2e}")
-ce = F.cross_entropy(s_logits[0], batch[0, 1:])
-h_s = student.run_layers(student.embed_tokens(batch[:, :-1]), torch.arange(64)[None])
+fall = {}
+print(f"{'student':<10}{'T':>4}{'KL (no T^2)':>14}{'|grad| no T^2':>16}{'|grad| with T^2':>18}")
+for who, model in (("pruned", pruned), ("shipped", shipped)):
+    with torch.no_grad():
+        s_logits = model(batch[:, :-1])
+    s_logits.requires_grad_(True)
+    grads = {}
+    for T in (1.0, 2.0, 4.0, 8.0):
+        loss = distillation_loss(s_logits, t_logits, T)
+        (g,) = torch.autograd.grad(loss, s_logits)
+        grads[T] = g.norm().item()
+        print(f"{who:<10}{T:>4.0f}{loss.item() / T**2:>14.4f}{g.norm().item() / T**2:>16.2e}{g.norm().item():>18.2e}")
+    fall[who] = grads[1.0] / grads[8.0]
+print(f"with the T^2 factor, the gradient falls {fall['pruned']:.1f}x from T=1 to T=8 for the pruned student and "
+      f"{fall['shipped']:.1f}x for the shipped one (without it: {fall['pruned'] * 64:,.0f}x and "
+      f"{fall['shipped'] * 64:,.0f}x)")
+ce = F.cross_entropy(s_logits[0].detach(), batch[0, 1:])
+h_s = shipped.run_layers(shipped.embed_tokens(batch[:, :-1]), torch.arange(64)[None])
 h_t = teacher.run_layers(teacher.embed_tokens(batch[:, :-1]), torch.arange(64)[None])
-grads = {T: torch.autograd.grad(distillation_loss(s_logits, t_logits, T), s_logits)[0].norm().item()
-         for T in (1.0, 8.0)}
-print(f"from T=1 to T=8 the gradient falls {grads[1.0] / (grads[8.0] / 64):,.0f}x without the T^2 factor and "
-      f"{grads[1.0] / grads[8.0]:.0f}x with it")
-print(f"cross-entropy on the text {ce.item():.3f} nats; "
+print(f"the shipped student's cross-entropy on the text {ce.item():.3f} nats; "
       f"hidden-state cosine term {hidden_cosine_loss(h_s, h_t).item():.3f}")
 
 # %% [markdown]
-# ## 3. The student, and a training loop you can interrupt
+# How to read it: the T² factor undoes the 1/T² law only where the law holds — when the student's logits are already
+# near the teacher's, so that softening shrinks p_s − p_t like 1/T. The line above gives the fall with T² for both
+# students: the closer student's gradient is the flatter of the two, and neither is exactly flat, because at T = 8 a
+# far student's p_s − p_t no longer scales like 1/T (the softened distributions are both close to uniform). This is
+# why the bench trains at T = 1: the pruned student starts far away, where softening only weakens the signal.
 #
-# The student is the teacher minus its 14 least important blocks (16 of 30 left: lesson 08's block importance). The
-# loop in `distill()` is plain PyTorch: the teacher runs under `no_grad`, the student's blocks train with AdamW
-# (warm-up, then cosine decay; gradient-norm clipping), the tied embedding/LM head stays frozen (it was not pruned, and
-# it is the largest per-token cost of the backward pass). A batch is a pure function of (seed, step), and a checkpoint
-# holds the student, the optimizer and the history, written atomically: a run stopped and resumed from its checkpoint
-# continues exactly as if it had never stopped. Here, a few steps straight, and the same steps interrupted halfway:
+# ## 3. The teacher's answers as data
+#
+# `minillm.compress.chat_data` builds ~2,300 prompts offline from templates — short questions over facts, arithmetic,
+# words, definitions, lists, advice, writing, and tasks over paragraphs of CPython's documentation — and holds some
+# out by a hash of their text, plus every prompt that lessons 10 and 13 measure on. The teacher answers each one
+# greedily with the batching engine (lesson 05), once; the answers are cached. The student learns the answer tokens
+# only: the prompt is given, so its positions carry no loss, and the 49k-way LM head runs only where the loss looks.
 
 # %%
-ids = train_ids(tok)
-ev = torch.tensor(eval_ids(tok, 129))
-cfg = DistillConfig(steps=pick(6, 4), batch_size=2, seq_len=64, warmup=1, eval_every=100, eval_tokens=128,
-                    lr=5e-4, autocast=native_bf16("cpu"))  # bf16 autocast where the CPU has bf16 natively
-straight = distill(copy.deepcopy(student), teacher, ids, ev, cfg, progress=False)
-ckpt = Path("lesson09_demo.pt")
-ckpt.unlink(missing_ok=True)
-first = distill(copy.deepcopy(student), teacher, ids, ev, cfg, checkpoint=ckpt, progress=False,
-                stop_after=cfg.steps // 2)
-resumed = distill(copy.deepcopy(student), teacher, ids, ev, cfg, checkpoint=ckpt, progress=False)
-ckpt.unlink()
-print("straight:", [round(h["loss"], 4) for h in straight])
-print("resumed: ", [round(h["loss"], 4) for h in resumed], "(interrupted after step", len(first), ")")
-print(f"identical: {[h['loss'] for h in straight] == [h['loss'] for h in resumed]}; "
-      f"{sum(h['tok_s'] for h in straight) / len(straight):.0f} training tokens/s on this machine")
+prompts = chat_prompts()
+train_prompts, held_prompts = split(prompts)
+print(f"{len(prompts)} prompts: {len(train_prompts)} to train on, {len(held_prompts)} held out "
+      f"(the {len(ALWAYS_HELD_OUT)} that lessons 10 and 13 measure on among them)")
+for p in (train_prompts[0], train_prompts[700], train_prompts[-1][:120] + "..."):
+    print("  train:", repr(p))
+q = "What is the capital of Japan?"  # held out: lesson 13 asks it
+assert is_held_out(q)
+ids = chat_ids(tok, q)
+for who, model in (("teacher", teacher), ("pruned", pruned)):
+    print(f"{who:>8}: {minillm.generate(model, tok, ids, max_new_tokens=24).text!r}")
+example = (chat_ids(tok, "Name three fruits."), tok.encode("Apples, bananas and oranges.") + [tok.eos_id])
+x, mask = chat_batch_at([example], 0, AbilityConfig(batch_size=1, seq_len=64), tok.eos_id)
+print("loss on:", repr(tok.decode(x[0, 1:][mask[0]].tolist())), f"({int(mask.sum())} of {mask.numel()} positions)")
 
 # %% [markdown]
-# ## 4. The benchmark: KD vs labels, same budget
+# ## 4. LoRA recovery, and a training loop you can interrupt
 #
-# `minillm bench distill` starts several students from the same pruned model and trains each on the same batches:
-# KD at T = 1, CE only (the text's labels: plain fine-tuning) and, in full mode, KD at T = 2 and DistilBERT's triple
-# loss (KD + CE + cosine). T = 1 and the learning rate were chosen on a short pilot run (see the bench's source). The
-# data: the pydoc text after its first 8,192 tokens, plus continuations the teacher samples from prompts in that text
-# (generated once with the batching engine and cached). Evaluation: the pydoc text's first 512 tokens, never trained
-# on. The full run takes tens of minutes on a 2-core CPU, so this lesson reads the run recorded in
-# `results/distill.json` (set `RERUN = True` to train here, on your hardware); quick mode runs a tiny version.
+# The student keeps 16 of 30 blocks; the 16 left are still good, they just follow neighbours that are gone. LoRA
+# (`minillm.compress.lora`; LoRAPrune and LLM-Pruner heal pruned models this way) freezes every weight W and learns
+# W + (α/r)·B·A beside it, A (r × in) and B (out × r). B starts at zero, so before training the adapted student *is*
+# the pruned one; `merge_lora` folds B·A into W afterwards, so the served student is a plain model at no extra cost.
+# What training makes is a few MB — small enough to ship with the course (section 6).
+#
+# The loop (`distill_ability`) is plain PyTorch: the teacher runs under `no_grad`; AdamW with warm-up and cosine
+# decay; gradient-norm clipping; a quarter of the steps are plain-text KD windows so the student keeps the teacher's
+# language model. A batch is a pure function of (seed, step), and a checkpoint holds the student, the optimizer and
+# the history, written atomically: a run stopped and resumed continues exactly as if it had never stopped.
+
+# %%
+student = copy.deepcopy(pruned)
+n_total = sum(p.numel() for p in student.parameters())
+add_lora(student, rank=32, alpha=64.0)
+n_train = sum(p.numel() for p in student.parameters() if p.requires_grad)
+print(f"LoRA rank 32 on the 7 matmuls of 16 blocks + their norms: {n_train / 1e6:.2f}M trainable of "
+      f"{n_total / 1e6:.1f}M ({n_train / n_total:.1%}); {n_train * 2 / 1e6:.1f} MB in fp16")
+examples = [(chat_ids(tok, p), tok.encode(a) + [tok.eos_id]) for p, a in (
+    ("Name three fruits.", "Apples, bananas and oranges."), ("What is 2 + 3?", "2 + 3 = 5."))]
+cfg = AbilityConfig(steps=pick(6, 4), batch_size=2, seq_len=96, warmup=1, lr=2e-3, kd=1.0, ce=1.0,
+                    text_len=48, autocast=native_bf16("cpu"))
+text = train_ids(tok)
+straight = distill_ability(copy.deepcopy(student), teacher, examples, text, cfg, tok.eos_id, progress=False)
+ckpt = Path("lesson09_demo.pt")
+ckpt.unlink(missing_ok=True)
+first = distill_ability(copy.deepcopy(student), teacher, examples, text, cfg, tok.eos_id, checkpoint=ckpt,
+                        progress=False, stop_after=cfg.steps // 2)
+resumed = distill_ability(copy.deepcopy(student), teacher, examples, text, cfg, tok.eos_id, checkpoint=ckpt,
+                          progress=False)
+ckpt.unlink()
+print("straight:", [(h["kind"], round(h["loss"], 3)) for h in straight])
+print("resumed: ", [(h["kind"], round(h["loss"], 3)) for h in resumed], "(interrupted after step", len(first), ")")
+print(f"identical: {[h['loss'] for h in straight] == [h['loss'] for h in resumed]}; "
+      f"{sum(h['tokens'] for h in straight) / sum(h['seconds'] for h in straight):.0f} training tokens/s here")
+
+# %% [markdown]
+# ## 5. The benchmark: which student, trained how
+#
+# `minillm bench distill` prunes the teacher to 24, 20 and 16 blocks (lesson 08's block importance) and trains each
+# with LoRA on the same batches for the same steps; at 16 blocks the same budget also trains standard text-only KD
+# (no answers) and every weight instead of adapters. The 16-block student then trains on to the full budget and is
+# shipped (section 6). Each row is measured the same way: parameters, decode tokens/s at batch 1, perplexity and KL on
+# the held-apart pydoc text, and retained ability on held-out prompts — answer match (the student's greedy answer
+# starts with the teacher's first sentence, exact tokens) and top-1 agreement on the teacher's answers. The full run
+# takes about an hour on a 2-core CPU, so this lesson reads the run recorded in `results/distill.json` (set
+# `RERUN = True` to train here, on your hardware); quick mode runs a tiny version.
 
 # %%
 RERUN = False
 recorded = Path("../results/distill.json")
 if QUICK or RERUN or not recorded.exists():
-    result = run_entry("distill", quick=QUICK, save=True, out="../results").to_dict()
+    result = run_entry("distill", quick=QUICK, save=not QUICK, out="../results").to_dict()
 else:
     result = json.loads(recorded.read_text())
     print(f"the run recorded in {recorded} ({result['timestamp']}), on: {result['hardware'].get('cpu', '')} "
           f"{result['threads']} thread(s), torch {result['versions'].get('torch', '')}")
 rows = {r["variant"]: r for r in result["rows"]}
-print(f"\n{'student':<20}{'blocks':>7}{'params':>8}{'ppl':>9}{'KL':>8}{'top-1':>7}{'decode':>9}{'train s':>9}")
+print(f"\n{'student':<38}{'blocks':>7}{'params':>8}{'decode':>8}{'ppl':>9}{'KL':>7}{'answers':>9}{'top-1':>7}"
+      f"{'train':>8}")
 for name, r in rows.items():
-    dec = f"{r['decode_tok_s']:.1f}" if "decode_tok_s" in r else "-"
-    ts = f"{r['train_s']:.0f}" if "train_s" in r else "-"
-    print(f"{name:<20}{r['blocks']:>7}{r['params_M']:>7.1f}M{r['ppl']:>9.1f}{r['kl']:>8.3f}{r['top1_agree']:>7.0%}"
-          f"{dec:>9}{ts:>9}")
+    ts = f"{r['train_s'] / 60:.0f} min" if "train_s" in r else "-"
+    print(f"{name:<38}{r['blocks']:>7}{r['params_M']:>7.1f}M{r['decode_tok_s']:>8.1f}{r['ppl']:>9.1f}{r['kl']:>7.2f}"
+          f"{r['answer_match']:>9.0%}{r['answer_top1']:>7.0%}{ts:>8}")
 for note in result["notes"]:
     print("note:", note)
 
 # %%
+sweep = [r for n, r in rows.items() if "ability KD (LoRA)" in n and "shipped" not in n]
 fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-for name, curve in result["series"].items():
-    a1.plot([c["step"] for c in curve], [c["loss"] for c in curve], label=name)
-    ev_pts = [(c["step"], c["eval_ppl"]) for c in curve if "eval_ppl" in c]
-    a2.plot(*zip(*ev_pts), "o-", label=name)
-a1.set_xlabel("step")
-a1.set_ylabel("training loss (each run's own objective)")
-a1.set_yscale("log")
+speed0 = rows["teacher"]["decode_tok_s"]
+a1.plot([r["decode_tok_s"] / speed0 for r in sweep], [r["answer_match"] for r in sweep], "o-",
+        label="ability KD, LoRA (sweep budget)")
+for r in sweep:
+    a1.annotate(f"{r['blocks']} blocks", (r["decode_tok_s"] / speed0, r["answer_match"]), fontsize=8)
+for name, marker in (("text-only KD (LoRA)", "s"), ("ability KD (all weights)", "^"), ("shipped", "*")):
+    r = next((v for n, v in rows.items() if name in n), None)
+    if r is not None:
+        a1.plot(r["decode_tok_s"] / speed0, r["answer_match"], marker, ms=10, label=name)
+a1.axvline(1.5, color="gray", ls=":")
+a1.set_xlabel("decode speed vs the teacher (batch 1)")
+a1.set_ylabel("held-out answers matching the teacher")
 a1.legend(fontsize=8)
-a2.axhline(rows["teacher"]["ppl"], color="gray", ls=":", label="teacher")
+for name, curve in result["series"].items():
+    chat = [c for c in curve if c["kind"] == "chat"]
+    a2.plot([c["step"] for c in chat], [c["ce"] for c in chat], label=name, lw=1)
 a2.set_xlabel("step")
-a2.set_ylabel("perplexity, held-apart pydoc head")
+a2.set_ylabel("cross-entropy on the teacher's answer tokens")
 a2.set_yscale("log")
-a2.legend(fontsize=8)
+a2.legend(fontsize=7)
 a2.set_title(result["hardware"].get("cpu", "")[:60], fontsize=8)
 plt.tight_layout()
 plt.show()
 
 # %%
 ra = result["ratios"]
-t_ppl, p_ppl = rows["teacher"]["ppl"], rows["pruned, untrained"]["ppl"]
-kd, ce = rows["KD (T=1)"], rows["CE only"]
-print(f"Pruning alone took perplexity from {t_ppl:.1f} to {p_ppl:.0f}. With the same training tokens, KD reached "
-      f"{kd['ppl']:.1f} and CE-only {ce['ppl']:.1f}: KD closed {ra['kd_gap_closed']:.1%} of the perplexity gap, "
-      f"CE-only {ra['ce_gap_closed']:.1%}; KD's perplexity is {ra['kd_ppl_over_ce_ppl']:.2f}x CE-only's.")
-nats_gap = lambda r: (math.log(p_ppl) - math.log(r["ppl"])) / (math.log(p_ppl) - math.log(t_ppl))
-print(f"Measured in nats (log perplexity), which does not flatter a start at {p_ppl:.0f}: KD closed "
-      f"{nats_gap(kd):.0%} of the gap, CE-only {nats_gap(ce):.0%}.")
-print(f"KL to the teacher: KD {kd['kl']:.3f} vs CE-only {ce['kl']:.3f} nats/token; top-1 agreement "
-      f"{kd['top1_agree']:.0%} vs {ce['top1_agree']:.0%}.")
-if "KD (T=2)" in rows:
-    t2 = rows["KD (T=2)"]
-    print(f"Softening to T=2 {'helped' if t2['ppl'] < kd['ppl'] else 'hurt'} at this budget: "
-          f"perplexity {t2['ppl']:.1f} vs {kd['ppl']:.1f} at T=1, KL {t2['kl']:.3f} vs {kd['kl']:.3f}.")
-if "KD + CE + cosine" in rows:
-    tr = rows["KD + CE + cosine"]
-    print(f"DistilBERT's triple loss: perplexity {tr['ppl']:.1f}, KL {tr['kl']:.3f}, top-1 {tr['top1_agree']:.0%}.")
-print(f"The student decodes {ra['student_decode_vs_teacher']:.2f}x the teacher's tok/s with "
-      f"{ra['student_params_vs_teacher']:.0%} of its parameters.")
+t, u = rows["teacher"], rows["keep 16, untrained"]
+final = next(v for n, v in rows.items() if "shipped" in n)
+print(f"The shipped student: {final['blocks']} of {t['blocks']} blocks, {ra['student_params_vs_teacher']:.0%} of the "
+      f"parameters, {ra['student_decode_vs_teacher']:.2f}x the teacher's decode speed. On the "
+      f"{result['settings'].get('heldout_measured')} held-out prompts its greedy answer starts with the teacher's "
+      f"first sentence {final['answer_match']:.0%} of the time (the untrained pruned student: "
+      f"{u['answer_match']:.0%}); top-1 agreement on the teacher's answers {final['answer_top1']:.0%} (untrained: "
+      f"{u['answer_top1']:.0%}).")
+print(f"Perplexity on the pydoc text: teacher {t['ppl']:.1f}, pruned {u['ppl']:,.0f}, shipped {final['ppl']:.1f} — "
+      f"{ra['ppl_gap_closed']:.1%} of the gap closed in perplexity, {ra['log_ppl_gap_closed']:.0%} in log-perplexity "
+      f"(nats), which does not flatter a start at {u['ppl']:,.0f}.")
+if "ability_over_text_answer_match" in ra:
+    ab, tx = rows["keep 16, ability KD (LoRA)"], rows["keep 16, text-only KD (LoRA)"]
+    full = rows["keep 16, ability KD (all weights)"]
+    print(f"Same steps, same size: learning the teacher's answers matched {ab['answer_match']:.0%} of held-out "
+          f"answers, standard text-only KD {tx['answer_match']:.0%} (top-1 on answers {ab['answer_top1']:.0%} vs "
+          f"{tx['answer_top1']:.0%}); text-only KD reached perplexity {tx['ppl']:.1f} vs {ab['ppl']:.1f}.")
+    print(f"Adapters vs every weight, same steps: answer match {ab['answer_match']:.0%} in {ab['train_s'] / 60:.1f} "
+          f"min vs {full['answer_match']:.0%} in {full['train_s'] / 60:.1f} min: "
+          f"{ra['lora_over_full_answer_match_per_minute']:.2f}x the ability per CPU-minute for LoRA.")
+for name, (op, want) in result["targets"].items():
+    got = ra[name]
+    ok = got >= want if op == ">=" else got > want if op == ">" else got <= want
+    print(f"target {name} {op} {want}: {got:.3f} {'met' if ok else 'MISSED'}")
 
 # %% [markdown]
-# How to read it. KD trains on the quantity the KL and agreement columns measure (the teacher's distribution); CE-only
-# trains on one-hot labels of the same text, which is what perplexity measures — so each objective has a home column,
-# and the printed lines above say which won where on this run. Softening (T = 2) spreads the target over tens of
-# thousands of tail tokens: more signal per token for a long run, a distraction from the likely tokens for a short
-# one — the line above says which it was here. The budget is tiny for a training run — about twenty thousand tokens
-# per student, minutes of CPU — and the gap left is the price of that budget, not the limit of the method (DistilBERT
-# trained on billions of tokens). Decode speed comes from the 16 blocks left: the embedding, the LM head and the
-# per-step overhead were not pruned, so 53% of the blocks is more than 53% of the time.
+# How to read it. Each objective has its home column: text-only KD trains on the quantity perplexity and KL measure
+# (the teacher's distribution on plain text), ability transfer on the teacher's answers, which the answer columns
+# measure — the lines above say which won where, at equal steps. Blocks buy ability and cost speed: the sweep is the
+# DistilBERT-style trade-off, and the speed axis is not proportional to the blocks kept, because the embedding, the
+# 49k-way LM head and the per-step overhead were not pruned. The budget is tiny for a training run — minutes of
+# CPU per student; DistilBERT trained on billions of tokens — so a missed target here is the price of that budget
+# first, and the curve of the shipped run says whether more steps would still pay.
 #
-# ## 5. The student, by name
+# ## 6. The student, by name
 #
-# The bench saves the KD student in the cache directory; `load_model` finds it by name like the real model (and says
-# how to train it when it is missing). Lesson 10 uses it as the draft model of speculative decoding: its top-1
-# agreement with the teacher above is the fraction of drafted tokens the teacher will accept.
+# `load_model("smollm2-135m-student")` works on a fresh checkout without training: the course ships what training
+# made — the dropped blocks, the LoRA factors and the block norms, a few MB in `minillm/assets/` with their sha256 —
+# and the loader rebuilds the student from the teacher once (seconds), then reads it from the cache. Lesson 10 drafts
+# with it; lesson 13 cascades with it. Here it answers held-out questions next to the teacher:
 
 # %%
-name = "smollm2-135m-student-quick" if QUICK else "smollm2-135m-student"
-student, _ = minillm.load_model(name)
-print(f"{name}: {student.config.n_layers} blocks; saved with {student.saved_info.get('budget', {}).get('steps')} "
-      f"training steps")
-for q in ("The capital of France is", "def fibonacci(n):"):
-    for who, m in (("teacher", teacher), ("student", student)):
-        print(f"{who:>8}: {q}{minillm.generate(m, tok, q, max_new_tokens=16).text!r}")
+print(f"smollm2-135m-student: {shipped.config.n_layers} blocks; {shipped.saved_info.get('built_from', 'saved')}")
+for q in ("What is the capital of Japan?", "Who painted the Mona Lisa?", "Give me three tips for staying healthy."):
+    ids = chat_ids(tok, q)
+    for who, m in (("teacher", teacher), ("student", shipped)):
+        print(f"{who:>8}: {q} -> {minillm.generate(m, tok, ids, max_new_tokens=20).text!r}")
 
 # %% [markdown]
 # **Exercise 09** (`exercises/ex09_distill.py`, graded by `minillm grade 09`): the distillation loss (graded against
 # a reference: the T² factor, the KL direction, log-softmax vs softmax, the reduction axis) and one training step
 # (graded: the loss falls on a fixed batch and the teacher receives no gradient); the last task trains the real
-# pruned student for a few steps with your code. Next, lesson 10: speculative decoding with this student as the draft.
+# pruned student for a few steps with your code. Next, lesson 10: speculative decoding, with a draft head learned
+# from the teacher's own answers and with this student as the draft.

@@ -28,16 +28,18 @@
 # a step yields on average **(1 − a^(k+1)) / (1 − a)** tokens. And the output is *exactly* the target's: the same
 # tokens under greedy decoding, the same distribution under sampling (section 3 shows why).
 #
-# The drafter is the whole game — it must be cheap next to the target *and* often right. Three are built in
-# `minillm/speculative/drafters.py`:
+# The drafter is the whole game — it must be cheap next to the target *and* often right. Four are built in
+# `minillm/speculative/`:
 # - **prompt lookup** (n-gram): continue the sequence's last n tokens the way they were continued earlier in the
 #   prompt or output. No model at all; right whenever the answer copies its input (summaries, edits, extraction, code);
+# - **a learned draft head** (EAGLE-style, `learned.py`): one small layer that reads the target's own last hidden
+#   state and guesses the next tokens from it, trained on the teacher's answers (lesson 09's data);
 # - **a draft model**: lesson 09's distilled student (16 of the target's 30 blocks);
 # - **early exit**: the target's own first blocks + its final norm and head, untrained.
 #
 # Sections: (1) the premise, measured: what verifying k tokens costs; (2) prompt lookup on the real model; (3) the
-# rejection rule and why it is exact; (4) the benchmark: every drafter, three workloads, k, the engine; (5) where
-# speculation stops paying.
+# rejection rule and why it is exact; (4) a draft head that reads the target's features; (5) the benchmark: every
+# drafter, three workloads, k, the engine; (6) where speculation stops paying.
 
 # %%
 import json
@@ -51,6 +53,15 @@ from minillm.bench import run_entry
 from minillm.bench.speculative import PASSAGES, verify_cost
 from minillm.course.lesson import QUICK, hardware_line, pick
 from minillm.speculative.decoding import SpecStats, SpeculativeConfig, expected_tokens_per_step, rejection_sample
+
+
+def timed_call(fn) -> float:
+    """Seconds for one call of fn (the caller takes the minimum of several: the least disturbed run)."""
+    import time
+
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
 print(hardware_line())
@@ -71,11 +82,35 @@ for r in cost:
     print(f"q = {r['q_tokens']:>2} tokens: {r['forward_ms']:6.1f} ms = {r['vs_decode']:.2f}x a decode step")
 
 # %% [markdown]
-# On this CPU the forward is not free: a float32 matmul on one core runs near the core's arithmetic peak already at a
-# few rows, so each extra row costs real time (the LM head alone is 49,152 × 576 multiply-adds per row). The ratio
-# above is `v(k)`, the price of verifying k drafts in units of a decode step; on a GPU, where a decode step of a
-# 135M model uses a few percent of the arithmetic, it stays near 1 for k up to tens. Speculation wins when
-# tokens-per-step exceeds v(k) plus the drafting cost: prompt lookup drafts for free, so it only needs to beat v(k).
+# Why is it not free here? Put each forward against this machine's two roofs (lesson 00): the bytes of weights it
+# reads per second against the measured copy bandwidth, and the FLOP/s its matmuls reach against the measured float32
+# matmul peak.
+
+# %%
+from minillm.bench.hardware import hardware_info  # noqa: E402
+
+hw = hardware_info()
+weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+n_matmul = model.config.n_params()  # every weight is one multiply-add per row (the tied embedding as the LM head)
+for r in cost:
+    s = r["forward_ms"] / 1e3
+    gbps, gflops = weight_bytes / s / 1e9, 2 * n_matmul * r["q_tokens"] / s / 1e9
+    peak_bw, peak_fl = hw["bandwidth_GBps"], hw["flops_float32"] / 1e9
+    print(f"q = {r['q_tokens']:>2}: weights read at {gbps:5.1f} GB/s ({gbps / peak_bw:.0%} of {peak_bw:.0f} GB/s "
+          f"copy), matmuls at {gflops:5.1f} GFLOP/s ({gflops / peak_fl:.0%} of {peak_fl:.0f} GFLOP/s)")
+q1 = cost[0]
+qk = next(r for r in cost if r["q_tokens"] == 5)
+print(f"predicted (decode is memory bound, so q = 5 reads the same weights): ~1.0x; measured {qk['vs_decode']:.2f}x, "
+      f"because the q = 1 step is on neither roof — it reads weights at "
+      f"{weight_bytes / (q1['forward_ms'] / 1e3) / 1e9 / hw['bandwidth_GBps']:.0%} of the copy bandwidth, so each "
+      f"extra row's arithmetic (49,152 x 576 multiply-adds in the LM head alone) is not hidden behind memory traffic")
+
+# %% [markdown]
+# The ratio is `v(k)`, the price of verifying k drafts in units of a decode step. On this CPU a one-row forward
+# neither saturates memory bandwidth nor the arithmetic units (per-operator overhead, small-matrix kernels), so rows
+# add time; the lines above give the fractions of each roof. On a GPU, where a decode step of a 135M model uses a few
+# percent of the arithmetic and waits on memory, v stays near 1 for k up to tens. Speculation wins when tokens-per-step
+# exceeds v(k) plus the drafting cost: prompt lookup drafts for free, so it only needs to beat v(k).
 #
 # ## 2. Prompt lookup on the real model
 #
@@ -143,7 +178,53 @@ plt.show()
 # (tests/test_speculative.py repeats this with a chi-square test, a negative control that must fail it, and the real
 # model's next-token distribution.)
 #
-# ## 4. The benchmark: drafters × workloads × k, and the engine
+# ## 4. A draft head that reads the target's features
+#
+# A draft model pays a forward of its own per guess, so it has to be far smaller than the target *and* agree with it.
+# EAGLE (Li et al., 2024) drafts from what the target already computed: its last hidden state f_t — the feature its
+# LM head turns into the next token — already says a lot about the tokens after it. `DraftHead` maps (f_t, the token
+# the target just chose) to a predicted f_{t+1} with one linear layer and one SwiGLU MLP (no attention: the feature
+# carries the context), scores only the few thousand tokens the target actually writes with the target's own LM-head
+# rows, and chains: the predicted feature feeds the next guess. It trained for a few CPU minutes on the teacher's
+# answers to lesson 09's training prompts (`python -m minillm.bench.small_model drafter`), unrolled on its own
+# predictions as it will draft; the result ships in `minillm/assets/` with its sha256.
+#
+# The drafter reads f from a forward hook on the target's final norm; after each target forward the engine (or the
+# single-sequence loop) tells it which sequence and position each row was (`observe`), and `propose` drafts from the
+# feature of the position that chose the last token. Nothing about verification changes: the drafts are checked like
+# any others, so greedy output stays the target's, and under sampling q is the head's distribution (zero outside its
+# vocabulary), which the rejection rule handles exactly.
+#
+# *Predict before you run the next cell:* what fraction of a target decode step does one guess of the head cost?
+
+# %%
+from minillm.speculative.learned import load_draft_head  # noqa: E402
+
+head = load_draft_head().bind(model)
+n_head = sum(p.numel() for p in head.parameters())
+info = head.info
+print(f"draft head: {n_head / 1e6:.2f}M weights + {head.vocab_ids.numel()} LM-head rows of the target "
+      f"(its vocabulary covers {info['vocab_coverage']:.1%} of the target's choices on the training answers); "
+      f"held-out chained top-1 per guess: {[round(a, 2) for a in info['heldout_chained_top1']]}")
+f0, tok0 = torch.randn(1, model.config.dim), torch.tensor([tok.eos_id])
+with torch.inference_mode():
+    t_head = min(timed_call(lambda: head(f0, tok0)) for _ in range(pick(20, 3)))
+    ids1 = torch.tensor([tok.encode("The capital of France is")])
+    t_step = min(timed_call(lambda: model(ids1[:, -1:])) for _ in range(pick(10, 2)))
+print(f"one guess {t_head * 1e3:.2f} ms vs one target forward of one token {t_step * 1e3:.1f} ms: "
+      f"c = {t_head / t_step:.3f} of a step")
+q = "Give me three tips for staying healthy."  # held out of the head's training data
+ids = tok.encode_chat([{"role": "user", "content": q}])
+for name, spec in (("target only", None), ("learned head, k=3", SpeculativeConfig("learned", k=3))):
+    stats = SpecStats()
+    out = minillm.generate(model, tok, ids, max_new_tokens=pick(48, 12), ignore_eos=True, speculative=spec,
+                           spec_stats=stats)
+    extra = (f"; a = {stats.acceptance_rate:.2f}, {stats.tokens_per_step:.2f} tokens per target forward"
+             if spec else "")
+    print(f"{name:>18}: {out.decode_tokens_per_s:5.1f} tok/s{extra}\n{'':>20}{out.text[:100]!r}")
+
+# %% [markdown]
+# ## 5. The benchmark: drafters × workloads × k, and the engine
 #
 # `minillm bench speculative` times every variant right after its own target-only run on the same prompt, greedy, and
 # checks the tokens are identical. Workloads: *grounded* chat requests that copy a given text (repeat it, rewrite it,
@@ -201,7 +282,7 @@ if chat:
     c = max(chat, key=lambda r: r["speedup"])
     print(f"On open chat the same drafter finds little to copy: a = {c['acceptance']:.2f} at k={c['k']}, "
           f"{c['speedup']:.2f}x.")
-for draft in ("student", *sorted({r["draft"] for r in rows if r["draft"].startswith("early")})):
+for draft in ("learned", "student", *sorted({r["draft"] for r in rows if r["draft"].startswith("early")})):
     rs = [r for r in rows if r["draft"] == draft]
     if rs:
         b = max(rs, key=lambda r: r["speedup"])
@@ -245,7 +326,7 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# ## 5. Where speculation stops paying
+# ## 6. Where speculation stops paying
 #
 # Per emitted token, speculation costs (k·c + v(k)) / E[tokens per step] decode steps, where c is one draft step in
 # units of a target step and v(k) the verify cost of section 1. Plain decoding costs 1. So it pays when
@@ -254,10 +335,12 @@ plt.show()
 #
 # - **Prompt lookup**: c ≈ 0, and a is high exactly when the output copies the input. It pays on grounded requests and
 #   costs little elsewhere (when nothing matches, nothing is proposed and the step is an ordinary decode).
-# - **The student**: c is its decode time over the target's (lesson 09 measured its speed ratio) — a draft that is
-#   half as expensive as the target can never win on this CPU, whatever its agreement. Production drafts are 10-50x
-#   smaller than their targets (a 68M draft for a 7B target) and agree 60-80% of the time; 16 of 30 blocks of a 135M
-#   model, trained on twenty thousand tokens, is the opposite corner.
+# - **The learned head**: c is a few percent of a step (section 4 measured it), so nearly all of the gain is the
+#   tokens per step its acceptance buys; its weakness is the later guesses, which chain on predicted features.
+# - **The student**: c is its decode time over the target's (lesson 09 measured its speed ratio, about 1/1.7): a
+#   draft that costs more than half a target step needs a high a to win at all. Production drafts are 10-50x smaller
+#   than their targets (a 68M draft for a 7B target) and agree 60-80% of the time; 16 of 30 blocks of a 135M model is
+#   the opposite corner.
 # - **Early exit** without training: the first blocks' hidden states are not yet shaped for the final head, so a is
 #   near zero; methods that do use it (LayerSkip, EAGLE-style heads) train the exit for it.
 # - **Batch size**: v(k) grows with the batch. At batch B, verification runs B·(k+1) rows; once B alone fills the
@@ -265,15 +348,18 @@ plt.show()
 #   waste. The engine therefore speculates only while at most `max_batch` sequences decode; the engine rows above
 #   show where that crossover sits on this machine.
 #
-# Print the model with this run's numbers, for prompt lookup on grounded prompts:
+# Print the model with this run's numbers: prompt lookup on grounded prompts (c ≈ 0) and the learned head on open
+# chat (c from section 4's measurement):
 
 # %%
 v = {c["q_tokens"]: c["vs_decode"] for c in cost}
-for r in sorted((r for r in rows if r["draft"] == "ngram" and r["workload"] == "grounded"), key=lambda r: r["k"]):
-    vk = v.get(r["k"] + 1)
-    if vk is not None:
-        print(f"k={r['k']}: {r['tokens_per_step']:.2f} tokens per step / v={vk:.2f} -> predicted "
-              f"{r['tokens_per_step'] / vk:.2f}x, measured {r['speedup']:.2f}x")
+for draft, load, c in (("ngram", "grounded", 0.0), ("learned", "chat", t_head / t_step)):
+    for r in sorted((r for r in rows if r["draft"] == draft and r["workload"] == load), key=lambda r: r["k"]):
+        vk = v.get(r["k"] + 1)
+        if vk is not None:
+            pred = r["tokens_per_step"] / (r["k"] * c + vk)
+            print(f"{draft:>8} k={r['k']}: {r['tokens_per_step']:.2f} tokens per step / (k·c + v = "
+                  f"{r['k'] * c + vk:.2f}) -> predicted {pred:.2f}x, measured {r['speedup']:.2f}x")
 
 # %% [markdown]
 # **Exercise 10** (`exercises/ex10_speculative.py`, graded by `minillm grade 10`): the greedy acceptance rule, the

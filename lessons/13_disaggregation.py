@@ -175,7 +175,10 @@ for h, ref in zip(handoffs, reference):
 # `DisaggregatedLLM` runs a prefill worker and a decode worker as two processes, each with its own engine and KV pool,
 # joined by a torch.distributed process group (gloo on CPU, NCCL on GPU). The coordinator (this process) sends
 # requests to the prefill worker; the KV goes prefill → decode with `send`/`recv`; tokens stream back from the decode
-# worker. Every wait has a timeout: a worker that dies fails its requests with an error, never a hang.
+# worker. It takes and returns what `LLM` does (text or ids, per-prompt params, `RequestOutput`s; `stream` yields
+# `StreamEvent`s). Every wait has a timeout, and a worker that dies fails only the requests it strands, each with an
+# error saying why, never a hang: when the prefill worker dies, the requests whose KV already reached the decode
+# worker finish their answers (the decode worker reports each handoff as it comes off the wire).
 
 # %%
 from minillm.serving.disagg import DisaggregatedLLM
@@ -338,11 +341,37 @@ plt.show()
 
 # %% [markdown]
 # The curve starts at always-small (bottom left: its cost, its agreement) and ends at always-large (top, cost 1). A
-# useful cascade has points above and to the left of the dotted lines' corner. The cells above print where this pair
-# lands and why: the agreement of the small model alone caps what any signal can do, and every escalation pays the
-# small model's cost on top of the large one's. A student distilled on plain text and asked chat questions mostly
-# answers something else; to make this pay, distill on the traffic the cascade will serve (teacher-generated chat
-# answers), then measure again.
+# useful cascade has points above and to the left of the dotted lines' corner.
+#
+# **The cost condition.** Let s be the small model's cost over the large one's, and A its agreement alone. A request
+# kept small costs s; an escalated one costs s + 1 (the small answer was paid for, then thrown away). Even a perfect
+# signal, escalating exactly the disagreements, must escalate 1 − A of the requests to reach full agreement, or
+# 0.95 − A to reach 95%: its cost is s + max(0, 0.95 − A). So a cascade can beat a cost target C at 95% agreement only
+# if **A ≥ s + 0.95 − C**: the small model must be both cheap *and* right. The next cell prints the condition with
+# this run's s, against the A it measured, and the what-if curve: what each agreement would buy at this s.
+
+# %%
+ra = bench["ratios"]
+s_cost, a_small = ra["small_vs_large_seconds"], ra["always_small_agreement"]
+target_cost = bench["targets"].get("cost_ratio_at_95_agreement", ("<=", 0.8))[1]
+need = s_cost + 0.95 - target_cost
+print(f"s = {s_cost:.2f} (the student's seconds per answer over SmolLM2's), A = {a_small:.0%} (its greedy answers "
+      f"equal the large model's, token for token)")
+print(f"predicted: a cascade at 95% agreement can cost <= {target_cost:.0%} of always-large only if A >= {need:.0%}; "
+      f"measured A = {a_small:.0%}, so even a perfect signal costs {ra['perfect_signal_cost_ratio_at_95']:.0%}, "
+      f"and the best real signal {ra['cost_ratio_at_95_agreement']:.0%} of always-large")
+agreements = [i / 20 for i in range(21)]
+fig, ax = plt.subplots(figsize=(6.5, 3.5))
+ax.plot(agreements, [min(1.0, s_cost + max(0.0, 0.95 - a)) for a in agreements],
+        label=f"perfect signal, s = {s_cost:.2f}")
+ax.plot(agreements, [min(1.0, 0.3 + max(0.0, 0.95 - a)) for a in agreements], ls="--", label="a 3x cheaper small model")
+ax.axhline(target_cost, ls=":", color="gray", label=f"target {target_cost:.0%}")
+ax.axvline(a_small, color="tab:red", label=f"this student: A = {a_small:.0%}")
+ax.set_xlabel("A: the small model's agreement with the large one")
+ax.set_ylabel("cost at 95% agreement / always-large")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # **Exercise 13** (`exercises/ex13_disagg.py`, graded by `minillm grade 13`, hints with `minillm hint 13`): pack a

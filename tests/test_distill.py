@@ -173,26 +173,3 @@ def test_bad_input():
         distill(other_vocab, t, text(), text()[:65], DistillConfig(**CFG), progress=False)
     with pytest.raises(ValueError, match="cosine term alone"):
         distill(s, t, text(), text()[:65], DistillConfig(**{**CFG, "kd": 0.0, "cos": 1.0}), progress=False)
-
-
-class _IdsTokenizer:
-    stop_ids = frozenset({2})
-
-    def decode(self, ids):
-        return " ".join(map(str, ids))
-
-
-def test_teacher_continuations_are_sampled_once_then_read_from_the_cache(tmp_path, monkeypatch):
-    from minillm.bench.distill import teacher_continuations
-    from minillm.engine.llm import LLM
-
-    _, t = pair()
-    prompts, cache = [[5, 6, 7], [8, 9]], tmp_path / "teacher.json"
-    seqs = teacher_continuations(t, _IdsTokenizer(), prompts, 4, cache=cache)
-    assert [s[:len(p)] for s, p in zip(seqs, prompts)] == prompts and [len(s) for s in seqs] == [7, 6]
-
-    def no_engine(*a, **k):
-        raise AssertionError("the cached continuations should have been read")
-
-    monkeypatch.setattr(LLM, "from_model", no_engine)
-    assert teacher_continuations(t, _IdsTokenizer(), prompts, 4, cache=cache) == seqs

@@ -27,6 +27,8 @@ from hypothesis import strategies as st
 from minillm.cache.block_allocator import BlockAllocator, OutOfBlocksError, blocks_needed
 from minillm.config import ModelConfig
 from minillm.speculative.drafters import ModelDrafter, NgramDrafter, propose_ngram
+from minillm.speculative.learned import DraftHead, LearnedDrafter
+from minillm.speculative.train_drafter import choose_vocab, target_features, train_draft_head
 from minillm.engine import LLM
 from minillm.engine.block_manager import BlockManager
 from minillm.engine.scheduler import Scheduler
@@ -87,12 +89,30 @@ def greedy(model, ids, k):
     return solo(model, ids, SamplingParams(max_tokens=k))
 
 
-SOURCES = ("ngram", "early_exit", "draft", "self")
+SOURCES = ("ngram", "early_exit", "draft", "self", "learned")
+_HEADS: dict = {}
+
+
+def learned_head(target) -> DraftHead:
+    """A DraftHead trained (a second of CPU) on the tiny target's own greedy runs: it agrees with the target often
+    but not always, so both verification paths run."""
+    if id(target) not in _HEADS:
+        torch.manual_seed(2)
+        rng = random.Random(2)
+        prompts = [small_alphabet_prompt(rng, rng.choice([2, 3, 4, 5]), rng.randint(2, 12)) for _ in range(40)]
+        data = target_features(target, [p + greedy(target, p, 40) for p in prompts], autocast=False)
+        vocab, _ = choose_vocab(data["choice"], 48, [])
+        head = DraftHead(target.config.dim, 64, vocab).bind(target)
+        train_draft_head(head, data, steps=80, batch=256, lr=1e-2, autocast=False)
+        _HEADS[id(target)] = head
+    return _HEADS[id(target)]
 
 
 def spec_config(source: str, k: int, target, draft, **kw) -> SpeculativeConfig:
     if source == "ngram":
         return SpeculativeConfig("ngram", k=k, **kw)
+    if source == "learned":
+        return SpeculativeConfig("learned", k=k, draft_head=learned_head(target), **kw)
     if source == "early_exit":
         return SpeculativeConfig("early_exit", k=k, exit_layer=1, **kw)
     return SpeculativeConfig("draft", k=k, draft_model=draft if source == "draft" else target, **kw)
@@ -155,7 +175,7 @@ def test_greedy_generate_stop_token_and_context_end(target, draft, source):
     assert len(out.token_ids) == k + 3 and out.finish_reason == "length"
 
 
-@pytest.mark.parametrize("source", ["ngram", "draft"])
+@pytest.mark.parametrize("source", ["ngram", "draft", "learned"])
 def test_sampled_generate_is_seeded(target, draft, source):
     """A seeded sampled request gives the same tokens twice (drafts, acceptances and corrections all draw from
     the request's generator), and its tokens stay inside the top-k support."""
@@ -187,6 +207,8 @@ def run_engine(llm, prompts, params, max_steps=3000):
 def check_drafter_empty(llm):
     if isinstance(llm.drafter, ModelDrafter):
         assert llm.drafter.cache.allocator.num_used() == 0 and not llm.drafter.states
+    if isinstance(llm.drafter, LearnedDrafter):  # a finished request's features are dropped
+        assert not llm.drafter.features
 
 
 def requests_with_stops(rng, model, n, alphabet=4, max_prompt=16, max_out=20):
@@ -202,7 +224,7 @@ def requests_with_stops(rng, model, n, alphabet=4, max_prompt=16, max_out=20):
     return prompts, params
 
 
-@pytest.mark.parametrize("source", ["ngram", "early_exit", "draft"])
+@pytest.mark.parametrize("source", ["ngram", "early_exit", "draft", "learned"])
 @pytest.mark.parametrize("block_size,num_blocks,budget", [(1, 40, 7), (4, 11, 16), (16, 4, 512)])
 def test_engine_greedy_equals_solo_under_preemption(target, draft, source, block_size, num_blocks, budget):
     rng = random.Random(block_size * 7 + len(source))
@@ -444,7 +466,7 @@ def test_rejection_sample_and_verify_edge_cases():
     assert verify(logits, [2], None, SamplingParams(temperature=0.0)) == [1]
 
 
-@pytest.mark.parametrize("source", ["ngram", "draft"])
+@pytest.mark.parametrize("source", ["ngram", "draft", "learned"])
 def test_engine_speculative_sampling_has_the_targets_distribution(target, draft, source):
     """Temperature 1, top-k 4, 1500 seeded requests of one prompt through the engine: the first output token
     comes from the prefill, the second from a verification step (2 drafts: n-gram guesses, or the draft
@@ -947,3 +969,61 @@ def test_real_model_engine_with_ngram_equals_solo(real_model, copy_task):
     assert llm.spec_stats.accepted > 0
     assert any(s["num_decodes"] > 1 and s["num_draft_tokens"] > 0 for s in llm.step_log)  # batched verifies
     assert llm.num_free_blocks() == 48
+
+
+# ------------------------------------------------------------------------------------- the learned draft head
+
+
+def test_learned_drafter_bad_input_and_bookkeeping(target, tmp_path):
+    from minillm.speculative.learned import load_draft_head, save_draft_head
+
+    head = learned_head(target)
+    drafter = LearnedDrafter(target, head)
+    assert drafter.propose([("a", [1, 2, 3], 3)], [SamplingParams()], [None]) == [([], None)]  # no features yet
+    with torch.inference_mode():
+        target(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(RuntimeError, match="feature rows"):
+        drafter.observe([("a", 0, 2)])  # the forward produced 3 rows
+    with torch.inference_mode():
+        target(torch.tensor([[1, 2, 3]]))
+    drafter.observe([("a", 0, 3)])
+    (draft, q), = drafter.propose([("a", [1, 2, 3, 4], 3)], [SamplingParams()], [None])
+    assert len(draft) == 3 and q is None and all(int(t) in head.vocab_ids.tolist() for t in draft)
+    drafter.release("a")
+    assert not drafter.features
+    path = tmp_path / "head.pt"
+    save_draft_head(head, path, {"note": "test"})
+    again = load_draft_head(path).bind(target)
+    f, t = torch.randn(2, target.config.dim), torch.tensor([1, 2])
+    torch.testing.assert_close(again(f, t)[1], head(f, t)[1], rtol=2e-2, atol=2e-2)  # fp16 on disk
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match="sha256"):
+        load_draft_head(path)
+    with pytest.raises(FileNotFoundError, match="small_model drafter"):
+        load_draft_head(tmp_path / "missing.pt")
+    seqs = [[1, 2, 3, 4, 5], [3, 1], [2, 2, 2, 4, 1, 0, 3]]  # batched and padded == one at a time, unpadded
+    batched = target_features(target, seqs, autocast=False, first=[2, 0, 3], batch=2)
+    for i, ids in enumerate(seqs):
+        one = target_features(target, [ids], autocast=False)
+        torch.testing.assert_close(batched["features"][batched["seq"] == i].float(), one["features"].float(),
+                                   rtol=2e-2, atol=2e-2)
+        assert torch.equal(batched["tokens"][batched["seq"] == i], torch.tensor(ids))
+    assert batched["use"].tolist() == [False, False, True, True, True, True, True, False, False, False, True, True,
+                                       True, True]
+    wide = Transformer(tiny_cfg(1).with_(dim=48, n_heads=4, n_kv_heads=2))
+    with pytest.raises(ValueError, match="wide target"):
+        DraftHead(target.config.dim, 64, head.vocab_ids).bind(wide)
+
+
+def test_shipped_draft_head_keeps_the_real_targets_greedy_output(real_model):
+    """The head in minillm/assets drafts for SmolLM2: greedy output equals target-only, and it is accepted far more
+    often than chance (an untrained head: ~0)."""
+    model, tok = real_model
+    ids = tok.encode_chat([{"role": "user", "content": "Give me three tips for staying healthy."}])
+    stats = SpecStats()
+    out = generate(model, tok, ids, max_new_tokens=24, ignore_eos=True, speculative=SpeculativeConfig("learned", k=3),
+                   spec_stats=stats)
+    assert out.token_ids == generate(model, tok, ids, max_new_tokens=24, ignore_eos=True).token_ids
+    assert stats.acceptance_rate > 0.15, stats

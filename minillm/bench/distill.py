@@ -1,11 +1,14 @@
-"""`minillm bench distill` (lesson 09): heal a pruned SmolLM2 by distillation vs fine-tuning on the text.
+"""`minillm bench distill` (lesson 09): a student sized by measurement, that keeps the teacher's answers.
 
-Teacher SmolLM2-135M; student the teacher minus its least important blocks (lesson 08). From that one start,
-on the same batches: KD at T = 1, CE-only and (full mode) KD at T = 2 and DistilBERT's triple loss. Data: the
-pydoc text plus continuations the teacher samples (cached); evaluation on its first 512 tokens, never trained
-on. Per student: size, decode tok/s, perplexity, KL and top-1 agreement with the teacher. The KD student is
-saved as "smollm2-135m-student": load_model loads it by name, lesson 10 drafts with it, lesson 13 cascades
-with it.
+Teacher SmolLM2-135M-Instruct. Students: the teacher minus its least important blocks (lesson 08's block
+importance), keeping 24 / 20 / 16 of 30, recovered with LoRA adapters (compress/lora.py) by ability-transfer KD
+(compress/ability.py: the teacher's greedy answers to ~2,100 templated chat prompts, plus plain-text KD steps). Every
+size trains the same steps on the same batches; at the size that ships, the same budget also trains (a) standard
+text-only KD and (b) every weight instead of adapters. The shipped size then trains on to the full budget and is
+written to minillm/assets/smollm2-135m-student.pt (dropped blocks + adapters + norms, with its sha256): load_model
+rebuilds the student from it. Per row, a DistilBERT-style table: parameters, decode tok/s, perplexity and KL on the
+held-apart pydoc text, and retained ability on held-out prompts (never trained on): the share of greedy answers
+that start with the teacher's first sentence, and top-1 agreement on the teacher's answers.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import copy
 import json
 import math
 import os
-from pathlib import Path
+import random
 
 import torch
 
@@ -22,131 +25,178 @@ from minillm.bench.hardware import native_bf16
 from minillm.bench.harness import BenchResult
 from minillm.bench.metrics import decode_tok_s, timer
 
-
-KD = "KD (T=1)"  # the student that is saved and used by lesson 10
+SHIP = "smollm2-135m-student"
 
 
 def budget(quick: bool) -> dict:
     if quick:
-        return {"steps": 3, "batch_size": 2, "seq_len": 64, "warmup": 1, "eval_every": 3, "eval_tokens": 128,
-                "drop_n_blocks": 14, "n_prompts": 0, "new_tokens": 0}
-    return {"steps": 40, "batch_size": 4, "seq_len": 128, "warmup": 5, "eval_every": 10, "eval_tokens": 512,
-            "drop_n_blocks": 14, "n_prompts": 32, "new_tokens": 96}
+        return {"sizes": [16], "ship_size": 16, "sweep_steps": 2, "final_steps": 3, "batch_size": 2, "seq_len": 96,
+                "n_prompts": 12, "n_heldout": 4, "max_answer": 12, "eval_tokens": 128, "lora_rank": 4,
+                "compare": False, "ship": False}
+    return {"sizes": [24, 20, 16], "ship_size": 16, "sweep_steps": 50, "final_steps": 200, "batch_size": 8,
+            "seq_len": 320, "n_prompts": None, "n_heldout": 96, "max_answer": 64, "eval_tokens": 512,
+            "lora_rank": 32, "compare": True, "ship": True}
 
 
-def teacher_continuations(teacher, tokenizer, prompts: list[list[int]], max_tokens: int,
-                          cache: Path | None = None) -> list[list[int]]:
-    """Sampled continuations of each prompt by the teacher (the batching engine, temperature 1, seeded),
-    cached as JSON: the student also learns from text the teacher itself writes."""
-    from minillm.engine.llm import LLM
-    from minillm.sampling import SamplingParams
+def chat_data(teacher, tok, b: dict) -> tuple[list, list, dict]:
+    """(train examples, held-out examples, facts): the teacher's answers to the templated prompts (cached)."""
+    from minillm.bench.small_model import answers_path, teacher_answers
+    from minillm.compress.chat_data import ALWAYS_HELD_OUT, chat_ids, chat_prompts, is_held_out, split
 
-    if cache is not None and Path(cache).exists():
-        data = json.loads(Path(cache).read_text())
-        if data.get("prompts") == prompts and data.get("max_tokens") == max_tokens:
-            return data["sequences"]
-    llm = LLM.from_model(teacher, tokenizer, max_num_seqs=16)
-    params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True)
-              for i in range(len(prompts))]
-    outs = llm.generate(prompts, params)
-    seqs = [p + o.token_ids for p, o in zip(prompts, outs)]
-    if cache is not None:
-        Path(cache).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(str(cache) + ".tmp")
-        tmp.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "sequences": seqs}))
-        os.replace(tmp, cache)
-    return seqs
+    prompts = chat_prompts()
+    if b["n_prompts"]:  # quick: a few of each kind
+        prompts = ([p for p in prompts if is_held_out(p)][:b["n_heldout"]]
+                   + [p for p in prompts if not is_held_out(p)][:b["n_prompts"]])
+    cache = answers_path() if b["n_prompts"] is None else answers_path(f"teacher_answers_{b['n_prompts']}.json")
+    answers = dict(zip(prompts, teacher_answers(teacher, tok, prompts, b["max_answer"], cache=cache,
+                                                progress=b["ship"])))
+    train, held = split(prompts)
+    if not b["n_prompts"]:  # the measured held-out set: every prompt a lesson measures on, then a seeded sample
+        rest = [p for p in held if p not in ALWAYS_HELD_OUT]
+        held = [p for p in held if p in ALWAYS_HELD_OUT] + random.Random(0).sample(rest, b["n_heldout"])
+    ex = lambda ps: [(chat_ids(tok, p), answers[p]) for p in ps if answers[p]]  # noqa: E731
+    facts = {"prompts": len(prompts), "train_prompts": len(train), "heldout_measured": len(held),
+             "answer_tokens": sum(len(answers[p]) for p in train)}
+    return ex(train), ex(held), facts
 
 
-def training_ids(teacher, tok, b: dict) -> tuple[torch.Tensor, dict]:
-    """The pydoc training split, plus the teacher's own continuations of prompts from it (cached)."""
-    from minillm.compress.distill import train_ids
-    from minillm.gguf.weights import cache_dir
+def measure(student, teacher, tok, held: list, ev: torch.Tensor, prompt: list[int], n_decode: int) -> dict:
+    from minillm.bench.small_model import retained_ability
+    from minillm.compress.distill import evaluate
+    from minillm.compress.pruning import n_params
 
-    ids = train_ids(tok)
-    info = {"pydoc_tokens": ids.numel(), "teacher_tokens": 0}
-    if b["n_prompts"]:
-        step = ids.numel() // b["n_prompts"]
-        prompts = [ids[i * step:i * step + 32].tolist() for i in range(b["n_prompts"])]
-        seqs = teacher_continuations(teacher, tok, prompts, b["new_tokens"],
-                                     cache=cache_dir() / "distill" / f"teacher_{b['n_prompts']}x{b['new_tokens']}.json")
-        eos = tok.eos_id
-        extra = torch.tensor([t for s in seqs for t in s + [eos]])
-        info["teacher_tokens"] = extra.numel()
-        ids = torch.cat([ids, extra])
-    return ids, info
+    ability = retained_ability(student, tok, held)
+    speed = max(decode_tok_s(student, prompt, n_decode)[0] for _ in range(3))
+    return {**evaluate(student, teacher, ev), "answer_match": ability["answer_match"],
+            "answer_top1": ability["top1_agree"], "params_M": n_params(student) / 1e6,
+            "blocks": student.config.n_layers, "decode_tok_s": speed}
+
+
+def by_name(rows: list[dict], name: str) -> dict:
+    return next(r for r in rows if r["variant"] == name)
+
+
+def merged(student):
+    from minillm.compress.lora import merge_lora
+
+    return merge_lora(copy.deepcopy(student)).eval()
 
 
 def run(quick: bool = False) -> BenchResult:
     from minillm.api import load_model
-    from minillm.compress.distill import DistillConfig, distill, evaluate
-    from minillm.gguf.loader import save_model
-    from minillm.model import model_bytes
-    from minillm.compress.pruning import n_params, prune_structured
+    from minillm.compress.ability import AbilityConfig, distill_ability
+    from minillm.compress.distill import train_ids
+    from minillm.compress.lora import add_lora, lora_state
+    from minillm.compress.pruning import block_importance, drop_blocks, least_important
     from minillm.compress.quality import calibration_ids, eval_ids
+    from minillm.gguf.loader import recipe_path, save_model
+    from minillm.gguf.weights import cache_dir
 
     b = budget(quick)
+    torch.manual_seed(0)
     teacher, tok = load_model("smollm2-135m", dtype="float32")
-    start = copy.deepcopy(teacher)
-    report = prune_structured(start, calibration_ids(tok, 256), drop_n_blocks=b["drop_n_blocks"])
-    ids, data = training_ids(teacher, tok, b)
+    train, held, facts = chat_data(teacher, tok, b)
+    text = train_ids(tok)
     ev = torch.tensor(eval_ids(tok, b["eval_tokens"] + 1))
-    common = {k: b[k] for k in ("steps", "batch_size", "seq_len", "warmup", "eval_every", "eval_tokens")}
-    autocast = native_bf16(teacher.device)  # bf16 autocast only where bf16 is computed natively
-    # the learning rate and T = 1 were chosen on a 20-step pilot (KD T=1: ppl 107, KD T=2: 162, CE: 124 at lr 1e-3;
-    # lr 5e-4 was slower for both); T = 2 stays in the full run to show what softening costs at this budget
-    runs = {KD: {"kd": 1.0, "ce": 0.0, "cos": 0.0, "temperature": 1.0, "lr": 1e-3},
-            "CE only": {"kd": 0.0, "ce": 1.0, "cos": 0.0, "lr": 1e-3}}
-    if not quick:
-        runs["KD (T=2)"] = {"kd": 1.0, "ce": 0.0, "cos": 0.0, "temperature": 2.0, "lr": 1e-3}
-        runs["KD + CE + cosine"] = {"kd": 1.0, "ce": 0.5, "cos": 0.5, "temperature": 1.0, "lr": 1e-3}
-    models = {"teacher": teacher, "pruned, untrained": start}
-    rows = [{"variant": "teacher", **evaluate(teacher, teacher, ev)},
-            {"variant": "pruned, untrained", **evaluate(start, teacher, ev)}]
-    curves = {}
-    for name, terms in runs.items():
-        student = copy.deepcopy(start)
-        cfg = DistillConfig(**common, **terms, autocast=autocast)
-        with timer() as t:
-            hist = distill(student, teacher, ids, ev, cfg, progress=not quick)
-        rows.append({"variant": name, **evaluate(student, teacher, ev), "train_s": t.seconds,
-                     "train_tokens": cfg.steps * cfg.batch_size * (cfg.seq_len - 1)})
-        curves[name] = [{k: h[k] for k in h if k in ("step", "loss", "eval_ppl", "eval_kl", "eval_top1_agree")}
-                        for h in hist]
-        models[name] = student
-    by = {r["variant"]: r for r in rows}
-    for name, m in models.items():
-        by[name].update({"params_M": n_params(m) / 1e6, "weight_MB": model_bytes(m) / 1e6,
-                         "blocks": m.config.n_layers})
     prompt = eval_ids(tok, 32)
-    speed = {"teacher": [], KD: []}
-    for _ in range(1 if quick else 5):  # round-robin: a noisy neighbour slows both
-        for name in speed:
-            speed[name].append(decode_tok_s(models[name], prompt, 8 if quick else 64, 1)[0])
-    for name, v in speed.items():
-        by[name]["decode_tok_s"] = max(v)
-    saved = save_model(models[KD], "smollm2-135m-student" if not quick else "smollm2-135m-student-quick",
-                       info={"dropped_blocks": report["dropped_blocks"], "runs": runs[KD], "budget": b,
-                             "data": data, "eval": by[KD]})
-    t, p, kd, ce = (by[k]["ppl"] for k in ("teacher", "pruned, untrained", KD, "CE only"))
-    log_gap = lambda x: (math.log(p) - math.log(x)) / (math.log(p) - math.log(t))  # noqa: E731
-    ratios = {"kd_gap_closed": (p - kd) / (p - t), "ce_gap_closed": (p - ce) / (p - t),
-              "kd_log_ppl_gap_closed": log_gap(kd), "ce_log_ppl_gap_closed": log_gap(ce),
-              "kd_ppl_over_ce_ppl": kd / ce, "kd_kl_over_ce_kl": by[KD]["kl"] / by["CE only"]["kl"],
-              "student_decode_vs_teacher": by[KD]["decode_tok_s"] / by["teacher"]["decode_tok_s"],
-              "student_top1_agree_with_teacher": by[KD]["top1_agree"],
-              "student_params_vs_teacher": by[KD]["params_M"] / by["teacher"]["params_M"]}
-    for name, key in (("KD (T=2)", "kd_t2_log_ppl_gap_closed"), ("KD + CE + cosine", "triple_log_ppl_gap_closed")):
-        if name in by:
-            ratios[key] = log_gap(by[name]["ppl"])
-    targets = {"kd_gap_closed": (">=", 0.5), "kd_ppl_over_ce_ppl": ("<", 1.0), "student_decode_vs_teacher": (">=", 1.8)}
-    tokens = rows[-1]["train_tokens"]
-    notes = [f"student: the teacher minus blocks {report['dropped_blocks']} (lesson 08's block importance)",
-             f"budget per student: {tokens} training tokens ({b['steps']} steps x {b['batch_size']} x {b['seq_len']}), "
-             f"the embedding/LM head frozen; data: {data['pydoc_tokens']} pydoc tokens + {data['teacher_tokens']} "
-             f"teacher-generated tokens; eval: the first {b['eval_tokens']} pydoc tokens",
-             f"float32 weights, bf16 autocast {'on (native bf16)' if autocast else 'off'}; the KD student "
-             f"was saved to {saved}"]
+    n_decode = 16 if quick else 64
+    autocast = native_bf16(teacher.device)
+    importance = block_importance(teacher, calibration_ids(tok, 256))
+    n_blocks = teacher.config.n_layers
+    dropped = {keep: least_important(importance, n_blocks - keep) for keep in b["sizes"]}
+
+    def student_of(keep: int, lora: bool = True):
+        s = drop_blocks(copy.deepcopy(teacher), dropped[keep])
+        if lora:
+            add_lora(s, rank=b["lora_rank"], alpha=2.0 * b["lora_rank"])
+        else:
+            s.requires_grad_(True)
+            s.embed.weight.requires_grad_(False)  # the tied 28M embedding/head stays the teacher's
+        return s
+
+    def config(**kw) -> AbilityConfig:
+        kw = {"lora_rank": b["lora_rank"], **kw}
+        return AbilityConfig(steps=b["final_steps"], batch_size=b["batch_size"], seq_len=b["seq_len"], warmup=10,
+                             lr=2e-3 if kw["lora_rank"] else 3e-4, kd=1.0, ce=1.0, temperature=1.0,
+                             autocast=autocast, checkpoint_every=20, eval_every=10**9, **kw)
+
+    def fit(name: str, student, cfg: AbilityConfig, steps: int, checkpoint=None) -> dict:
+        print(f"  {name}: {steps} steps", flush=True)
+        with timer() as t:
+            hist = distill_ability(student, teacher, train, text, cfg, tok.eos_id, checkpoint=checkpoint,
+                                   progress=not quick, stop_after=steps)
+        row = {"variant": name, **measure(merged(student), teacher, tok, held, ev, prompt, n_decode),
+               "train_s": t.seconds, "train_steps": hist[-1]["step"],
+               "train_tokens": sum(h["tokens"] for h in hist), "loss_tokens": sum(h["loss_tokens"] for h in hist)}
+        curves[name] = [{k: h[k] for k in ("step", "kind", "loss", "ce")} for h in hist]
+        print(f"    answer match {row['answer_match']:.2f}  top-1 {row['answer_top1']:.2f}  ppl {row['ppl']:.1f}  "
+              f"{row['decode_tok_s']:.1f} tok/s  ({t.seconds / 60:.1f} min)", flush=True)
+        return row
+
+    curves: dict = {}
+    rows = [{"variant": "teacher", **measure(teacher, teacher, tok, held, ev, prompt, n_decode)}]
+    ship = b["ship_size"]
+    rows.append({"variant": f"keep {ship}, untrained", **measure(student_of(ship, False).eval().requires_grad_(False),
+                                                                 teacher, tok, held, ev, prompt, n_decode)})
+    ckpt = cache_dir() / "distill" / f"ability_keep{ship}{'_quick' if quick else ''}.pt"
+    if ckpt.exists():
+        os.remove(ckpt)  # a bench run starts from the pruned student; resume is for an interrupted run (tests)
+    students = {}
+    for keep in b["sizes"]:
+        students[keep] = student_of(keep)
+        rows.append(fit(f"keep {keep}, ability KD (LoRA)", students[keep], config(), b["sweep_steps"],
+                          ckpt if keep == ship else None))
+    if b["compare"]:
+        rows.append(fit(f"keep {ship}, text-only KD (LoRA)", student_of(ship), config(text_share=1.0),
+                          b["sweep_steps"]))  # windows of text_len tokens: about a chat example's length
+        rows.append(fit(f"keep {ship}, ability KD (all weights)", student_of(ship, False), config(lora_rank=0),
+                          b["sweep_steps"]))
+    final = fit(f"keep {ship}, ability KD (LoRA), shipped", students[ship], config(), b["final_steps"]
+                  - b["sweep_steps"], ckpt)
+    final["train_s"] += by_name(rows, f"keep {ship}, ability KD (LoRA)")["train_s"]  # the sweep's steps included
+    rows.append(final)
+    by = {r["variant"]: r for r in rows}
+    if b["ship"]:
+        state = {"base": "smollm2-135m", "dropped_blocks": dropped[ship], "state": {
+            k: v.half() for k, v in lora_state(students[ship]).items()}}
+        path = recipe_path(SHIP)
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+        import hashlib
+
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        info = {"sha256": digest, "command": "minillm bench distill", "dropped_blocks": dropped[ship],
+                "budget": {k: v for k, v in b.items()}, "data": facts,
+                "eval": {k: v for k, v in final.items() if isinstance(v, (int, float, str))}}
+        path.with_suffix(".pt.json").write_text(json.dumps(info, indent=1) + "\n")
+        save_model(merged(students[ship]), SHIP, info=info)  # the cache copy: the next load_model is instant
+    t, u = by["teacher"], by[f"keep {ship}, untrained"]
+    log_gap = (math.log(u["ppl"]) - math.log(final["ppl"])) / (math.log(u["ppl"]) - math.log(t["ppl"]))
+    ratios = {"student_decode_vs_teacher": final["decode_tok_s"] / t["decode_tok_s"],
+              "student_answer_match": final["answer_match"], "student_top1_on_answers": final["answer_top1"],
+              "student_params_vs_teacher": final["params_M"] / t["params_M"],
+              "ppl_gap_closed": (u["ppl"] - final["ppl"]) / (u["ppl"] - t["ppl"]), "log_ppl_gap_closed": log_gap}
+    targets = {"student_decode_vs_teacher": (">=", 1.5), "student_answer_match": (">=", 0.5),
+               "student_top1_on_answers": (">=", 0.7)}
+    if b["compare"]:
+        ab, tx = by[f"keep {ship}, ability KD (LoRA)"], by[f"keep {ship}, text-only KD (LoRA)"]
+        full = by[f"keep {ship}, ability KD (all weights)"]
+        ratios.update({"ability_over_text_answer_match": ab["answer_match"] / max(tx["answer_match"], 1e-9),
+                       "ability_minus_text_top1": ab["answer_top1"] - tx["answer_top1"],
+                       "lora_over_full_answer_match_per_minute": (ab["answer_match"] / ab["train_s"])
+                       / max(full["answer_match"] / full["train_s"], 1e-9)})
+        targets["ability_over_text_answer_match"] = (">", 1.0)
+    notes = [f"students: the teacher minus its least important blocks (lesson 08), e.g. keep {ship} drops "
+             f"{dropped[ship]}; LoRA rank {b['lora_rank']} on every block matmul + the block norms; the tied "
+             f"embedding/LM head stays the teacher's",
+             f"data: {facts['train_prompts']} training prompts ({facts['answer_tokens']} teacher answer tokens), "
+             f"{facts['heldout_measured']} held-out prompts measured (never trained on); 25% of steps are plain-text "
+             f"KD on pydoc; batch {b['batch_size']}; every sweep row {b['sweep_steps']} steps, the shipped student "
+             f"{b['final_steps']}",
+             f"float32 weights, bf16 autocast {'on (native bf16)' if autocast else 'off'} for training; decode "
+             f"tok/s at batch 1, float32, best of 3"]
     return BenchResult(name="distill", rows=rows, ratios=ratios, targets=targets,
-                       settings={**b, "threads": torch.get_num_threads(), "autocast": autocast}, notes=notes,
-                       series=curves)
+                       settings={k: v for k, v in b.items() if not isinstance(v, list)} | {
+                           "threads": torch.get_num_threads(), "autocast": autocast,
+                           "heldout_measured": facts["heldout_measured"]}, notes=notes, series=curves)

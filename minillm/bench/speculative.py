@@ -1,8 +1,9 @@
 """`minillm bench speculative` (lesson 10): speculative decoding against target-only greedy decode.
 
 Target SmolLM2-135M, batch 1, greedy; each variant timed right after its own target-only baseline on the same
-prompt. Drafts: prompt lookup (n-gram, k = 2/4/8), lesson 09's distilled student (when saved: `minillm bench
-distill` makes it) and an untrained early-exit self-draft. Workloads: input-grounded chat, open chat, pydoc
+prompt. Drafts: prompt lookup (n-gram, k = 2/4/8), the learned draft head (speculative/learned.py, shipped in
+minillm/assets), lesson 09's distilled student (shipped as a recipe) and an untrained early-exit self-draft.
+Workloads: input-grounded chat, open chat, pydoc
 text continuations. Also: a (k + 1)-token forward's cost next to a one-token decode, the acceptance rate a and
 tokens per step against (1 - a^(k+1)) / (1 - a), and the engine's throughput at batch 1/4/16 with prompt
 lookup.
@@ -17,6 +18,7 @@ import torch
 
 from minillm.bench.harness import BenchResult, time_fn
 from minillm.bench.metrics import timer
+from minillm.compress.chat_data import SPECULATIVE_CHAT as CHAT
 
 PASSAGES = [
     "The lighthouse on the northern cape was built in 1887 from granite quarried two miles inland. Its lamp, first "
@@ -34,17 +36,17 @@ GROUNDED = [
     "Copy the following paragraph, but replace every number with the word NUMBER.\n\n{}",
     "Rewrite the following text as a bulleted list, one sentence per bullet, keeping the wording.\n\n{}",
 ]
-CHAT = ["Give me three tips for staying healthy.", "Write a short poem about the sea.",
-        "Explain what a hash table is.", "What should I pack for a weekend hiking trip?"]
 STUDENT = "smollm2-135m-student"
 
 
 def budget(quick: bool) -> dict:
     if quick:
         return {"new_tokens": 8, "n_grounded": 1, "n_chat": 1, "n_text": 0, "ngram_k": [4], "student_k": [],
+                "learned_k": [3],
                 "early_exit": [(10, 1)], "verify_q": [1, 5], "engine_batches": [1, 4], "engine_tokens": 6}
     return {"new_tokens": 64, "n_grounded": 6, "n_chat": 4, "n_text": 4, "ngram_k": [2, 4, 8],
-            "student_k": [1, 2, 3], "early_exit": [(10, 1), (20, 1), (20, 2)], "verify_q": [1, 2, 3, 5, 9, 17],
+            "learned_k": [2, 3, 4], "student_k": [1, 2], "early_exit": [(10, 1), (20, 1), (20, 2)],
+            "verify_q": [1, 2, 3, 5, 9, 17],
             "engine_batches": [1, 4, 16], "engine_tokens": 64}
 
 
@@ -108,20 +110,15 @@ def engine_throughput(model, tok, prompts: list[list[int]], batch: int, n: int, 
 
 def run(quick: bool = False) -> BenchResult:
     from minillm.api import load_model
-    from minillm.gguf.loader import saved_model_dir
     from minillm.speculative.decoding import SpeculativeConfig, expected_tokens_per_step
 
     b = budget(quick)
     model, tok = load_model("smollm2-135m", dtype="float32", device="cpu")
     loads = workloads(tok, b)
     notes = []
-    student = None
-    if b["student_k"]:
-        if saved_model_dir(STUDENT).exists():
-            student, _ = load_model(STUDENT, dtype="float32", device="cpu")
-        else:
-            notes.append(f"{STUDENT} is not saved on this machine (run `minillm bench distill`): no student rows")
+    student = load_model(STUDENT, dtype="float32", device="cpu")[0] if b["student_k"] else None
     variants = [("ngram", k, SpeculativeConfig("ngram", k=k)) for k in b["ngram_k"]]
+    variants += [("learned", k, SpeculativeConfig("learned", k=k, max_batch=1)) for k in b["learned_k"]]
     variants += [("student", k, SpeculativeConfig("draft", k=k, draft_model=student, max_batch=1))
                  for k in b["student_k"] if student is not None]
     variants += [(f"early exit {n}", k, SpeculativeConfig("early_exit", k=k, exit_layer=n)) for n, k in b["early_exit"]]
@@ -130,7 +127,8 @@ def run(quick: bool = False) -> BenchResult:
     n = b["new_tokens"]
     for source, k, spec in variants:
         for load, prompts in loads.items():
-            if not quick and (source.startswith("early") and load != "chat" or source == "ngram" and load == "text"):
+            if not quick and (source.startswith("early") and load != "chat" or source == "ngram" and load == "text"
+                              or source == "learned" and load == "text"):
                 continue  # a weak draft everywhere: one workload shows it; text is there for the student
             t_base = t_spec = 0.0
             stats_all = None
@@ -180,9 +178,11 @@ def run(quick: bool = False) -> BenchResult:
               "engine_b1_spec_speedup": engine[0]["speedup"], "engine_bmax_spec_speedup": engine[-1]["speedup"]}
     targets = {"greedy_identical": (">=", 1.0), "ngram_grounded_speedup": (">=", 1.5),
                "q4_verify_k4_vs_decode": ("<=", 1.2)}
+    ratios["learned_chat_speedup"] = best("learned", "chat")
+    targets["learned_chat_speedup"] = (">=", 1.3)
     if student is not None:
         ratios["student_chat_speedup"] = best("student", "chat")
-        targets["student_chat_speedup"] = (">=", 1.3)
+        targets["student_chat_speedup"] = (">=", 1.0)
         text = [r for r in rows if r["draft"] == "student" and r["workload"] == "text"]
         distill = Path("results/distill.json")
         if text and distill.exists():

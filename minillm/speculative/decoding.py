@@ -20,13 +20,15 @@ from minillm.request import Request
 from minillm.sampling import SamplingParams, logits_to_probs, sample
 from minillm.speculative.drafters import ModelDrafter, NgramDrafter
 
-METHODS = ("ngram", "draft", "early_exit")
+METHODS = ("ngram", "draft", "early_exit", "learned")
 
 
 @dataclass
 class SpeculativeConfig:
     """method "ngram" (prompt lookup), "draft" (draft_model: a model or a load_model name, e.g. the distilled
-    "smollm2-135m-student") or "early_exit" (the target's first exit_layer blocks). k: tokens proposed per step.
+    "smollm2-135m-student"), "early_exit" (the target's first exit_layer blocks) or "learned" (draft_head: a
+    learned.DraftHead, or the name/path of a saved one; default the shipped head for SmolLM2-135M-Instruct).
+    k: tokens proposed per step.
     max_batch: the engine speculates only while at most this many sequences decode: verification stops being nearly
     free once the batch alone makes the forward compute bound. `minillm bench speculative` measures the engine at
     batch 1/4/16; on a 2-core CPU prompt lookup on grounded requests still paid at 16 (README), so the default is
@@ -35,6 +37,7 @@ class SpeculativeConfig:
     method: str = "ngram"
     k: int = 4
     draft_model: object = None
+    draft_head: object = None
     exit_layer: int = 8
     ngram_max: int = 3
     ngram_min: int = 2
@@ -61,6 +64,12 @@ def make_drafter(config: SpeculativeConfig, target, num_blocks: int = 1024, bloc
             raise ValueError(f"exit_layer must be in 1..{len(target.layers) - 1} (the target has "
                              f"{len(target.layers)} blocks), got {config.exit_layer}")
         drafter = ModelDrafter(target, config.exit_layer, num_blocks, block_size)
+    elif config.method == "learned":
+        from minillm.speculative.learned import DRAFTER, LearnedDrafter, load_draft_head
+
+        head = config.draft_head if isinstance(config.draft_head, torch.nn.Module) else load_draft_head(
+            config.draft_head or DRAFTER)
+        drafter = LearnedDrafter(target, head)
     else:
         draft = config.draft_model
         if isinstance(draft, str):
@@ -174,7 +183,10 @@ def generate_speculative(model, req: Request, drafter, k: int, kv, stats: SpecSt
     params, ids = req.params, list(req.prompt_ids)
     max_len = model.config.max_seq_len
     check_budget(k, len(ids), max_len)
+    observe = getattr(drafter, "observe", None)  # a learned drafter reads the target's features of each forward
     logits = model(torch.tensor([ids], device=model.device), kv_cache=kv, last_only=True)[0]  # prefill
+    if observe is not None:
+        observe([(req.request_id, len(ids) - 1, 1)])
     new = verify(logits, [], None, params, req.generator)  # no drafts yet: one ordinary sample
     n_out = 0
     while True:
@@ -189,6 +201,8 @@ def generate_speculative(model, req: Request, drafter, k: int, kv, stats: SpecSt
         draft, q = drafter.propose([(req.request_id, ids, n)], [params], [req.generator])[0] if n > 0 else ([], None)
         cached = len(ids) - 1
         logits = model(torch.tensor([ids[-1:] + draft], device=model.device), kv_cache=kv)[0]
+        if observe is not None:
+            observe([(req.request_id, cached, 1 + len(draft))])
         new = verify(logits, draft, q, params, req.generator)
         kv.truncate(cached + len(new))  # keep the last token + the accepted drafts; the rejected ones vanish
         if stats is not None:
