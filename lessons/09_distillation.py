@@ -52,6 +52,7 @@ from minillm.compress.ability import AbilityConfig, chat_batch_at, distill_abili
 from minillm.compress.chat_data import ALWAYS_HELD_OUT, chat_ids, chat_prompts, is_held_out, split
 from minillm.compress.distill import distillation_loss, hidden_cosine_loss, train_ids
 from minillm.compress.lora import add_lora
+from minillm.gguf.loader import recipe_path
 from minillm.course.lesson import QUICK, hardware_line, pick
 from minillm.compress.pruning import block_importance, drop_blocks, least_important
 from minillm.compress.quality import calibration_ids, eval_ids
@@ -94,11 +95,11 @@ for T in (1.0, 2.0):
 #
 # Why T²: the gradient of the softened KL with respect to the student's logits is (p_s − p_t)/T, and when the two
 # models' logits are close, p_s − p_t itself shrinks like 1/T — so the term's gradients fall like 1/T², and the T²
-# factor puts them back on the scale of the cross-entropy term. The "close" matters. Measure it twice on real
-# logits: for the freshly pruned student (far from the teacher) and for the shipped student (section 6, trained).
+# factor puts them back on the scale of the cross-entropy term. That "shrinks like 1/T" is a high-temperature
+# limit: it needs T to be large next to the differences between logits. Measure it twice on real logits: for the
+# freshly pruned student (far from the teacher) and for the shipped student (section 6, trained).
 #
-# *Predict before you run the next cell:* with the T² factor, does the gradient stay flat from T = 1 to T = 8 for
-# both students?
+# *Predict before you run the next cell:* with the T² factor, does the gradient stay flat from T = 1 to T = 8?
 
 # %%
 importance = block_importance(teacher, calibration_ids(tok, 256))
@@ -119,10 +120,14 @@ for who, model in (("pruned", pruned), ("shipped", shipped)):
         (g,) = torch.autograd.grad(loss, s_logits)
         grads[T] = g.norm().item()
         print(f"{who:<10}{T:>4.0f}{loss.item() / T**2:>14.4f}{g.norm().item() / T**2:>16.2e}{g.norm().item():>18.2e}")
-    fall[who] = grads[1.0] / grads[8.0]
-print(f"with the T^2 factor, the gradient falls {fall['pruned']:.1f}x from T=1 to T=8 for the pruned student and "
-      f"{fall['shipped']:.1f}x for the shipped one (without it: {fall['pruned'] * 64:,.0f}x and "
-      f"{fall['shipped'] * 64:,.0f}x)")
+    fall[who] = (grads[1.0] / grads[8.0], grads[4.0] / grads[8.0])
+spread = (t_logits[0].max(-1).values - t_logits[0].median(-1).values).mean().item()
+print(f"predicted (the 1/T^2 law, undone by T^2): flat; measured with the T^2 factor: the gradient falls "
+      f"{fall['pruned'][0]:.0f}x (pruned) and {fall['shipped'][0]:.0f}x (shipped) from T=1 to T=8 — but only "
+      f"{fall['pruned'][1]:.2f}x and {fall['shipped'][1]:.2f}x from T=4 to T=8 — because the teacher's top logit "
+      f"stands {spread:.0f} above its median: only when T is large next to that does softening shrink p_s - p_t like "
+      f"1/T (without the factor the fall from T=1 to T=8 is {fall['pruned'][0] * 64:,.0f}x and "
+      f"{fall['shipped'][0] * 64:,.0f}x)")
 ce = F.cross_entropy(s_logits[0].detach(), batch[0, 1:])
 h_s = shipped.run_layers(shipped.embed_tokens(batch[:, :-1]), torch.arange(64)[None])
 h_t = teacher.run_layers(teacher.embed_tokens(batch[:, :-1]), torch.arange(64)[None])
@@ -130,11 +135,11 @@ print(f"the shipped student's cross-entropy on the text {ce.item():.3f} nats; "
       f"hidden-state cosine term {hidden_cosine_loss(h_s, h_t).item():.3f}")
 
 # %% [markdown]
-# How to read it: the T² factor undoes the 1/T² law only where the law holds — when the student's logits are already
-# near the teacher's, so that softening shrinks p_s − p_t like 1/T. The line above gives the fall with T² for both
-# students: the closer student's gradient is the flatter of the two, and neither is exactly flat, because at T = 8 a
-# far student's p_s − p_t no longer scales like 1/T (the softened distributions are both close to uniform). This is
-# why the bench trains at T = 1: the pruned student starts far away, where softening only weakens the signal.
+# How to read it: the T² factor undoes the 1/T² law only where the law holds — at temperatures large next to the
+# spread of the logits. Between T = 1 and T = 4 these logits are still sharp after softening, so the gradient with T²
+# keeps falling; from T = 4 to T = 8 it has nearly levelled off (the second pair of numbers above). Softening is
+# therefore not free at moderate T: it spends the signal on tail tokens. This is why the bench trains at T = 1 (and
+# DistilBERT-style soft targets pay off over long runs, not over a few hundred steps).
 #
 # ## 3. The teacher's answers as data
 #
@@ -276,9 +281,12 @@ if "ability_over_text_answer_match" in ra:
     print(f"Same steps, same size: learning the teacher's answers matched {ab['answer_match']:.0%} of held-out "
           f"answers, standard text-only KD {tx['answer_match']:.0%} (top-1 on answers {ab['answer_top1']:.0%} vs "
           f"{tx['answer_top1']:.0%}); text-only KD reached perplexity {tx['ppl']:.1f} vs {ab['ppl']:.1f}.")
-    print(f"Adapters vs every weight, same steps: answer match {ab['answer_match']:.0%} in {ab['train_s'] / 60:.1f} "
-          f"min vs {full['answer_match']:.0%} in {full['train_s'] / 60:.1f} min: "
-          f"{ra['lora_over_full_answer_match_per_minute']:.2f}x the ability per CPU-minute for LoRA.")
+    print(f"Adapters vs every weight, same steps: top-1 on answers {ab['answer_top1']:.0%} in "
+          f"{ab['train_s'] / 60:.1f} min (LoRA) vs {full['answer_top1']:.0%} in {full['train_s'] / 60:.1f} min (every "
+          f"weight; answer match {ab['answer_match']:.0%} vs {full['answer_match']:.0%}). The minutes are wall time "
+          f"on a shared machine: compare them with care; what ships is LoRA's, because its update is "
+          f"{recipe_path('smollm2-135m-student').stat().st_size / 1e6:.1f} MB and the full student is "
+          f"{full['params_M'] * 4:.0f} MB in float32.")
 for name, (op, want) in result["targets"].items():
     got = ra[name]
     ok = got >= want if op == ">=" else got > want if op == ">" else got <= want

@@ -74,11 +74,11 @@ def retained_ability(student, tokenizer, examples: list[Example], max_tokens: in
             "n_prompts": len(examples), "matched": same}
 
 
-def train_drafter(size: int = 4096, hidden: int = 1536, steps: int = 600, seed: int = 0, text_tokens: int = 60_000
-                  ) -> None:
+def train_drafter(size: int = 4096, hidden: int = 1536, steps: int = 500, seed: int = 0) -> None:
+    """The shipped head's recipe (its .json records the result). train_draft_head also takes feature noise, weight
+    decay and early stopping on held-out features (EAGLE's regularisers): the shipped head trained without them, and
+    its 0.85 training vs 0.54 held-out top-1 says they are the next thing to try."""
     from minillm.api import load_model
-    from minillm.compress.chat_data import ALWAYS_HELD_OUT
-    from minillm.compress.distill import train_ids
     from minillm.speculative.learned import ASSETS, DRAFTER, DraftHead, save_draft_head
     from minillm.speculative.train_drafter import choose_vocab, guess_accuracy, target_features, train_draft_head
 
@@ -88,29 +88,21 @@ def train_drafter(size: int = 4096, hidden: int = 1536, steps: int = 600, seed: 
     answers = dict(zip(prompts, teacher_answers(target, tok, prompts, cache=answers_path())))
     train, held = split(prompts)
     rng = random.Random(seed)
+
     def features(ps: list[str]) -> dict:  # guesses start at the last prompt token: the answers are what it drafts
         ids = [chat_ids(tok, p) for p in ps]
         return target_features(target, [i + answers[p] for i, p in zip(ids, ps)], first=[len(i) - 1 for i in ids])
 
     data = features(train)
-    # more data at no generation cost: pydoc text, labelled with the target's own choice at every position
-    text = train_ids(tok)[:text_tokens].tolist()
-    windows = [text[i:i + 128] for i in range(0, len(text) - 128, 128)]
-    text_data = target_features(target, windows)
-    data = {k: torch.cat([data[k], text_data[k] + (data["seq"].max() + 1 if k == "seq" else 0)]) for k in data}
-    # early stopping on held-out prompts; the ones lessons measure on stay out of the choice, the rest is scored
-    pool = [p for p in held if p not in ALWAYS_HELD_OUT]
-    rng.shuffle(pool)
-    val, test = features(pool[:48]), features(pool[48:144])
+    held_data = features(rng.sample(held, min(96, len(held))))
     vocab, coverage = choose_vocab(data["choice"], size, sorted(tok.stop_ids))
     head = DraftHead(target.config.dim, hidden, vocab).bind(target)
-    hist = train_draft_head(head, data, steps=steps, seed=seed, noise=0.2, weight_decay=0.05, held=val)
-    acc = guess_accuracy(head, test)
+    hist = train_draft_head(head, data, steps=steps, seed=seed)
+    acc = guess_accuracy(head, held_data)
     print(f"vocabulary {size} tokens covers {coverage:.1%} of the target's choices; held-out chained top-1 per "
           f"guess: {[round(a, 3) for a in acc]}")
     info = {"base": "smollm2-135m", "vocab_size": size, "hidden": hidden, "steps": steps, "seed": seed,
-            "train_prompts": len(train), "train_tokens": int(data["tokens"].numel()), "text_tokens": text_tokens,
-            "validation_curve": [h["held_chained"] for h in hist if "held_chained" in h],
+            "train_prompts": len(train), "train_tokens": int(data["tokens"].numel()),
             "vocab_coverage": coverage, "heldout_chained_top1": acc, "final_loss": hist[-1]["loss"],
             "command": "python -m minillm.bench.small_model drafter"}
     digest = save_draft_head(head, ASSETS / f"{DRAFTER}.pt", info)

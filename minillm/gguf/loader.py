@@ -303,4 +303,6 @@ def load_saved(name: str, dtype: str | torch.dtype | None = None, device: str | 
         model.lm_head.weight = model.embed.weight
     model = model.to(resolve_dtype(dtype or meta["dtype"])).eval().requires_grad_(False)
     model.saved_info = meta["info"]
-    return model, describe_spec(meta["base"])[1]
+    from minillm.gguf.tokenizer import Tokenizer
+
+    return model, Tokenizer.from_gguf_metadata(read_gguf_metadata(gguf_path(meta["base"])))
