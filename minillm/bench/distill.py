@@ -89,7 +89,7 @@ def run(quick: bool = False) -> BenchResult:
     from minillm.compress.lora import add_lora, lora_state
     from minillm.compress.pruning import block_importance, drop_blocks, least_important
     from minillm.compress.quality import calibration_ids, eval_ids
-    from minillm.gguf.loader import recipe_path, save_model
+    from minillm.gguf.loader import build_from_recipe, recipe_path
     from minillm.gguf.weights import cache_dir
 
     b = budget(quick)
@@ -170,7 +170,7 @@ def run(quick: bool = False) -> BenchResult:
                 "budget": {k: v for k, v in b.items()}, "data": facts,
                 "eval": {k: v for k, v in final.items() if isinstance(v, (int, float, str))}}
         path.with_suffix(".pt.json").write_text(json.dumps(info, indent=1) + "\n")
-        save_model(merged(students[ship]), SHIP, info=info)  # the cache copy: the next load_model is instant
+        build_from_recipe(SHIP)  # the cache copy is what a fresh checkout builds: fp16 factors, not the float32 merge
     t, u = by["teacher"], by[f"keep {ship}, untrained"]
     log_gap = (math.log(u["ppl"]) - math.log(final["ppl"])) / (math.log(u["ppl"]) - math.log(t["ppl"]))
     ratios = {"student_decode_vs_teacher": final["decode_tok_s"] / t["decode_tok_s"],
