@@ -75,9 +75,8 @@ def retained_ability(student, tokenizer, examples: list[Example], max_tokens: in
 
 
 def train_drafter(size: int = 4096, hidden: int = 1536, steps: int = 500, seed: int = 0) -> None:
-    """The shipped head's recipe (its .json records the result). train_draft_head also takes feature noise, weight
-    decay and early stopping on held-out features (EAGLE's regularisers): the shipped head trained without them, and
-    its 0.85 training vs 0.54 held-out top-1 says they are the next thing to try."""
+    """The shipped head's recipe (its .json records the result). Its 0.85 training vs 0.54 held-out top-1 says what
+    to try next: EAGLE's regularisers (noise on the input features, early stopping on held-out features)."""
     from minillm.api import load_model
     from minillm.speculative.learned import ASSETS, DRAFTER, DraftHead, save_draft_head
     from minillm.speculative.train_drafter import choose_vocab, guess_accuracy, target_features, train_draft_head

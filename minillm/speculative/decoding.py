@@ -183,7 +183,8 @@ def generate_speculative(model, req: Request, drafter, k: int, kv, stats: SpecSt
     params, ids = req.params, list(req.prompt_ids)
     max_len = model.config.max_seq_len
     check_budget(k, len(ids), max_len)
-    observe = getattr(drafter, "observe", None)  # a learned drafter reads the target's features of each forward
+    # a learned drafter reads the target's features of each forward (the engine asks the same in LLM.step)
+    observe = drafter.observe if getattr(drafter, "wants_features", False) else None
     logits = model(torch.tensor([ids], device=model.device), kv_cache=kv, last_only=True)[0]  # prefill
     if observe is not None:
         observe([(req.request_id, len(ids) - 1, 1)])

@@ -70,22 +70,14 @@ def valid_starts(data: dict[str, Tensor], unroll: int) -> Tensor:
 
 
 def train_draft_head(head: DraftHead, data: dict[str, Tensor], steps: int = 600, batch: int = 1024, unroll: int = 3,
-                     lr: float = 2e-3, seed: int = 0, autocast: bool = True, noise: float = 0.0,
-                     weight_decay: float = 0.0, held: dict[str, Tensor] | None = None, eval_every: int = 50
-                     ) -> list[dict]:
-    """AdamW with warm-up and cosine decay over random start positions whose next `unroll` tokens share a sequence.
-    `noise`: Gaussian noise (as a share of the features' RMS) on the first input feature, as EAGLE does, so the head
-    also learns from features a little off the true ones (its own later guesses are). With `held`, the chained
-    accuracy on it is measured every `eval_every` steps and the best state is kept (early stopping: a few hundred
-    thousand answer tokens are quickly memorised)."""
+                     lr: float = 2e-3, seed: int = 0, autocast: bool = True) -> list[dict]:
+    """AdamW with warm-up and cosine decay over random start positions whose next `unroll` tokens share a sequence."""
     tokens, feats, choice = data["tokens"], data["features"], data["choice"]
     index = torch.full((head.embed.shape[0],), -100, dtype=torch.long)
     index[head.vocab_ids] = torch.arange(head.vocab_ids.numel())
     starts = valid_starts(data, unroll)
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
-    scale = feats[:4096].float().pow(2).mean().sqrt().item()
-    best, best_state = -1.0, None
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     gen, history, t0 = torch.Generator().manual_seed(seed), [], time.perf_counter()
     head.train()
     for step in range(steps):
@@ -93,8 +85,6 @@ def train_draft_head(head: DraftHead, data: dict[str, Tensor], steps: int = 600,
             g["lr"] = lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
         t = starts[torch.randint(len(starts), (batch,), generator=gen)]
         f = feats[t].float()
-        if noise:
-            f = f + noise * scale * torch.randn(f.shape, generator=gen)
         loss = 0.0
         correct = []
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
@@ -109,21 +99,12 @@ def train_draft_head(head: DraftHead, data: dict[str, Tensor], steps: int = 600,
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         history.append({"step": step + 1, "loss": loss.item(), **{f"acc{j + 1}": c for j, c in enumerate(correct)}})
-        if held is not None and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            head.eval()
-            chained = guess_accuracy(head, held, unroll)
-            head.train()
-            history[-1]["held_chained"] = chained
-            if sum(chained) > best:  # expected accepted drafts per step, the quantity speculation buys
-                best, best_state = sum(chained), {k: v.clone() for k, v in head.state_dict().items()}
         if step % 10 == 0 or step + 1 == steps:
             eta = (time.perf_counter() - t0) / (step + 1) * (steps - step - 1)
             accs = " ".join(f"{c:.2f}" for c in correct)
             print(f"\rdraft head step {step + 1}/{steps}  loss {loss.item():.3f}  top-1 per guess {accs}  "
                   f"eta {eta / 60:.1f} min", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
-    if best_state is not None:
-        head.load_state_dict(best_state)
     head.eval()
     return history
 
