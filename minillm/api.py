@@ -29,7 +29,43 @@ WEIGHTS = {
     "dequantized": "every tensor expanded to `dtype` at load (the reference model of every lesson)",
     "q4": "the file's Q4_1 tensors kept as 4-bit Int4Linear layers, bit for bit (lesson 07); on a CPU where minillm's "
           "low-bit kernels load, the Q8_0 tied embedding/LM head too (an Int8Linear per block); the rest in `dtype`",
+    "int8": "every block Linear re-quantized from the float weights to int8 per output channel (lesson 07); the tied "
+            "embedding/LM head stays in `dtype`",
+    "int4": "every block Linear re-quantized from the float weights to int4, groups of 32 (lesson 07): what a pruned "
+            "model is quantized with, since the file's own 4-bit bytes cannot be pruned",
 }
+SPARSITY = {
+    None: "dense",
+    "2:4": "Wanda 2:4 on every block Linear, calibrated on 512 tokens of held-out text (lesson 08); quantized on top "
+           "when weights is 'int8' or 'int4' (prune first: a zero stays exactly zero through int8's symmetric grid)",
+}
+
+
+def check_weights(weights: str, sparsity: str | None) -> None:
+    """Refuse an unknown or non-composing weights/sparsity pair before anything loads."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"unknown weights={weights!r}; choose one of {list(WEIGHTS)}")
+    if sparsity not in SPARSITY:
+        raise ValueError(f"unknown sparsity={sparsity!r}; choose one of {list(SPARSITY)}")
+    if sparsity is not None and weights == "q4":
+        raise ValueError("weights='q4' keeps the file's own 4-bit bytes, and pruning must change weights before they "
+                         "are quantized: use weights='int4' (prune the float weights, then quantize them) with "
+                         f"sparsity={sparsity!r}")
+
+
+def transform_weights(model, weights: str = "dequantized", sparsity: str | None = None,
+                      calib_ids: list[int] | None = None):
+    """The weight-side techniques, in the one order that composes: prune the float weights (2:4, lesson 08), then
+    quantize them (int8/int4, lesson 07). In place; returns the model. calib_ids: Wanda's calibration tokens."""
+    from minillm.compress.quantize import quantize
+    from minillm.compress.sparsity import prune
+
+    check_weights(weights, sparsity)
+    if sparsity == "2:4":
+        prune(model, 0.5, "wanda", "2:4", calib_ids=calib_ids)
+    if weights in ("int8", "int4"):
+        quantize(model, weights, group_size=32, include_head=False)
+    return model
 
 
 def _q8_0_tied(q, d, dtype):
@@ -38,20 +74,26 @@ def _q8_0_tied(q, d, dtype):
 
 
 def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str | None = "cpu",
-               attn_backend: str = "sdpa", fuse: bool = False, weights: str = "dequantized"):
+               attn_backend: str = "sdpa", fuse: bool = False, weights: str = "dequantized",
+               sparsity: str | None = None):
     """(model, tokenizer) of a known or saved model; downloads and verifies the weights on first use.
     fuse=True applies lesson 06's fusions (same logits, fewer ops per step; with weights="q4" the 4-bit rows are
-    concatenated as they are); weights="q4" keeps the file's 4-bit layers packed (see WEIGHTS).
-    minillm.compress.quant.describe_arithmetic(model) says what the matmuls compute in."""
-    if weights not in WEIGHTS:
-        raise ValueError(f"unknown weights={weights!r}; choose one of {list(WEIGHTS)}")
-    if fuse and saved_model_exists(name):
-        raise ValueError(f"{name!r} is a saved float model: load it, then fuse or quantize it")
+    concatenated as they are); weights: see WEIGHTS ("q4" keeps the file's 4-bit layers packed); sparsity="2:4"
+    prunes before any quantization (see SPARSITY and transform_weights). The order is fixed: load, prune, quantize,
+    fuse. minillm.compress.quant.describe_arithmetic(model) says what the matmuls compute in."""
+    check_weights(weights, sparsity)
+    if weights == "q4" and saved_model_exists(name):
+        raise ValueError(f"{name!r} is a saved float model with no file of 4-bit blocks to keep: use weights='int4' "
+                         f"(its float weights quantized at load) or 'int8'")
     q4_1_layer = (lambda codes, d, m: Int4Linear(codes, d, m, group_size=32)) if weights == "q4" else None
     # the Q8_0 head stays packed only where our kernel reads it: torch has no per-block int8 matmul (CPU or GPU)
     on_cpu = resolve_device(device).type == "cpu"
     q8_0_tied = _q8_0_tied if weights == "q4" and on_cpu and cpu_kernels() is not None else None
     model, tokenizer = load_from_file(name, dtype, device, attn_backend, q4_1_layer=q4_1_layer, q8_0_tied=q8_0_tied)
+    if weights in ("int8", "int4") or sparsity:
+        from minillm.compress.quality import calibration_ids
+
+        transform_weights(model, weights, sparsity, calibration_ids(tokenizer, 512) if sparsity else None)
     if fuse:
         fuse_model(model)
     return model, tokenizer
@@ -71,13 +113,31 @@ def make_cache(kind: str, model, max_len: int, batch_size: int = 1, kv_dtype: to
     raise ValueError(f"unknown cache {kind!r}; choose one of {CACHE_KINDS}")
 
 
+def _kv_dtype(kv_cache_dtype: str | None, cache: str, compile: bool) -> torch.dtype | None:
+    """generate()'s kv_cache_dtype (the engine's names: None or "int8") as the cache's storage dtype."""
+    if kv_cache_dtype not in (None, "int8"):
+        raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', got {kv_cache_dtype!r}")
+    if kv_cache_dtype is None:
+        return None
+    if cache == "none":
+        raise ValueError("kv_cache_dtype='int8' quantizes a KV cache, and cache='none' keeps none: use 'contiguous' "
+                         "or 'paged'")
+    if compile:
+        raise ValueError("compile=True decodes through a float StaticKVCache; kv_cache_dtype='int8' has no compiled "
+                         "path: choose one")
+    return torch.int8
+
+
 def generate_request(model, req: Request, cache: str = "contiguous", compile: bool = False,
-                     speculative: SpeculativeConfig | None = None, spec_stats=None) -> Iterator[int]:
+                     speculative: SpeculativeConfig | None = None, spec_stats=None,
+                     kv_cache_dtype: str | None = None) -> Iterator[int]:
     """Yield the new token ids of one validated request through the loop the options choose: compile=True runs
     decode steps through torch.compile (lesson 06); speculative=SpeculativeConfig(...) drafts and verifies several
-    tokens per target forward (lesson 10), counting drafted/accepted tokens into spec_stats (a SpecStats) if given."""
+    tokens per target forward (lesson 10), counting drafted/accepted tokens into spec_stats (a SpecStats) if given;
+    kv_cache_dtype="int8" stores the KV cache in int8 (lesson 07), as LLM(kv_cache_dtype="int8") does."""
     if cache not in CACHE_KINDS:
         raise ValueError(f"unknown cache {cache!r}; choose one of {CACHE_KINDS}")
+    kv_dtype = _kv_dtype(kv_cache_dtype, cache, compile)
     p = req.params
     if p.has_penalties or p.min_tokens or p.top_logprobs or p.n != 1:  # never silently ignored
         raise ValueError("penalties, min_tokens, top_logprobs and n > 1 are honoured by the engine (minillm.LLM), not "
@@ -93,7 +153,7 @@ def generate_request(model, req: Request, cache: str = "contiguous", compile: bo
             raise ValueError("speculative decoding verifies drafts over a KV cache: use cache='contiguous' or 'paged'")
         k = speculative.k
         check_budget(k, len(req.prompt_ids), model.config.max_seq_len)
-        kv = make_cache(cache, model, min(n_total + k, model.config.max_seq_len))
+        kv = make_cache(cache, model, min(n_total + k, model.config.max_seq_len), kv_dtype=kv_dtype)
         drafter = make_drafter(speculative, model, num_blocks=blocks_needed(n_total + k, 16))
         try:
             yield from generate_speculative(model, req, drafter, k, kv, spec_stats)
@@ -104,7 +164,7 @@ def generate_request(model, req: Request, cache: str = "contiguous", compile: bo
             raise ValueError(f"compile=True decodes with a static contiguous cache; cache={cache!r} cannot be compiled")
         yield from decode_tokens_compiled(model, req)
     else:
-        yield from decode_tokens(model, req, make_cache(cache, model, n_total))
+        yield from decode_tokens(model, req, make_cache(cache, model, n_total, kv_dtype=kv_dtype))
 
 
 def generate_ids(model, prompt_ids: list[int], params: SamplingParams, stop_ids: set[int] = frozenset(),
@@ -119,13 +179,15 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 12
              top_k: int | None = None, top_p: float = 1.0, seed: int | None = None, stop_ids: set[int] | None = None,
              cache: str = "contiguous", chat: bool = False, ignore_eos: bool = False,
              on_text: Callable[[str], None] | None = None, compile: bool = False,
-             speculative: SpeculativeConfig | None = None, spec_stats=None) -> RequestOutput:
+             speculative: SpeculativeConfig | None = None, spec_stats=None,
+             kv_cache_dtype: str | None = None) -> RequestOutput:
     """Continue a raw text prompt or a list of token ids (vLLM's convention; `chat()` answers messages instead, and
     chat=True wraps a text prompt as one user message). `on_text` receives decoded text as it is produced
-    (streaming); compile and speculative as in generate_request. Returns a RequestOutput: text, ids,
-    finish_reason and per-token times."""
+    (streaming); compile, speculative and kv_cache_dtype as in generate_request. Returns a RequestOutput: text,
+    ids, finish_reason and per-token times."""
     if cache not in CACHE_KINDS:
         raise ValueError(f"unknown cache {cache!r}; choose one of {CACHE_KINDS}")
+    _kv_dtype(kv_cache_dtype, cache, compile)  # refused before any work
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                             stop_ids=stop_ids or set(), ignore_eos=ignore_eos)
     req = make_request(prompt, params, tokenizer, model.config, model.device, chat=chat, clip_to_context=True)
@@ -134,7 +196,7 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 12
     stream = tokenizer.stream_decoder() if on_text else None
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    for tok in generate_request(model, req, cache, compile, speculative, spec_stats):
+    for tok in generate_request(model, req, cache, compile, speculative, spec_stats, kv_cache_dtype):
         sync()
         times.append(time.perf_counter() - t0)
         out.append(tok)

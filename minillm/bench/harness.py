@@ -62,6 +62,38 @@ def time_fn(fn: Callable[[], Any], warmup: int = 1, repeat: int = 5) -> Timing:
     return Timing(median=statistics.median(runs), min=min(runs), max=max(runs), runs=runs)
 
 
+@dataclass
+class PairedRatio:
+    """Per-pair ratios t(fn) / t(reference) from interleaved runs: their median is the claim, their spread the
+    noise."""
+
+    median: float
+    ratios: list[float]
+
+    def __str__(self) -> str:
+        return f"{self.median:.2f}x (pairs {min(self.ratios):.2f}-{max(self.ratios):.2f}, n={len(self.ratios)})"
+
+
+def paired_ratio(fn: Callable[[], Any], reference: Callable[[], Any], pairs: int = 7, warmup: int = 1
+                 ) -> PairedRatio:
+    """How many times slower `fn` is than `reference`, robust to a shared, drifting machine: each pair times both
+    back to back (the order alternates, so neither always runs on the warmer cache or the quieter moment) and the
+    median of the per-pair ratios is kept. A machine that slows down mid-run slows both halves of a pair."""
+    if pairs < 1 or warmup < 0:
+        raise ValueError(f"need pairs >= 1 and warmup >= 0, got pairs={pairs}, warmup={warmup}")
+    for _ in range(warmup):
+        fn(), reference()
+    ratios = []
+    for i in range(pairs):
+        seconds = {}
+        for name, f in ((("fn", fn), ("ref", reference)) if i % 2 == 0 else (("ref", reference), ("fn", fn))):
+            with timer() as t:
+                f()
+            seconds[name] = t.seconds
+        ratios.append(seconds["fn"] / max(seconds["ref"], 1e-9))
+    return PairedRatio(median=statistics.median(ratios), ratios=ratios)
+
+
 # ------------------------------------------------------------------------------------------------------- results
 
 _OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}

@@ -32,7 +32,9 @@ def quantize(model: nn.Module, scheme: str, group_size: int = 32, include_head: 
             if isinstance(m, nn.Linear):
                 check_group_size(m.in_features, group_size)
 
-    def make(name: str, linear: nn.Linear) -> nn.Module:
+    def make(name: str, linear: nn.Linear) -> nn.Module | None:
+        if name == "lm_head" and not include_head:  # an untied head is an ordinary Linear to replace_linears
+            return None
         if scheme == "int8":
             return Int8Linear.from_linear(linear)
         if scheme == "int4":

@@ -38,6 +38,8 @@ TASKS: dict[str, list[tuple[str, str]]] = {
     "03": [
         ("task_03_merge", "merge two partial softmax results (online softmax)"),
         ("task_03_flash", "tiled flash-attention forward in torch"),
+        ("task_03_speed", "speed: your tile loop within 4x of minillm's on a 512-token prefill, timed in "
+                          "interleaved pairs"),
         ("task_03_real_model", "your flash attention runs SmolLM2: the reference greedy tokens"),
         ("task_03_triton", "optional: Triton flash forward, graded under the interpreter"),
     ],

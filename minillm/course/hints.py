@@ -69,6 +69,10 @@ _NUDGES_AND_CONTRACTS: dict[str, tuple[str, str]] = {
     "task_02_real_model": ("Nothing new to write: your grouped_attention becomes SmolLM2's attention backend.",
                            "It runs at prefill (q_len == kv_len) and at every decode step (q_len 1 over the cache): "
                            "the causal mask must be bottom-right aligned; 9 query heads read 3 KV heads."),
+    "task_03_speed": ("Every torch call costs a few microseconds before any arithmetic: how many calls does your "
+                      "loop make?",
+                      "Timed against minillm's tile loop on 9 heads x 512 tokens, 64 x 64 tiles, in interleaved "
+                      "pairs: within 4x passes. A Python loop over rows, single keys or heads multiplies the calls."),
     "task_03_real_model": ("Nothing new to write: your flash_attention becomes SmolLM2's attention backend.",
                            "It runs with 16 x 16 tiles, so the 37-token prompt spans three key tiles: the rescale "
                            "of the running sums and the decode case (one query row over the cache) both matter."),
@@ -343,6 +347,11 @@ _UNIT_RECIPES: dict[str, str] = {
                      "m_new); the rescale factor exp(m - m_new) multiplies the old l and acc before p's row sums and p "
                      "times the value tile are added; m = m_new. After the loop write acc / l (and m + log l for "
                      "return_lse). Finally view back to (batch, n_heads, q_len, head_dim).",
+    "task_03_speed": "1. Count the torch calls: (query tiles) x (key tiles) x (ops per tile) should be all. 2. Keep "
+                     "batch and heads as tensor dimensions through the whole loop (the grouped view of exercise 02 "
+                     "serves GQA without copying K/V). 3. Slice tiles with views, not copies, and do the float32 "
+                     "upcast once per tile. 4. Time it yourself beside minillm.attention.flash.flash_attention on the "
+                     "same inputs.",
     "task_03_triton": "Key positions = start_n + offs_n. MASKED: load k and v with the in-bounds mask (other 0). "
                       "UPCAST: to float32. s = q times k transposed (tl.dot, float32) times qk_scale. MASKED: visible "
                       "= in bounds, and with CAUSAL key <= query + causal_offset; invisible scores -inf. m_new = max "

@@ -55,11 +55,12 @@ class LLM(HandoffMixin):
                  num_blocks: int | None = None, kv_cache_bytes: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, attn_backend: str = "sdpa",
                  fuse: bool = False, kv_cache_dtype: str | None = None, weights: str = "dequantized",
-                 speculative: SpeculativeConfig | None = None, enable_prefix_caching: bool = False):
+                 speculative: SpeculativeConfig | None = None, enable_prefix_caching: bool = False,
+                 sparsity: str | None = None):
         from minillm.api import load_model
 
         model, tokenizer = load_model(model_name, dtype=dtype, device=device, attn_backend=attn_backend, fuse=fuse,
-                                      weights=weights)
+                                      weights=weights, sparsity=sparsity)
         self._setup(model, tokenizer, EngineConfig(
             num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, speculative=speculative,

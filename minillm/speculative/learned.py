@@ -54,14 +54,20 @@ class DraftHead(nn.Module):
                              f"{target.config.dim}")
         if int(self.vocab_ids.max()) >= target.config.vocab_size:
             raise ValueError("the draft head's vocabulary does not fit the target's: another tokenizer")
-        self.embed = target.embed.weight.detach()
-        self.head = target.lm_head.weight.detach()[self.vocab_ids.to(target.lm_head.weight.device)]
-        return self.to(target.embed.weight.device)
+        head, embed = target.lm_head, target.embed
+        # a quantized target (lesson 07/14) stores codes, not rows: dequantize the few thousand rows scored once, and
+        # look embeddings up through its own (quantized) embedding rather than expanding the whole table
+        quantized = hasattr(head, "dequantize")
+        rows = head.dequantize() if quantized else head.weight.detach()
+        self.head = rows[self.vocab_ids.to(rows.device)]
+        self.embed = None if hasattr(embed, "head") else embed.weight.detach()  # QuantizedEmbedding: no float table
+        self._lookup = [embed]  # a list: the target's module, not a submodule of the head (never saved)
+        return self.to(rows.device)
 
     def forward(self, f: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        if self.embed is None:
+        if self.head is None:
             raise RuntimeError("bind(target) first: the head scores with the target's own embedding and LM head")
-        e = self.embed[tokens].to(self.fc.weight.dtype)
+        e = (self.embed[tokens] if self.embed is not None else self._lookup[0](tokens)).to(self.fc.weight.dtype)
         h = self.fc(torch.cat([f.to(e.dtype), e], dim=-1))
         x = self.mlp_norm(h)
         h = h + self.down(F.silu(self.gate(x)) * self.up(x))

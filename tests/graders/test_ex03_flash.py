@@ -366,6 +366,63 @@ def test_triton_grader_rejects_a_plain_python_function():
         check_triton_block(attend_key_block)
 
 
+# ======================================================================================= speed: the tile loop
+
+SPEED_SHAPE = (1, 9, 3, 512, 512, 64)  # SmolLM2's attention: 9 query heads over 3 KV heads of 64 dims, 512 tokens
+SPEED_TOLERANCE = 4.0  # the same algorithm lands at 1-2x; a loop per row (~35x) or per head (~7x) far above
+
+
+def check_flash_speed(fn) -> None:
+    """fn's 512-token causal prefill (64 x 64 tiles) against minillm's tile loop, timed in interleaved pairs (a
+    noisy machine slows both halves of a pair): the median ratio must be within SPEED_TOLERANCE, and the timed
+    output right (a fast wrong answer does not pass)."""
+    from minillm.attention.flash import flash_attention as reference
+    from minillm.bench.harness import paired_ratio
+
+    q, k, v = _qkv(*SPEED_SHAPE, seed=11)
+    torch.testing.assert_close(fn(q, k, v, causal=True, block_q=64, block_k=64), oracle(q, k, v, True),
+                               atol=1e-5, rtol=1e-5)
+    ratio = paired_ratio(lambda: fn(q, k, v, causal=True, block_q=64, block_k=64),
+                         lambda: reference(q, k, v, causal=True, block_q=64, block_k=64), pairs=9)
+    assert ratio.median <= SPEED_TOLERANCE, (
+        f"your flash_attention took {ratio} the time of minillm's on a {SPEED_SHAPE[3]}-token prefill with "
+        f"{SPEED_SHAPE[1]} heads, 64 x 64 tiles (allowed: {SPEED_TOLERANCE}x). Each torch call costs microseconds "
+        f"of Python and dispatch whatever its size: loop over query and key tiles only, and let each tile's "
+        f"matmuls cover every batch and head at once (no Python loop over rows, single keys or heads)")
+
+
+@pytest.mark.task_03_speed
+def test_flash_attention_speed_within_tolerance_of_reference():
+    forbid_calls(impl.flash_attention, ["scaled_dot_product_attention", "softmax", "naive_attention",
+                                        "sdpa_attention", "get_attention", "minillm"])
+    check_flash_speed(impl.flash_attention)
+
+
+def _flash_row_at_a_time(q, k, v, causal=True, block_q=64, block_k=64):
+    """Right values, but one query row per tile: 512 x 8 tiles of Python instead of 8 x 8."""
+    return _tiled(q, k, v, causal, 1, block_k)
+
+
+def _flash_head_at_a_time(q, k, v, causal=True, block_q=64, block_k=64):
+    """Right values, but a Python loop over batch and query heads around the tile loop."""
+    group = q.shape[1] // k.shape[1]
+    return torch.cat([torch.cat([_tiled(q[b:b + 1, h:h + 1], k[b:b + 1, h // group:h // group + 1],
+                                        v[b:b + 1, h // group:h // group + 1], causal, block_q, block_k)
+                                 for h in range(q.shape[1])], dim=1) for b in range(q.shape[0])])
+
+
+@grader_selftest
+def test_speed_grader_accepts_the_compact_right_answer():
+    check_flash_speed(_tiled)
+
+
+@grader_selftest
+@pytest.mark.parametrize("slow", [_flash_row_at_a_time, _flash_head_at_a_time])
+def test_speed_grader_rejects_slow_loops(slow):
+    with pytest.raises(AssertionError, match="allowed"):
+        check_flash_speed(slow)
+
+
 # =============================================================================== the real model, your flash attention
 
 
