@@ -134,6 +134,10 @@ MUTANTS = [
            (("l = rescale * l + p.sum(dim=-1)", "l = l + p.sum(dim=-1)"),
             ("acc = rescale[..., None] * acc + p @ v_tile", "acc = acc + p @ v_tile")),
            "no rescale when the max grows: wrong as soon as the prompt spans several key tiles"),
+    Mutant("flash_row_at_a_time", "ex03_flash", "flash_attention", "task_03_speed",
+           (("    for q_start in range(0, q_len, block_q):\n        q_end = min(q_start + block_q, q_len)",
+             "    for q_start in range(0, q_len):\n        q_end = q_start + 1"),),
+           "right values, one query row per tile: the key loop runs q_len times instead of q_len / block_q"),
     # ---------------------------------------------------------------- ex04
     Mutant("allocate_not_all_or_nothing", "ex04_paged", "BlockAllocator.allocate", "task_04_allocator",
            (("if n > len(self._free):", "if n > len(self._free) + len(self._free):"),
