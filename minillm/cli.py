@@ -58,13 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=_positive_int, default=None)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    gen.add_argument("--weights", choices=list(WEIGHTS), default="dequantized",
+    # --dtype, --weights and --cache default to None so that --profile can tell a flag given from its default
+    gen.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32")
+    gen.add_argument("--weights", choices=list(WEIGHTS), default=None,
                      help="q4: keep the file's 4-bit blocks packed (lesson 07); the stats say what the matmuls "
-                          "compute in")
+                          "compute in (default: dequantized)")
     gen.add_argument("--fuse", action="store_true", help="lesson 06's fusions (q/k/v, gate/up, add+norm)")
     gen.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
-    gen.add_argument("--cache", choices=list(CACHE_KINDS), default="contiguous")
+    gen.add_argument("--cache", choices=list(CACHE_KINDS), default=None, help="default: contiguous")
     gen.add_argument("--attn", choices=backend_names(), default="sdpa", help="attention backend")
     gen.add_argument("--raw", action="store_true", help="continue the prompt as plain text (no chat template)")
     gen.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
@@ -80,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tensor-parallel ranks (lesson 11): 3 splits SmolLM2's heads; 2 splits only MLP and vocab")
     gen.add_argument("--pp", type=_positive_int, default=1, help="pipeline stages (lesson 11)")
     gen.add_argument("--sp", action="store_true", help="sequence parallelism on top of --tp (lesson 11)")
+    gen.add_argument("--profile", choices=["edge"], default=None,
+                     help="edge: the smallest configuration that still serves (lesson 14, minillm bench edge): 1 "
+                          "thread, the file's q4 weights fused, a paged int8 KV cache, contexts up to 512 tokens; "
+                          "refused beside flags that set these otherwise")
 
     bench = sub.add_parser("bench", help="run a benchmark (minillm bench --list)")
     bench.add_argument("name", nargs="?")
@@ -152,6 +157,32 @@ def _use_threads(threads: int | None) -> str:
     return threads_line()
 
 
+def apply_profile(args) -> dict | None:
+    """`generate --profile edge`: set the edge profile's flags (minillm.bench.edge.EDGE_PROFILE, measured by `minillm
+    bench edge`), refusing flags given with other values; then fill in the plain defaults. Returns the profile."""
+    from minillm.bench.edge import EDGE_PROFILE
+
+    profile = EDGE_PROFILE if args.profile == "edge" else None
+    if profile is not None:
+        wanted = {"--threads": (args.threads, profile["threads"]), "--weights": (args.weights, profile["weights"]),
+                  "--cache": (args.cache, profile["cache"]), "--dtype": (args.dtype, "float32"),
+                  "--device": (args.device, "cpu")}
+        clashes = [flag for flag, (given, want) in wanted.items() if given is not None and given != want]
+        clashes += [flag for flag, on in (("--compile", args.compile), ("--tp", args.tp > 1), ("--pp", args.pp > 1),
+                                          ("--sp", args.sp)) if on]
+        if clashes:
+            raise UsageError(f"--profile edge sets {profile['threads']} thread, --weights {profile['weights']} "
+                             f"--fuse, --cache {profile['cache']} with an int8 KV cache, on the CPU: drop "
+                             f"{', '.join(clashes)}")
+        args.threads, args.weights, args.cache, args.device = (profile["threads"], profile["weights"],
+                                                               profile["cache"], "cpu")
+        args.fuse = profile["fuse"]
+    args.dtype = args.dtype or "float32"
+    args.weights = args.weights or "dequantized"
+    args.cache = args.cache or "contiguous"
+    return profile
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -160,6 +191,7 @@ def cmd_generate(args) -> int:
     from minillm.bench.metrics import decode_bytes_per_token, mbu
     from minillm.sampling import validate_sampling
 
+    profile = apply_profile(args)
     validate_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)  # fail before the slow load
     if not args.prompt.strip():
         raise UsageError("the prompt is empty: give some text to continue or a question to answer")
@@ -182,13 +214,21 @@ def cmd_generate(args) -> int:
         spec_stats = SpecStats()
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, attn_backend=args.attn, fuse=args.fuse,
                             weights=args.weights)
+    kv_dtype = profile["kv_cache_dtype"] if profile else None
+    if profile:  # the edge pool holds one context of max_context tokens
+        n_prompt = len(tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user",
+                                                                                   "content": args.prompt}]))
+        if n_prompt + args.max_new_tokens > profile["max_context"]:
+            raise UsageError(f"--profile edge serves contexts of at most {profile['max_context']} tokens; this prompt "
+                             f"has {n_prompt} and --max-new-tokens is {args.max_new_tokens}")
 
     def emit(text: str) -> None:
         print(text, end="", flush=True)
 
     res = generate(model, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache, chat=not args.raw,
-                   on_text=emit, compile=args.compile, speculative=spec, spec_stats=spec_stats if spec else None)
+                   on_text=emit, compile=args.compile, speculative=spec, spec_stats=spec_stats if spec else None,
+                   kv_cache_dtype=kv_dtype)
     print()
     n = len(res.token_ids)
     tps = res.decode_tokens_per_s
@@ -209,6 +249,13 @@ def cmd_generate(args) -> int:
     if spec is not None:
         stats.append(f"speculative {args.speculative} k={args.k}: acceptance {spec_stats.acceptance_rate:.2f}, "
                      f"{spec_stats.tokens_per_step:.2f} tokens per target forward")
+    if profile:
+        from minillm.api import make_cache
+        from minillm.bench.edge import own_peak_rss
+
+        kv = make_cache(args.cache, model, res.prompt_tokens + n, kv_dtype=torch.int8).nbytes()
+        stats.append(f"profile edge: {kv / 1024:.0f} KiB of int8 KV for this request, peak RSS "
+                     f"{own_peak_rss() / 2**20:.0f} MiB")
     stats.append(f"{machine} at start")
     stats.append(f"finish_reason: {res.finish_reason}")
     print("--- " + " | ".join(stats))

@@ -440,3 +440,132 @@ def test_packed_3bit_bytes_counts_the_codes_and_group_scales_of_the_block_matric
     blocks = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head)
     others = sum(p.numel() for p in model.parameters()) - blocks
     assert packed_3bit_bytes(model, group_size=64) == round(blocks * (3 + 32 / 64) / 8 + others * 2)
+
+
+# ------------------------------------------------------------------------------------ the capstone: ladder, edge
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer():
+    from minillm.gguf.tokenizer import Tokenizer
+    from minillm.gguf.weights import gguf_path, read_gguf_metadata
+
+    return Tokenizer.from_gguf_metadata(read_gguf_metadata(gguf_path()))
+
+
+def test_ladder_workload_is_seeded_chats_over_two_system_prompts_and_long_documents(real_tokenizer):
+    from minillm.bench.ladder import ladder_workload
+
+    args = (real_tokenizer, 6, 2, 48, 300, 8, 4.0)
+    reqs, kinds = ladder_workload(*args)
+    again, kinds_again = ladder_workload(*args)
+    assert [(r.prompt_ids, r.max_tokens, r.arrival_time) for r in reqs] == \
+        [(r.prompt_ids, r.max_tokens, r.arrival_time) for r in again] and kinds == kinds_again
+    assert sorted(kinds) == ["chat"] * 6 + ["doc"] * 2 and all(r.max_tokens == 8 for r in reqs)
+    times = [r.arrival_time for r in reqs]
+    assert times[0] == 0.0 and times == sorted(times) and times[-1] > 0  # Poisson gaps, the first at t=0
+    chats = [r.prompt_ids for r, k in zip(reqs, kinds) if k == "chat"]
+    docs = [r.prompt_ids for r, k in zip(reqs, kinds) if k == "doc"]
+    assert min(map(len, docs)) > max(map(len, chats)) and min(map(len, docs)) >= 300
+    prefixes = {tuple(c[:40]) for c in chats}  # the shared system prompt opens every chat: two of them
+    assert len(prefixes) == 2
+    assert ladder_workload(*args, seed=1)[0][-1].arrival_time != reqs[-1].arrival_time
+
+
+def test_waterfall_chains_rung0_through_the_subset_and_interference_compares_with_the_product():
+    from minillm.bench.ladder import interference, waterfall
+
+    # rungs 1..3 at 10, 30, 45 tok/s; rung 0 ran 2 tok/s on a subset where rung 1 ran 8 tok/s: rung 1 is 4x rung 0
+    steps = waterfall([10.0, 30.0, 45.0], 2.0, rung1_subset=8.0)
+    assert steps == [pytest.approx((4.0, 4.0)), pytest.approx((12.0, 3.0)), pytest.approx((18.0, 1.5))]
+    assert waterfall([10.0, 20.0], 5.0) == [pytest.approx((2.0, 2.0)), pytest.approx((4.0, 2.0))]
+    p = interference(10.0, 20.0, 15.0, 24.0)  # A doubles, B x1.5, together x2.4 where the product says x3
+    assert p["gain_a"] == 2.0 and p["gain_b"] == 1.5 and p["product"] == 3.0 and p["interference"] == pytest.approx(0.8)
+
+
+def test_interference_pairs_explain_themselves_from_the_logged_runs():
+    """Full mode only reaches this after ~10 minutes of serving: check its bookkeeping on made-up runs."""
+    from minillm.bench.ladder import interference_pairs
+    from minillm.speculative.decoding import SpecStats
+
+    def run(tok_per_s, prefill=100, steps=4, width=4.0, accepted=0):
+        spec = SpecStats()
+        spec.record(3, accepted, accepted + 1)
+        log = [{"num_prefill_tokens": prefill, "num_decodes": 0, "num_seqs": 1, "num_tokens": prefill}] + \
+              [{"num_prefill_tokens": 0, "num_decodes": 4, "num_seqs": 4, "num_tokens": width}] * (steps - 1)
+        return {"tok_per_s": tok_per_s, "steps": log, "spec": spec, "hit_rate": 0.5}
+
+    runs = {"2": run(10.0), "2 + q4 weights": run(20.0), "2 + int8 KV": run(11.0),
+            "2 + q4 weights + int8 KV": run(24.0), "2 + prefix caching": run(12.0, prefill=50),
+            "2 + chunked prefill": run(9.0, steps=6), "2 + prefix caching + chunked prefill": run(11.0, 50, 5),
+            "2 at max_num_seqs 1": run(4.0, width=1.0), "2 at max_num_seqs 1 + speculation": run(6.0, 100, 4, 4.0, 2),
+            "2 + speculation": run(9.0, 100, 4, 16.0, 1)}
+    by = {"2": {"weights_MiB": 513.0}, "4": {"weights_MiB": 92.0}}
+    pairs = interference_pairs(runs, mean_ctx=300.0, kv_per_token_fp32=46_080, by=by, budget=128)
+    assert pairs["q4_weights_x_int8_kv"]["interference"] == pytest.approx(24 / 10 / (2.0 * 1.1))
+    assert pairs["prefix_caching_x_chunked_prefill"]["interference"] == pytest.approx(1.1 / (1.2 * 0.9))
+    spec = pairs["speculation_x_batching"]  # over max_num_seqs 1: batching x2.5, speculation x1.5, both x2.25
+    assert spec["gain_a"] == 2.5 and spec["gain_b"] == 1.5 and spec["interference"] == pytest.approx(0.6)
+    assert "less than the product" in spec["why"] and "1.0 -> 4.0 alone, 4.0 -> 16.0 in the batch" in spec["why"]
+    assert "more than the product" in pairs["q4_weights_x_int8_kv"]["why"]
+
+
+def test_one_at_a_time_serving_replays_arrivals_and_counts_ttft_from_arrival(monkeypatch):
+    from minillm.bench.ladder import agreement, serve_one_at_a_time
+    from minillm.bench.workload import Request
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny()).eval().requires_grad_(False)
+    reqs = [Request([5, 6, 7], 4, 0.0), Request([8, 9], 3, 0.0), Request([10, 11, 12], 2, 0.3)]
+    outs, wall = serve_one_at_a_time(model, reqs, "contiguous")
+    assert [len(o.token_ids) for o in outs] == [4, 3, 2] and wall >= 0.3  # the last one waited for its arrival
+    m0, m1 = outs[0].metrics, outs[1].metrics
+    assert m1["ttft"] >= m0["e2e"]  # FIFO: the second request queued behind the whole first one
+    assert outs[2].token_times[0] == pytest.approx(outs[2].metrics["ttft"]) and len(m0["itl"]) == 3
+    none, _ = serve_one_at_a_time(model, reqs, "none")  # lesson 00's loop: the same greedy tokens
+    assert agreement(none, outs) == 1.0
+    assert agreement([type(outs[0])("0", [], [1, 2, 3, 4], "", None)], outs[:1]) == 0.0
+
+
+def test_edge_child_output_is_parsed_from_its_last_result_line():
+    from minillm.bench.edge import MARK, parse_child_output, profile_row
+
+    res = {"load_s": 1.0, "ready_s": 3.0, "peak_rss": 512 * 2**20, "loaded_rss": 500 * 2**20, "rss": 400 * 2**20,
+           "trimmed_rss": None, "ru_maxrss": 900 * 2**20, "weights_bytes": 92 * 2**20, "kv_bytes": 2**20,
+           "token_ids": [1, 2, 3, 9, 5], "token_times": [0.5, 0.6, 0.7, 0.8, 0.9], "forced_ids": [1, 2, 3, 4, 9]}
+    noise = f"a warning\n{MARK}{{\"old\": 1}}\n{MARK}" + json.dumps(res) + "\ntrailing text\n"
+    assert parse_child_output(noise) == res
+    with pytest.raises(ValueError, match="no EDGE_RESULT"):
+        parse_child_output("Illegal instruction\n")
+    row = profile_row("edge", "q4", res, reference=[1, 2, 3, 4, 5])
+    assert row["peak_rss_MiB"] == 512 and row["trimmed_rss_MiB"] is None and row["kv_MiB"] == 1
+    assert row["ttft_ms"] == pytest.approx(500) and row["decode_tok_s"] == pytest.approx(10)
+    assert row["agree_fp32"] == 0.8 and row["first_diff"] == 3 and row["forced_agree_fp32"] == 0.8
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="VmHWM is Linux's")
+def test_edge_child_measures_its_own_peak_not_the_parents():
+    """Linux keeps ru_maxrss across fork + exec: a child of a big process reports the parent's peak there. The edge
+    bench reads the child's own VmHWM instead."""
+    from minillm.bench.edge import run_child
+
+    ballast = torch.ones(512 << 20, dtype=torch.uint8)  # this process: at least 512 MiB resident
+    res, why = run_child({"kind": "torch", "threads": 1, "reference_ids": None}, timeout=120)
+    assert why is None, why
+    assert res["ru_maxrss"] >= ballast.numel() > res["peak_rss"] > 0
+
+
+@pytest.mark.slow
+def test_ladder_and_edge_quick_on_the_real_model(tmp_path):
+    result = bench.run_entry("ladder", quick=True, out=tmp_path)
+    rungs = {r["rung"]: r for r in result.rows}
+    assert {"0", "1", "2", "3", "4", "5", "6", "7", "8", "q4 serial"} <= set(rungs)
+    assert rungs["0"]["agree_fp32"] == 1.0 and rungs["2"]["agree_fp32"] == 1.0  # float32: the same greedy tokens
+    assert rungs["5"]["kv_MiB"] < rungs["4"]["kv_MiB"] and rungs["4"]["weights_MiB"] < rungs["3"]["weights_MiB"] / 4
+    assert rungs["8"]["gain_vs_rung0"] == pytest.approx(result.ratios["all_on_vs_no_cache"])
+    data = json.loads((tmp_path / "quick" / "ladder.json").read_text())
+    assert data["series"]["waterfall"]["8"]["tok_per_s"] == rungs["8"]["tok_per_s"]
+    edge = bench.run_entry("edge", quick=True, out=tmp_path)
+    rows = {r["profile"]: r for r in edge.rows}
+    assert rows["edge"]["weights_MiB"] < rows["fp32 default"]["weights_MiB"] / 4
+    assert rows["edge"]["peak_rss_MiB"] < rows["fp32 default"]["peak_rss_MiB"]

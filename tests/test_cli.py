@@ -169,3 +169,61 @@ def test_help_documents_threads(argv, capsys):
         main(argv)
     out = capsys.readouterr().out
     assert e.value.code == 0 and "--threads" in out, out
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--weights", "int8"], "--weights"), (["--weights", "dequantized"], "--weights"),
+    (["--threads", "2"], "--threads"), (["--dtype", "bfloat16"], "--dtype"), (["--cache", "contiguous"], "--cache"),
+    (["--compile"], "--compile"), (["--device", "cuda"], "--device"), (["--tp", "2"], "--tp"),
+])
+def test_profile_edge_refuses_flags_that_say_otherwise(flags, named, capsys):
+    assert main(["generate", "hi", "--profile", "edge", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("minillm: error: --profile edge") and named in err and "\n" not in err, err
+
+
+def test_profile_edge_applies_one_thread_q4_fused_and_an_int8_paged_cache(monkeypatch, capsys):
+    """The profile's settings reach load_model and generate (both faked: a tiny model, no weights to load); flags
+    that agree with the profile are accepted."""
+    import torch
+
+    import minillm
+    import minillm.bench.hardware
+    from minillm.config import ModelConfig
+    from minillm.model import Transformer
+    from minillm.request import RequestOutput
+
+    calls = {}
+
+    class Tok:
+        def encode_chat(self, messages):
+            return [1, 5, 6, 7]
+
+    def fake_load_model(name, **kw):
+        calls["load"] = kw
+        model = Transformer(ModelConfig.tiny()).eval()
+        model.load_seconds = 0.01
+        return model, Tok()
+
+    def fake_generate(model, tok, prompt, **kw):
+        calls["generate"] = kw
+        calls["threads"] = torch.get_num_threads()
+        return RequestOutput("0", [1, 5, 6, 7], [9, 10, 11], "x", "length", token_times=[0.1, 0.2, 0.3])
+
+    monkeypatch.setattr(minillm, "load_model", fake_load_model)
+    monkeypatch.setattr(minillm, "generate", fake_generate)
+    monkeypatch.setattr(minillm.bench.hardware, "bandwidth", lambda device: 10e9)
+    threads = torch.get_num_threads()
+    try:
+        assert main(["generate", "hi", "--profile", "edge", "--weights", "q4", "--fuse", "--max-new-tokens", "3"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert calls["threads"] == 1
+    assert {k: calls["load"][k] for k in ("weights", "fuse", "dtype", "device")} == \
+        {"weights": "q4", "fuse": True, "dtype": "float32", "device": "cpu"}
+    assert calls["generate"]["cache"] == "paged" and calls["generate"]["kv_cache_dtype"] == "int8"
+    stats = capsys.readouterr().out.rpartition("--- ")[0].rpartition("--- ")[2]
+    assert "profile edge:" in stats and "KiB of int8 KV" in stats and "peak RSS" in stats, stats
+    assert main(["generate", "hi", "--profile", "edge", "--max-new-tokens", "600"]) == 2  # past the 512-token pool
+    assert "at most 512 tokens" in capsys.readouterr().err
+    torch.set_num_threads(threads)

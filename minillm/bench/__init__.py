@@ -35,6 +35,8 @@ ENTRIES: dict[str, str] = {
     "prefix-cache": "minillm.bench.prefix_cache:run",
     "chunked-prefill": "minillm.bench.chunked_prefill:run",
     "disagg": "minillm.bench.disagg:run",
+    "ladder": "minillm.bench.ladder:run",
+    "edge": "minillm.bench.edge:run",
 }
 
 __all__ = ["ENTRIES", "BenchResult", "Timing", "hardware_info", "load_entry", "run_entry", "time_fn"]

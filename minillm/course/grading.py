@@ -106,6 +106,12 @@ TASKS: dict[str, list[tuple[str, str]]] = {
         ("task_13_real_model", "SmolLM2 prefilled on one engine, decoded on another with your transfer; your router's "
                                "choices and hits"),
     ],
+    "14": [
+        ("task_14_budget", "KV blocks that fit in a memory budget after the weights: K and V, every layer, the KV "
+                           "heads, int8's scales, whole blocks; a budget that cannot hold one refused"),
+        ("task_14_slo", "an edge SLO met on SmolLM2: your load_model / LLM keywords within its memory, serving its "
+                        "sequences at once, above its quality and speed floors"),
+    ],
 }
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: minillm/course/grading.py

@@ -293,6 +293,23 @@ _NUDGES_AND_CONTRACTS: dict[str, tuple[str, str]] = {
                            "chats sharing two system prompts are routed over two engines (block_size 16, "
                            "max_blocks 24, balance_abs 64, balance_rel 1.5): every choice and each "
                            "engine's prefix-hit tokens must be minillm's router's."),
+    "task_14_budget": ("What does one KV block hold, in bytes? Walk the pool's tensors in minillm/cache/kv_pool.py: "
+                       "which of their dimensions belong to one block, and is anything stored beside the codes?",
+                       "Two tensors (K and V) per layer, every layer; per token the KV heads (n_kv_heads, not "
+                       "n_heads: grouped-query attention shares them) times head_dim, in the storage dtype's element "
+                       "size (kv_cache_dtype through KV_DTYPES, None meaning model_dtype); an int8 pool adds a 2-byte "
+                       "float16 scale per token and head, for K and for V. Whole blocks only: round down. ValueError "
+                       "when the weights exceed the budget and when less than one block is left (0 is not an "
+                       "answer)."),
+    "task_14_slo": ("Add up the memory first: what do the weights of each load_model option cost, and what do "
+                    "min_seqs sequences of context_tokens cost in a float32 pool, and in an int8 one? Which choices "
+                    "are left inside the budget?",
+                    "Memory is model_bytes of the model the grader loads (load_deployed with your load keys: on a "
+                    "CPU without minillm's low-bit kernels q4 weights are larger, so measure, do not remember) plus "
+                    "cache.nbytes() plus a learned head's weights. Size num_blocks with your kv_blocks_for_budget "
+                    "on that model, with the block_size and kv_cache_dtype you return; max_num_seqs at least "
+                    "min_seqs; speculation does not pay with 8 sequences decoding together. Raise ValueError when "
+                    "even the cheapest choices cannot hold min_seqs full contexts."),
 }
 
 
@@ -504,6 +521,24 @@ _UNIT_RECIPES: dict[str, str] = {
                      "it, else the best's. on_dispatch: the replica's dict (created if missing); walk the prompt's "
                      "hashes from the last to the first, setting each and moving it to the most recent end; then pop "
                      "from the least recent end while it holds more than max_blocks.",
+    "task_14_budget": "1. Refuse a kv_cache_dtype the engine does not know (not a key of KV_DTYPES). 2. The storage "
+                      "dtype: the table's entry, or model_dtype when that is None; its element size from an empty "
+                      "tensor of it. 3. Bytes per token and KV head: head_dim elements, plus 2 for the scale when "
+                      "the storage dtype is not a floating point one. 4. Bytes per block: that, times the KV heads, "
+                      "times block_size tokens, times the layers, times 2 for K and V. 5. What is left: the budget "
+                      "minus the weights; below zero, or below one block, a ValueError that names the numbers and "
+                      "what to change (int8 KV, smaller weights, a larger budget). 6. Otherwise the floor division "
+                      "of what is left by the block's bytes.",
+    "task_14_slo": "1. Load the model you mean to serve through load_deployed(slo.model, weights='q4', fuse=True): "
+                   "the file's 4-bit blocks are the fewest bytes and the fastest matmuls on a CPU. 2. num_blocks = "
+                   "your kv_blocks_for_budget of its config with the budget, model_bytes of it, a block size of 16, "
+                   "int8 KV and the model's dtype. 3. Blocks per sequence: blocks_needed of context_tokens; if the "
+                   "pool has fewer than min_seqs times that, raise ValueError. 4. Return the load keys and the "
+                   "engine keys: int8 KV, that block size and num_blocks, max_num_seqs as many full contexts as "
+                   "the pool holds, max_num_batched_tokens 512, prefix caching on (the chats share a system "
+                   "prompt), no speculation. Check it yourself: tests/graders/test_ex14_capstone.py's check_config("
+                   "your dict, minillm.course.capstone.edge_slo(), minillm.load_model('smollm2-135m')) prints what "
+                   "it measured.",
 }
 
 # level 3 of the real-model tasks, which have no stub of their own: they run the learner's other functions on
