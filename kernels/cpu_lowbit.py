@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
-SOURCES = ("bindings.cpp", "q4_1_matmul.cpp", "int8_matmul.cpp")
+SOURCES = ("bindings.cpp", "q4_1_matmul.cpp", "int8_matmul.cpp", "int8_kv_attention.cpp")
 
 # instruction set -> (cpu flags it needs, compiler flags), best first
 ISAS = {
@@ -123,6 +123,10 @@ a, b = k.q4_1_matmul(x, packed, 40, False), k.q4_1_matmul(x, packed, 40, True)
 packed = repack_int8(torch.randint(-127, 128, (40, 64), dtype=torch.int8), torch.rand(40), r)
 c, d = k.int8_matmul(x, packed, 40, False), k.int8_matmul(x, packed, 40, True)
 assert torch.allclose(a, b, rtol=1e-4, atol=1e-3) and torch.allclose(c, d, rtol=1e-4, atol=1e-3)
+pool, scales = torch.randint(-127, 128, (2, 4, 1, 16), dtype=torch.int8), torch.rand(2, 4, 1).half()
+o = k.paged_int8_decode(torch.randn(1, 2, 16), pool, scales, pool, scales, torch.tensor([[1, 0]], dtype=torch.int32),
+                        torch.tensor([7], dtype=torch.int32), 0.25)
+assert o.shape == (1, 2, 16) and bool(o.isfinite().all())
 print("ok")
 """
 
@@ -250,7 +254,22 @@ def int8_matmul(x: Tensor, packed: Tensor, n: int, reference: bool = False) -> T
     return _module.int8_matmul(x, packed, n, reference)
 
 
-# The same two calls as torch operators, for torch.compile (lesson 06): dynamo cannot trace into a C++ function, but
+def paged_int8_decode(q: Tensor, k_pool: Tensor, k_scale: Tensor, v_pool: Tensor, v_scale: Tensor,
+                      block_tables: Tensor, context_lens: Tensor, scale: float | None = None) -> Tensor:
+    """Decode attention straight from one layer of an int8 KVBlockPool (int8_kv_attention.cpp): no float copy of the
+    context. q (n, n_heads, head_dim) float32 or bfloat16, one query per sequence; k_pool/v_pool (num_blocks,
+    block_size, n_kv_heads, head_dim) int8 and k_scale/v_scale (num_blocks, block_size, n_kv_heads) float16, i.e.
+    pool.k[layer], pool.k_scale[layer], ...; block_tables (n, max_blocks) int, entries past a sequence's blocks may be
+    -1; context_lens (n,) int; scale: the softmax scale (default head_dim ** -0.5). Query head h reads KV head
+    h // group. Returns (n, n_heads, head_dim) in q's dtype. Bad shapes or dtypes raise RuntimeError (the C++ checks
+    name the problem)."""
+    if _module is None:
+        raise RuntimeError(f"the CPU kernels are not loaded ({status()}): call load() first or use the gather path")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _module.paged_int8_decode(q, k_pool, k_scale, v_pool, v_scale, block_tables, context_lens, scale)
+
+
+# The same two matmuls as torch operators, for torch.compile (lesson 06): dynamo cannot trace into a C++ function, but
 # it can call an operator that says what shape it returns; inductor then fuses everything around the matmuls. In
 # eager mode the layers call the functions above directly (an operator adds ~10 µs of dispatch per call).
 @torch.library.custom_op("minillm::q4_1_matmul", mutates_args=())

@@ -481,3 +481,151 @@ def test_a_compiled_q4_decode_equals_the_eager_one():
         logits = model(torch.tensor([ids + eager[:first]]), last_only=True)[0, -1].double()
     top = logits.topk(2)
     assert {eager[first], compiled[first]} == set(top.indices.tolist()) and top.values[0] - top.values[1] < NEAR_TIE
+
+
+# ------------------------------------------------------------------------------------------------ int8 KV decode
+
+# The fused decode attention over an int8 paged pool (int8_kv_attention.cpp) against minillm's own torch path for
+# the same pool: KVBlockPool.read (gather, widen, scale) then gathered_decode_attention (one masked SDPA).
+
+def int8_pool_case(lens, block_size, n_kv_heads, group, head_dim, pad, seed, q_dtype=torch.float32):
+    """An int8 KVBlockPool (2 layers; layer 1 is read) holding len(lens) sequences in shuffled blocks, spare blocks
+    whose scales are NaN (a kernel that reads past a context returns NaN), block tables padded with `pad` extra -1
+    entries, and one query row per sequence."""
+    from minillm.cache.kv_pool import KVBlockPool, KVCacheSpec
+    from minillm.cache.paged_attention import context_slots
+
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + 3
+    pool = KVBlockPool(KVCacheSpec(2, n_kv_heads, head_dim, num_blocks, block_size, torch.float32, torch.int8))
+    pool.k_scale.fill_(float("nan"))
+    pool.v_scale.fill_(float("nan"))
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, start = [], 0
+    for n in need:
+        tables.append(order[start:start + n])
+        start += n
+    width = max(need) + pad
+    table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    slots, valid = context_slots(table, ctx, block_size, max(lens))
+    for i, n in enumerate(lens):
+        shape = (n, n_kv_heads, head_dim)
+        pool.write(1, slots[i, :n], 2 * torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    q = torch.randn(len(lens), n_kv_heads * group, head_dim, generator=g).to(q_dtype)
+    return pool, table, ctx, slots, valid, q
+
+
+def fused_int8(pool, table, ctx, q, layer=1):
+    return cpu_lowbit.paged_int8_decode(q, pool.k[layer], pool.k_scale[layer], pool.v[layer], pool.v_scale[layer],
+                                        table, ctx)
+
+
+def gather_int8(pool, slots, valid, q, layer=1):
+    from minillm.cache.paged_attention import gathered_decode_attention
+
+    keys, values = pool.read(layer, slots)
+    return gathered_decode_attention(q, keys, values, valid)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(1, 300).filter(lambda n: n % 8), min_size=1, max_size=8),
+       block_size=st.sampled_from([8, 16]), group=st.sampled_from([1, 3]), n_kv_heads=st.integers(1, 3),
+       head_dim=st.sampled_from([64, 16]), pad=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_fused_int8_decode_equals_the_gather_path(lens, block_size, group, n_kv_heads, head_dim, pad, seed):
+    need_kernels()
+    pool, table, ctx, slots, valid, q = int8_pool_case(lens, block_size, n_kv_heads, group, head_dim, pad, seed)
+    got = fused_int8(pool, table, ctx, q)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    torch.testing.assert_close(got, gather_int8(pool, slots, valid, q), atol=1e-5, rtol=1e-5)
+    # int64 tables and lengths are taken as well; whole blocks (a context that ends on a block boundary) too
+    torch.testing.assert_close(fused_int8(pool, table.long(), ctx.long(), q), got, atol=0, rtol=0)
+
+
+def test_fused_int8_decode_whole_blocks_bf16_and_threads():
+    need_kernels()
+    lens = [16, 32, 5, 300]
+    pool, table, ctx, slots, valid, q = int8_pool_case(lens, 16, 3, 3, 64, 1, seed=3)
+    want = gather_int8(pool, slots, valid, q)
+    torch.testing.assert_close(fused_int8(pool, table, ctx, q), want, atol=1e-5, rtol=1e-5)
+    before = torch.get_num_threads()
+    try:  # tasks split over threads: the same numbers
+        torch.set_num_threads(2)
+        torch.testing.assert_close(fused_int8(pool, table, ctx, q), want, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+    got = fused_int8(pool, table, ctx, q.bfloat16())  # bf16 queries: float32 inside, the output rounded to bf16
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), gather_int8(pool, slots, valid, q.bfloat16().float()), atol=2e-2,
+                               rtol=2e-2)
+
+
+def test_fused_int8_decode_refuses_bad_inputs_with_the_problem_named():
+    need_kernels()
+    pool, table, ctx, _, _, q = int8_pool_case([20, 7], 8, 2, 3, 16, 1, seed=4)
+    k, ks, v, vs = pool.k[1], pool.k_scale[1], pool.v[1], pool.v_scale[1]
+    call = cpu_lowbit.paged_int8_decode
+    cases = [
+        (lambda: call(q.double(), k, ks, v, vs, table, ctx), "float32 or bfloat16"),
+        (lambda: call(q[0], k, ks, v, vs, table, ctx), "num_seqs, n_heads, head_dim"),
+        (lambda: call(q, k.float(), ks, v, vs, table, ctx), "k_pool must be int8"),
+        (lambda: call(q, k, ks.float(), v, vs, table, ctx), "k_scale must be float16"),
+        (lambda: call(q, k, ks, v, vs[:, :4], table, ctx), "v_scale must be float16"),
+        (lambda: call(q, k, ks, v[:4], vs[:4], table, ctx), "must have one shape"),
+        (lambda: call(q, k, ks, v[:, :4], vs[:, :4], table, ctx), "must be contiguous"),
+        (lambda: call(q[..., :8], k, ks, v, vs, table, ctx), "head_dim must agree"),
+        (lambda: call(q[:, :5], k, ks, v, vs, table, ctx), "n_kv_heads must divide n_heads"),
+        (lambda: call(q, k, ks, v, vs, table.float(), ctx), "block_tables must be an int"),
+        (lambda: call(q, k, ks, v, vs, table[:1], ctx), "block_tables must be an int"),
+        (lambda: call(q, k, ks, v, vs, table, ctx[:1]), "context_lens must be an int"),
+        (lambda: call(q, k, ks, v, vs, table, ctx * 0), "context length 0"),
+        (lambda: call(q, k, ks, v, vs, table, ctx + 100), "context length"),
+        (lambda: call(q, k, ks, v, vs, table.masked_fill(table == table[0, 0], 99), ctx), "reads block 99"),
+        (lambda: call(q, k, ks, v, vs, table.masked_fill(table == table[0, 0], -1), ctx), "reads block -1"),
+    ]
+    for fn, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            fn()
+
+
+def test_engine_int8_kv_greedy_tokens_equal_with_the_fused_kernel_and_the_gather_path():
+    need_kernels()
+    from minillm.config import ModelConfig
+    from minillm.engine import LLM
+    from minillm.model import Transformer
+    from minillm.sampling import SamplingParams
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(vocab_size=256, dim=96, n_heads=6, n_kv_heads=2, ffn_dim=128,
+                                         max_seq_len=128)).eval()  # head_dim 16, GQA group 3
+    rng = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (int(n),), generator=rng).tolist() for n in (3, 17, 9, 30, 1)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for backend in ("gather", "auto"):
+        llm = LLM.from_model(model, num_blocks=64, block_size=8, max_num_seqs=5, kv_cache_dtype="int8")
+        llm.cache.decode_backend = backend
+        with spy("paged_int8_decode") as calls:
+            outputs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert bool(calls) == (backend == "auto"), f"{backend}: {len(calls)} kernel calls"
+    assert outputs["auto"] == outputs["gather"]
+
+
+def test_int8_kv_decode_falls_back_to_the_gather_path_without_the_kernels(kernels_off):
+    from minillm.cache.paged import PagedSequenceCache
+    from minillm.config import ModelConfig
+    from minillm.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(n_layers=1)).eval()
+    prompt = torch.randint(0, 512, (2, 13))
+    out = {}
+    with torch.no_grad(), spy("paged_int8_decode") as calls:
+        for backend in ("gather", "auto"):
+            cache = PagedSequenceCache.for_model(model, 2, 16, block_size=4, kv_dtype=torch.int8)
+            cache.decode_backend = backend
+            model(prompt, kv_cache=cache)
+            out[backend] = model(prompt[:, :1], kv_cache=cache)
+    assert not calls
+    torch.testing.assert_close(out["auto"], out["gather"], atol=0, rtol=0)

@@ -14,6 +14,7 @@ import importlib.util
 from typing import NamedTuple
 
 import torch
+from minillm_kernels import cpu_lowbit
 from torch import Tensor
 
 from minillm.attention import AttentionFn, get_attention
@@ -25,6 +26,13 @@ from minillm.config import ModelConfig
 
 def _triton_usable(q: Tensor, pool: KVBlockPool) -> bool:
     return q.is_cuda and not pool.spec.quantized and importlib.util.find_spec("triton") is not None
+
+
+def _int8_cpu_decode_usable(q: Tensor, pool: KVBlockPool) -> bool:
+    """An int8 pool on the CPU with the CPU kernels built (cpu_lowbit.load(): cached, MINILLM_CPU_KERNELS=off says
+    no); not while torch.compile traces (dynamo cannot see into the C++ call: the gather path then)."""
+    return (pool.spec.quantized and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+            and not torch.compiler.is_compiling() and cpu_lowbit.load() is not None)
 
 
 class PagedKVCache:
@@ -49,7 +57,8 @@ class PagedKVCache:
             raise ValueError(f"the allocator hands out {self.allocator.num_blocks} blocks of "
                              f"{self.allocator.block_size} tokens, the pool has {num_blocks} of {block_size}")
         self.config, self.num_blocks, self.block_size = cfg, num_blocks, block_size
-        # "auto": Triton on CUDA (float pools), the planned gather on CPU; or a registered "paged_decode" backend
+        # "auto": Triton on CUDA (float pools), the fused int8 kernel on CPU (int8 pools), else the planned gather;
+        # or "gather", or a registered "paged_decode" backend
         self.decode_backend = decode_backend
         self._meta: AttentionMetadata | None = None  # set for the next forward
         self._step: tuple[AttentionMetadata, StepPlan] | None = None  # the current forward's, planned at begin_forward
@@ -142,14 +151,23 @@ class PagedKVCache:
     def _decode(self, layer_id: int, q: Tensor, meta: AttentionMetadata, plan: StepPlan, attn: AttentionFn) -> Tensor:
         """q (n, n_heads, head_dim), one query per decode sequence of the plan -> (n, n_heads, head_dim)."""
         backend = self.decode_backend
+        idx = plan.decode_seqs if len(plan.decode_seqs) < meta.num_seqs else slice(None)
+        if backend == "auto" and _int8_cpu_decode_usable(q, self.pool):
+            # An int8 pool through "gather" costs more than a float32 one: KVBlockPool.read gathers the codes and the
+            # scales, widens and multiplies -- several full-size float copies of every context per layer -- before
+            # attention reads them again, so int8 lost to float32 despite 4x fewer bytes. The fused CPU kernel
+            # (kernels/cpu/int8_kv_attention.cpp) reads each int8 row and its scale once, straight from the blocks.
+            pool = self.pool
+            return cpu_lowbit.paged_int8_decode(q, pool.k[layer_id], pool.k_scale[layer_id], pool.v[layer_id],
+                                                pool.v_scale[layer_id], meta.block_tables[idx], meta.context_lens[idx],
+                                                q.shape[-1] ** -0.5)
         if backend == "auto":
             backend = "triton_paged" if _triton_usable(q, self.pool) else "gather"
-        if backend == "gather":
+        if backend == "gather":  # also the explicit choice for an int8 pool: torch's gather, the kernel's reference
             keys, values = self.pool.read(layer_id, plan.decode_slots)  # (n, width, n_kv_heads, head_dim)
             return gathered_decode_attention(q, keys, values, plan.decode_valid, attn)
         if self.pool.spec.quantized:
             raise ValueError(f"decode backend {backend!r} reads the raw pool; an int8 pool needs 'gather' or 'auto'")
-        idx = plan.decode_seqs if len(plan.decode_seqs) < meta.num_seqs else slice(None)
         host_lens = [meta.host_context_lens[i] for i in plan.decode_seqs]
         tables = meta.block_tables[idx][:, : blocks_needed(max(host_lens), self.block_size)]  # no wider than needed
         fn = get_attention(backend, kind="paged_decode")
