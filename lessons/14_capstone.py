@@ -1,0 +1,292 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 14 — The capstone: every technique in one engine, what compounds, what interferes, and the edge
+#
+# Lessons 00-13 each measured one technique against the step before it, alone. A deployment runs them all at once,
+# and the question changes: not "does int8 KV help?" but "does int8 KV still help once the weights are 4-bit, the
+# batch is full and the drafts are verified in the same step?". Each technique removes one cost:
+#
+# | rung | lesson | the cost it removes |
+# |---|---|---|
+# | KV cache | 01 | recomputing the past: O(n²) work per sequence becomes O(n) |
+# | paged KV + continuous batching | 04, 05 | a weight read per sequence: B sequences share one read per step |
+# | fusion | 06 | per-op overhead: dispatches per decode step |
+# | 4-bit weights | 07 | bytes per weight: decode reads ~8x fewer bytes than fp32 |
+# | int8 KV | 07 | bytes per cached token: the KV half of a decode step's reads |
+# | prefix caching | 12 | recomputing shared prompt prefixes |
+# | chunked prefill | 12 | decodes stalled behind one long prefill |
+# | speculative decoding | 10 | one sequential step per token |
+#
+# Two removed costs multiply only when they are independent. When two techniques attack the same cost, or one needs
+# the slack the other removed, their gains *interfere*: speculation makes a step wider, which is free only while the
+# step is memory-bound, and a full batch has already spent that slack. This lesson serves one fixed workload with
+# the rungs switched on one by one (`minillm bench ladder`), draws the waterfall, measures three pairs for
+# interference, prices each technique in quality, and ends at the edge: the smallest configuration that still
+# serves (`minillm bench edge`, `minillm generate --profile edge`).
+
+# %%
+import json
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+
+import minillm
+from minillm.bench import roofline, run_entry
+from minillm.course.lesson import QUICK, hardware_line, pick
+
+torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
+print(hardware_line())
+RESULTS = Path(minillm.__file__).resolve().parent.parent / "results"
+
+
+def recorded(name: str) -> dict:
+    """The full run in results/<name>.json; quick mode (and a missing file) runs the quick benchmark instead."""
+    path = RESULTS / f"{name}.json"
+    if QUICK or not path.exists():
+        return run_entry(name, quick=True, save=False).to_dict()
+    result = json.loads(path.read_text())
+    print(f"the run recorded in results/{name}.json ({result['timestamp']}), on: {result['hardware'].get('cpu', '')}, "
+          f"{result['settings'].get('threads', '?')} thread(s); rerun: minillm bench {name}")
+    return result
+
+
+# %% [markdown]
+# ## 1. One engine, every seam
+#
+# Every technique is a keyword of the same two calls. The weight-side ones happen at load, in the one order that
+# composes: prune the float weights (2:4, lesson 08), quantize them (lesson 07), fuse (lesson 06). The rest are the
+# engine's: the KV pool's dtype, prefix caching, the step's token budget (chunked prefill), the batch size and a
+# drafter. `tests/test_compose.py` runs every pair of them, and all at once, on a tiny model: greedy tokens equal to
+# the plain engine's on the same weights (and on SmolLM2 in its slow set).
+
+# %%
+from minillm.engine import LLM
+from minillm.sampling import SamplingParams
+from minillm.speculative.decoding import SpeculativeConfig
+
+llm = LLM("smollm2-135m", weights="q4", fuse=True, kv_cache_dtype="int8", enable_prefix_caching=True,
+          max_num_batched_tokens=128, max_num_seqs=8, speculative=SpeculativeConfig("ngram", k=3))
+questions = ["What is the capital of France?", "Name three primary colors.", "What is 12 plus 30?"]
+for q, out in zip(questions, llm.generate(questions, SamplingParams(max_tokens=pick(24, 8)), chat=True)):
+    print(f"{q!r} -> {out.text!r}")
+print(f"{llm.spec_stats.acceptance_rate:.2f} of the drafted tokens accepted; "
+      f"{minillm.model.model_bytes(llm.model) / 2**20:.0f} MiB of weights, "
+      f"{llm.cache.nbytes() / 2**20:.0f} MiB KV pool")
+
+# %% [markdown]
+# What cannot compose is refused, with the reason, never silently dropped:
+
+# %%
+from minillm.api import check_weights, generate
+
+refusals = [
+    ("the file's 4-bit bytes, then 2:4 pruning", lambda: check_weights("q4", "2:4")),
+    ("torch.compile with an int8 KV cache", lambda: generate(llm.model, llm.tokenizer, "Hi", max_new_tokens=2,
+                                                           compile=True, kv_cache_dtype="int8")),
+    ("torch.compile with speculation", lambda: generate(llm.model, llm.tokenizer, "Hi", max_new_tokens=2,
+                                                      compile=True, speculative=SpeculativeConfig("ngram", k=2))),
+]
+for what, attempt in refusals:
+    try:
+        attempt()
+        print(f"{what}: accepted?!")
+    except ValueError as e:
+        print(f"{what}:\n    {e}")
+print("tensor parallelism with fused or quantized layers: refused by shard_tensor_parallel (lesson 11)")
+del llm
+
+# %% [markdown]
+# ## 2. The ladder, one workload
+#
+# The workload (`minillm.bench.ladder.ladder_workload`, seeded): chats that share one of two system prompts, a few
+# long documents to summarize, Poisson arrivals replayed against the clock (time to first token counts from
+# arrival), fixed output lengths. Each rung adds one technique to everything below it, and the same requests are
+# served again.
+#
+# **Predict before you run the next cell:** which rung gives the largest step up in throughput on this workload,
+# and by what factor? Think about what each removes: rung 0 recomputes every prefix at every token; rung 2 turns B
+# sequences' weight reads into one; rung 4 divides the weight bytes by ~8 (fp32 → 4-bit).
+
+# %%
+ladder = recorded("ladder")
+rows = {str(r["rung"]): r for r in ladder["rows"]}
+order = [k for k in ["0", "1", "2", "3", "4", "5", "6", "7", "8"] if k in rows]
+print(f"{'rung':<5}{'technique':<34}{'tok/s':>8}{'x rung 0':>10}{'x prev':>8}{'TTFT p50':>10}{'TPOT p50':>10}"
+      f"{'memory':>9}{'agree':>7}")
+for k in order:
+    r = rows[k]
+    prev = r.get("gain_vs_prev")
+    print(f"{k:<5}{r['technique'][:33]:<34}{r['tok_per_s']:>8.1f}{r.get('gain_vs_rung0') or 1:>10.1f}"
+          f"{(prev if prev else float('nan')):>8.2f}{r['ttft_p50_ms']:>8.0f}ms{r['tpot_p50_ms']:>8.0f}ms"
+          f"{r['memory_MiB']:>7.0f}Mi{r['agree_fp32']:>7.2f}")
+steps = {k: rows[k]["gain_vs_prev"] for k in order[1:] if rows[k].get("gain_vs_prev")}
+best = max(steps, key=steps.get)
+print(f"\nmeasured: the largest step is rung {best} ({rows[best]['technique']}), x{steps[best]:.2f} over the rung "
+      f"below; all on: x{rows[order[-1]]['gain_vs_rung0']:.0f} over rung 0 and "
+      f"x{rows[order[-1]]['tok_per_s'] / rows['1']['tok_per_s']:.1f} over the KV-cache loop")
+w_before, w_after = rows["3"]["weights_MiB"], rows["4"]["weights_MiB"]
+print(f"predicted for rung 4 from its weight bytes alone: at most x{w_before / w_after:.1f} ({w_before:.0f} -> "
+      f"{w_after:.0f} MiB of weights per step); measured x{rows['4']['gain_vs_prev']:.2f}, because a batched step "
+      f"also reads the KV of every sequence in it and computes for each of them, and neither shrinks (section 3)")
+for note in ladder["notes"][:2]:
+    print("-", note)
+
+# %%
+gains = [rows[k].get("gain_vs_rung0") or 1.0 for k in order]
+fig, ax = plt.subplots(figsize=(10, 4))
+bottom = 1.0
+for i, k in enumerate(order):
+    top = gains[i]
+    colour = "tab:gray" if i == 0 else ("tab:green" if top >= bottom else "tab:red")
+    ax.bar(i, abs(top - bottom) if i else top, bottom=min(top, bottom) if i else 0, color=colour)
+    ax.text(i, max(top, bottom) * 1.08, f"x{top:.1f}", ha="center", fontsize=8)
+    bottom = top
+ax.set_yscale("log")
+ax.set_xticks(range(len(order)))
+ax.set_xticklabels([f"{k}\n{rows[k]['technique'][:14]}" for k in order], fontsize=7)
+ax.set_ylabel("throughput, x rung 0 (log)")
+ax.set_title("The ladder: cumulative throughput gain, one workload (green: a rung that paid, red: one that cost)")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Read the waterfall in the field's terms. The first steps are algorithmic (recompute → cache) and structural (one
+# weight read per sequence → one per step): they remove work, so they pay on any hardware. The later ones trade one
+# roof for another, and whether they pay depends on which roof binds *after* the rungs below them: a 4-bit weight
+# read only helps while the step waits for weight bytes; int8 KV only while the KV share of the bytes is large;
+# speculation only while a step has idle arithmetic to verify drafts with.
+
+# %% [markdown]
+# ## 3. Interference: gain(A+B) against gain(A) × gain(B)
+#
+# Three pairs were served on their own, each over rung 2: a ratio of 1 means the two gains multiply, below 1 that
+# they compete for the same saving, above 1 that one makes room for the other.
+
+# %%
+pairs = ladder["series"].get("interference", {})
+if not pairs:
+    print("interference pairs are measured in full mode only (each pair serves the workload three more times)")
+for name, p in pairs.items():
+    print(f"{name}: gain(A) {p['gain_a']:.2f} x gain(B) {p['gain_b']:.2f} = {p['product']:.2f}; gain(A+B) "
+          f"{p['gain_ab']:.2f}; ratio {p['interference']:.2f}\n    {p['why']}")
+
+# %% [markdown]
+# The roofline says why speculation and batching interfere. Verifying k drafts turns a step of B rows into one of
+# B·(k+1) rows. While the step is memory-bound (it waits for the weights), the extra rows ride on the same bytes and
+# cost little; once B·(k+1) rows push the step past the ridge point, every draft is paid in arithmetic, and a
+# rejected one is pure loss. The model below (lesson 06's: bytes / bandwidth, FLOPs / FLOP/s and a fixed cost per
+# op; this CPU measured, the H100 from its datasheet and labelled as a model) prices a verify step of k+1 = 4 tokens
+# against a plain decode step, at growing batch sizes.
+
+# %%
+cfg = minillm.config.ModelConfig()
+cpu = roofline.this_cpu()
+for machine in (cpu, roofline.H100_SXM):
+    print(f"{machine.name}: {machine.source}")
+    for batch in (1, 4, 16, 64):
+        plain = roofline.forward_step(cfg, machine, tokens=1, context=512, batch=batch)
+        verify = roofline.forward_step(cfg, machine, tokens=4, context=512, batch=batch)
+        cost = machine.seconds(verify) / machine.seconds(plain)
+        print(f"  batch {batch:>3}: a 4-token verify step costs x{cost:.2f} a 1-token step ({machine.bound(plain)}-"
+              f"bound -> {machine.bound(verify)}-bound); with 1.5 tokens accepted per step it pays if x < 1.5: "
+              f"{'yes' if cost < 1.5 else 'no'}")
+
+# %% [markdown]
+# ## 4. What each technique costs in quality
+#
+# Exact techniques (the KV cache, batching, paging, prefix caching, chunking, speculation) change how tokens are
+# computed, not which; weight-changing ones (4-bit, 2:4) and the int8 KV cache change the numbers. The table prices
+# each rung against rung 1's float32 greedy tokens (`agree`) and by the perplexity of its weights.
+
+# %%
+print(f"{'rung':<5}{'technique':<34}{'agree fp32':>11}{'agree q4 serial':>16}{'ppl':>8}")
+for k in order:
+    r = rows[k]
+    q4s = r.get("agree_q4_serial")
+    print(f"{k:<5}{r['technique'][:33]:<34}{r['agree_fp32']:>11.3f}"
+          f"{(q4s if q4s is not None else float('nan')):>16.3f}{(r.get('ppl') or float('nan')):>8.2f}")
+
+# %% [markdown]
+# One finding the column `agree q4 serial` carries: with the file's 4-bit weights, rungs 4-8 do not reproduce the
+# same weights' own one-at-a-time tokens. minillm's CPU kernel rounds each block of 32 activations to int8 before
+# its integer dot products (as llama.cpp does), and rounding is a step function: a 1e-7 change upstream can land on
+# the other side of a rounding boundary. Batching, chunking and prefix reuse change the order in which attention
+# sums, and that is enough. The next cell shows it on the first 20 positions of one prompt, run alone and as the
+# start of a 40-token prompt: causally those 20 rows cannot see the rest, so every difference is summation order.
+# It also prints the two best first tokens of section 1's France question: a near-tie in float32 that the 4-bit
+# weights and int8 activations tip the other way, which is why section 1 answered as it did.
+
+# %%
+ids = torch.randint(0, cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+for weights in ("dequantized", "q4"):
+    m, tok = minillm.load_model(weights=weights)
+    with torch.inference_mode():
+        diff = (m(ids)[0, :20] - m(ids[:, :20])[0]).abs().max().item()
+        chat = torch.tensor([tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])])
+        top = m(chat)[0, -1].float().topk(2)
+    first = ", ".join(f"{tok.decode([int(i)])!r} {v:.4f}" for v, i in zip(top.values.tolist(), top.indices))
+    print(f"weights={weights:<12} logits of the same 20 positions, run as 20 or 40 tokens: max |diff| {diff:.2e}; "
+          f"first answer token to 'What is the capital of France?': {first}")
+    del m
+
+# %% [markdown]
+# That is the property vLLM's and SGLang's "batch-invariant" modes buy back at some speed: kernels whose reduction
+# order does not depend on the batch. An engine that promises bit-identical answers across load levels needs it; one
+# that promises the model's quality does not, as the agreement and perplexity columns show.
+#
+# ## 5. The edge: the smallest configuration that still serves
+#
+# Near the data, on weak hardware, the binding constraint is memory, not throughput: one thread, the file's 4-bit
+# weights, an int8 KV cache and a pool for one or two contexts. `minillm bench edge` measures it in a fresh process
+# (peak RSS is everything the process touched: torch itself, the weights, the pool), beside the default float32
+# configuration and llama.cpp on the same GGUF file.
+
+# %%
+edge = recorded("edge")
+for r in edge["rows"]:
+    print("  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
+for note in edge.get("notes", []):
+    print("-", note)
+
+# %% [markdown]
+# What an on-device deployment needs beyond this: weights that are memory-mapped rather than copied (llama.cpp maps
+# the GGUF file, so its weights are page cache the OS can evict and share; minillm copies them into torch tensors);
+# no Python or torch runtime (a few hundred MiB of the RSS above is the interpreter and torch's libraries, which an
+# on-device runtime such as llama.cpp, ExecuTorch or MLC does not carry); kernels for the device's own integer dot
+# products (NEON `sdot` on phones); and a KV pool sized to the context the application needs, which
+# `minillm generate --profile edge` fixes at startup.
+#
+# The exercise states such a deployment as a service-level objective: what it must deliver, never how.
+
+# %%
+from minillm.course.capstone import edge_slo
+
+slo = edge_slo()
+print(f"exercise 14's SLO on this machine: weights + KV pool within {slo.memory_bytes / 2**20:.0f} MiB; "
+      f"{slo.min_seqs} sequences of {slo.context_tokens} tokens at once; at least {slo.min_quality:.0%} of the "
+      f"float32 engine's greedy answer tokens; throughput at least x{slo.min_speedup} the float32 plain engine's")
+
+# %% [markdown]
+# ## Exercise 14
+#
+# Two tasks: `kv_blocks_for_budget` — how many KV blocks a memory budget holds once the weights are in, for the
+# engine's exact pool layout (the edge's first calculation) — and `choose_config`: your configuration for a stated
+# SLO (memory, quality, concurrency, speed), graded by building the engine from it on SmolLM2 and measuring it
+# against the float32 engine in interleaved pairs.
+#
+# ```
+# minillm hint 14          # the tasks and their hints
+# minillm grade 14         # grade exercises/ex14_capstone.py
+# ```
