@@ -72,9 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--compile", action="store_true",
                      help="run decode steps through torch.compile (lesson 06); the first call compiles for tens of "
                           "seconds")
-    gen.add_argument("--speculative", choices=["ngram", "early_exit", "draft"], default=None,
+    gen.add_argument("--speculative", choices=["ngram", "early_exit", "draft", "learned"], default=None,
                      help="speculative decoding (lesson 10): prompt lookup, the target's first blocks, "
-                          "or --draft-model")
+                          "--draft-model, or the shipped learned draft head")
     gen.add_argument("--k", type=_positive_int, default=4, help="draft tokens per step with --speculative")
     gen.add_argument("--draft-model", default=None, help="with --speculative draft, e.g. smollm2-135m-student")
     gen.add_argument("--tp", type=_positive_int, default=1,
@@ -115,6 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests allowed to wait in the engine; more get HTTP 429 at once")
     srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                      help="reuse the KV blocks of a shared prompt prefix (default: on, as vLLM's server)")
+    # lesson 14: the server runs any composition the engine does (load_model prunes, quantizes, fuses; the engine
+    # holds the KV dtype and the drafter); pairs that cannot compose are refused by them, with the reason
+    srv.add_argument("--weights", choices=list(WEIGHTS), default="dequantized",
+                     help="q4: the file's 4-bit blocks; int8/int4: re-quantized from the float weights")
+    srv.add_argument("--sparsity", choices=["2:4"], default=None, help="prune 2:4 (Wanda) before quantizing")
+    srv.add_argument("--fuse", action="store_true", help="lesson 06's fusions")
+    srv.add_argument("--kv-cache-dtype", choices=["int8"], default=None, help="an int8 KV pool (lesson 07)")
+    srv.add_argument("--speculative", choices=["ngram", "learned"], default=None,
+                     help="speculative decoding in the engine (lesson 10): prompt lookup or the shipped draft head")
+    srv.add_argument("--k", type=_positive_int, default=3, help="draft tokens per step with --speculative")
     srv.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish on shutdown before they are aborted")
     srv.add_argument("--api-key", default=None,
@@ -347,10 +357,18 @@ def cmd_serve(args) -> int:
     if args.drain_timeout < 0:
         raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     machine = _use_threads(args.threads)
+    from minillm.speculative.decoding import SpeculativeConfig
+
+    spec = SpeculativeConfig(args.speculative, k=args.k) if args.speculative else None
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching)
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
+              weights=args.weights, sparsity=args.sparsity, fuse=args.fuse, kv_cache_dtype=args.kv_cache_dtype,
+              speculative=spec)
     access = access_policy(args)
-    print(f"minillm serve: {args.model} ({args.dtype}), {llm!r}, prefix caching "
+    composed = [f"weights {args.weights}"] + [x for x, on in (
+        (f"sparsity {args.sparsity}", args.sparsity), ("fused", args.fuse), ("int8 KV", args.kv_cache_dtype),
+        (f"speculative {args.speculative} k={args.k}", args.speculative)) if on]
+    print(f"minillm serve: {args.model} ({args.dtype}; {', '.join(composed)}), {llm!r}, prefix caching "
           f"{'on' if args.enable_prefix_caching else 'off'}; {machine}", flush=True)
     print(f"minillm serve: API key {'required' if access.api_key else 'off (--api-key to require one)'}; Host "
           f"names {', '.join(access.allowed_hosts)}; web origins {', '.join(access.allowed_origins) or 'none'}; "

@@ -526,6 +526,28 @@ def test_serve_help_lists_its_options(capsys):
         assert flag in out
 
 
+def test_serve_composes_what_the_engine_composes(monkeypatch, capsys):
+    """Lesson 14: `minillm serve` passes every composing flag to the engine (which refuses what cannot compose)."""
+    import minillm.engine
+    import minillm.serving.server
+    from minillm.cli import main
+
+    seen = {}
+
+    class FakeLLM:
+        def __init__(self, model, **kw):
+            seen.update(kw, model=model)
+
+    monkeypatch.setattr(minillm.engine, "LLM", FakeLLM)
+    monkeypatch.setattr(minillm.serving.server, "serve", lambda *a, **kw: None)
+    assert main(["serve", "--weights", "q4", "--fuse", "--kv-cache-dtype", "int8", "--speculative", "ngram",
+                 "--k", "2", "--max-num-batched-tokens", "64"]) == 0
+    assert (seen["weights"], seen["fuse"], seen["kv_cache_dtype"], seen["max_num_batched_tokens"]) == (
+        "q4", True, "int8", 64)
+    assert (seen["speculative"].method, seen["speculative"].k, seen["sparsity"]) == ("ngram", 2, None)
+    assert "weights q4, fused, int8 KV, speculative ngram k=2" in capsys.readouterr().out
+
+
 def test_serve_without_fastapi_says_what_to_install(monkeypatch, capsys):
     from minillm.cli import main
 

