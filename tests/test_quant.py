@@ -237,3 +237,21 @@ def test_awq_keeps_the_float_model_and_beats_round_to_nearest():
     quantize(awq, "int8")
     with pytest.raises(ValueError, match="before quantize"):
         apply_awq(awq, calib, group_size=16)
+
+
+def test_importing_minillm_leaves_dynamo_unloaded_and_the_kernel_check_constant():
+    """`import minillm` must not pull in torch._dynamo (~150 MiB, ~2 s: lesson 14's edge profile), and the CPU-kernel
+    check must still be marked the way torch.compiler.assume_constant_result marks a function."""
+    import subprocess
+    import sys
+
+    code = "import sys, minillm; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+    import torch
+
+    from minillm.compress.quant import _cpu_kernels_loaded
+
+    marked = torch.compiler.assume_constant_result(lambda: True)
+    assert {k for k in vars(marked)} == {"_dynamo_marked_constant"}
+    assert _cpu_kernels_loaded._dynamo_marked_constant is marked._dynamo_marked_constant

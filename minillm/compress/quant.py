@@ -116,9 +116,14 @@ def cpu_kernels_disabled():
         cpu_lowbit.load.cache_clear()
 
 
-@torch.compiler.assume_constant_result  # torch.compile: a fact of the process, not something to trace
 def _cpu_kernels_loaded() -> bool:
     return cpu_kernels() is not None
+
+
+# torch.compile must treat this as a fact of the process, not trace it: torch.compiler.assume_constant_result sets
+# this one attribute (torch 2.13), but it imports torch._dynamo to do so, which costs every `import minillm` ~150 MiB
+# and ~2 s (lesson 14's edge profile). tests/test_quant.py checks that the attribute is still what the decorator sets.
+_cpu_kernels_loaded._dynamo_marked_constant = True
 
 
 
