@@ -327,5 +327,6 @@ else:
 #   Triton kernel on GPU) it is fast; as a Python loop it is slow.
 #
 # Exercise 03 (`exercises/ex03_flash.py`, `minillm grade 03`, hints: `minillm hint 03`): write `merge_partials`,
-# `flash_attention`, and optionally the Triton kernel's inner step `attend_key_block`. Benchmark:
-# `minillm bench attention`.
+# `flash_attention`, and optionally the Triton kernel's inner step `attend_key_block`. Task 03.speed times your
+# `flash_attention` against minillm's tile loop in interleaved pairs: the same algorithm lands near 1x, a loop per
+# query row far above the 4x allowed. Benchmark: `minillm bench attention`.
