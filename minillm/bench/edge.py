@@ -16,9 +16,9 @@ crashing llama.cpp (FACTS: AMX builds die with SIGILL on some VMs) is a stated s
 of a child is its VmHWM, not getrusage's ru_maxrss, which Linux carries over from the parent across fork + exec.
 
 results/edge.json: rows (profile, config, load_s, ready_s, peak_rss_MiB, loaded_rss_MiB, end_rss_MiB, trimmed_rss_MiB,
-ru_maxrss_MiB, weights_MiB, kv_MiB, ttft_ms, decode_tok_s, agree_fp32, first_diff, forced_agree_fp32, ppl; a skipped
-profile has a "skipped" reason instead), ratios (edge_peak_rss_vs_fp32, edge_decode_vs_fp32,
-edge_peak_rss_vs_llama_cpp, edge_decode_vs_llama_cpp), settings, notes.
+ru_maxrss_MiB, weights_MiB, kernel_copy_MiB (the CPU kernels' repacked weights), kv_MiB, ttft_ms, decode_tok_s,
+agree_fp32, first_diff, forced_agree_fp32, ppl; a skipped profile has a "skipped" reason instead), ratios
+(edge_peak_rss_vs_fp32, edge_decode_vs_fp32, edge_peak_rss_vs_llama_cpp, edge_decode_vs_llama_cpp), settings, notes.
 """
 
 from __future__ import annotations
@@ -122,7 +122,11 @@ else:
         memory(out, "loaded_")
         res = generate(model, None, spec["prompt_ids"], max_new_tokens=spec["n_new"], cache=spec["cache"],
                        kv_cache_dtype=spec["kv_cache_dtype"], ignore_eos=True)
-        out.update(token_ids=res.token_ids, token_times=res.token_times, weights_bytes=model_bytes(model))
+        # the CPU kernels' repacked layout of each 4-bit/8-bit layer, built at its first call and kept beside the
+        # stored codes (model_bytes counts only those)
+        packed = [getattr(m, "_packed", None) for m in model.modules()]
+        out.update(token_ids=res.token_ids, token_times=res.token_times, weights_bytes=model_bytes(model),
+                   packed_bytes=sum(p[1].numel() * p[1].element_size() for p in packed if p is not None))
         memory(out, "")
         # after the RSS was read: these allocate
         kv_dtype = torch.int8 if spec["kv_cache_dtype"] == "int8" else None
@@ -194,7 +198,7 @@ def profile_row(name: str, config: str, res: dict, reference: list[int] | None) 
     row = {"profile": name, "config": config, "load_s": res["load_s"], "ready_s": res["ready_s"],
            "peak_rss_MiB": mib("peak_rss"), "loaded_rss_MiB": mib("loaded_rss"), "end_rss_MiB": mib("rss"),
            "trimmed_rss_MiB": mib("trimmed_rss"), "ru_maxrss_MiB": mib("ru_maxrss"),
-           "weights_MiB": mib("weights_bytes"), "kv_MiB": mib("kv_bytes")}
+           "weights_MiB": mib("weights_bytes"), "kernel_copy_MiB": mib("packed_bytes"), "kv_MiB": mib("kv_bytes")}
     ids, times = res["token_ids"], res["token_times"]
     if ids:
         row["ttft_ms"] = times[0] * 1e3
@@ -281,9 +285,12 @@ def run(quick: bool = False) -> BenchResult:
         bare = by.get("torch floor")
         notes.append(
             f"where the edge process's memory goes: imports {f['end_rss_MiB']:.0f} MiB (floor"
-            + (f"; torch alone {bare['end_rss_MiB']:.0f} MiB, minillm's imports, torch._dynamo among them, the other "
+            + (f"; torch alone {bare['end_rss_MiB']:.0f} MiB, minillm's imports the other "
                f"{f['end_rss_MiB'] - bare['end_rss_MiB']:.0f}" if bare else "")
-            + f"), weights {e['weights_MiB']:.0f} MiB, KV {e['kv_MiB']:.1f} MiB; after the generation it holds "
+            + f"), weights {e['weights_MiB']:.0f} MiB"
+            + (f" plus {e['kernel_copy_MiB']:.0f} MiB more in the CPU kernels' repacked layout (a second copy: the "
+               f"stored codes stay for the state dict and dequantization)" if e.get("kernel_copy_MiB") else "")
+            + f", KV {e['kv_MiB']:.1f} MiB; after the generation it holds "
             f"{e['end_rss_MiB']:.0f} MiB and its peak was {e['peak_rss_MiB']:.0f} MiB"
             + (", reached while loading" if results["edge"]["loaded_peak_rss"] == results["edge"]["peak_rss"]
                else "")
