@@ -22,7 +22,7 @@
 # | KV cache | 01 | recomputing the past: O(n²) work per sequence becomes O(n) |
 # | paged KV + continuous batching | 04, 05 | a weight read per sequence: B sequences share one read per step |
 # | fusion | 06 | per-op overhead: dispatches per decode step |
-# | 4-bit weights | 07 | bytes per weight: decode reads ~8x fewer bytes than fp32 |
+# | 4-bit weights | 07 | bytes per weight: 4-bit codes (and an 8-bit tied head) in place of 32-bit floats |
 # | int8 KV | 07 | bytes per cached token: the KV half of a decode step's reads |
 # | prefix caching | 12 | recomputing shared prompt prefixes |
 # | chunked prefill | 12 | decodes stalled behind one long prefill |
@@ -118,7 +118,8 @@ del llm
 #
 # **Predict before you run the next cell:** which rung gives the largest step up in throughput on this workload,
 # and by what factor? Think about what each removes: rung 0 recomputes every prefix at every token; rung 2 turns B
-# sequences' weight reads into one; rung 4 divides the weight bytes by ~8 (fp32 → 4-bit).
+# sequences' weight reads into one; rung 4 replaces 32-bit weights by 4-bit codes (the tied embedding/LM head
+# stays 8-bit: the table's memory column says how many bytes that leaves).
 
 # %%
 ladder = recorded("ladder")
@@ -264,9 +265,10 @@ for note in edge.get("notes", []):
 # %% [markdown]
 # What an on-device deployment needs beyond this: weights that are memory-mapped rather than copied (llama.cpp maps
 # the GGUF file, so its weights are page cache the OS can evict and share; minillm copies them into torch tensors);
-# no Python or torch runtime (a few hundred MiB of the RSS above is the interpreter and torch's libraries, which an
+# no Python or torch runtime (the `torch floor` row above is what importing torch alone costs, which an
 # on-device runtime such as llama.cpp, ExecuTorch or MLC does not carry); kernels for the device's own integer dot
-# products (NEON `sdot` on phones); and a KV pool sized to the context the application needs, which
+# products (NEON `sdot` on phones) that read the one stored copy of the weights (the note above counts the second,
+# repacked copy minillm's CPU kernels keep); and a KV pool sized to the context the application needs, which
 # `minillm generate --profile edge` fixes at startup.
 #
 # The exercise states such a deployment as a service-level objective: what it must deliver, never how.

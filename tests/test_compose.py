@@ -67,7 +67,7 @@ def head_for(model) -> DraftHead:
         trained = learned_head(tiny_model(0, tie_embeddings=False))
         _HEAD_STATE.update(state=trained.state_dict(), hidden=trained.gate.out_features, vocab=trained.vocab_ids)
     head = DraftHead(model.config.dim, _HEAD_STATE["hidden"], _HEAD_STATE["vocab"])
-    head.load_state_dict(_HEAD_STATE["state"], strict=False)
+    head.load_state_dict(_HEAD_STATE["state"])
     return head
 
 
