@@ -16,6 +16,7 @@ from minillm.compress.pruning import (
     block_importance,
     drop_blocks,
     ffn_channel_importance,
+    greedy_block_drop,
     kv_group_importance,
     least_important,
     n_params,
@@ -245,6 +246,64 @@ def test_importances_find_what_does_nothing():
     assert float(block_importance(m, CALIB, 32)[2]) == pytest.approx(0, abs=1e-6)
     assert float(kv_group_importance(m, CALIB, 32)[1, 1]) == 0
     assert float(ffn_channel_importance(m, CALIB, 32)[3, 5]) == 0
+
+
+def _kl_after_dropping(model, drop, x, mask):
+    """Oracle: the KL the pruned copy costs, computed through the public path (drop_blocks + forward)."""
+    import copy
+
+    ref = torch.log_softmax(model(x)[mask].double(), -1)
+    pruned = drop_blocks(copy.deepcopy(model), list(drop))
+    logp = torch.log_softmax(pruned(x)[mask].double(), -1)
+    return float((ref.exp() * (ref - logp)).sum(-1).mean())
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 1000), batch=st.integers(1, 3), seq=st.integers(2, 24), k=st.integers(1, 3),
+       masked=st.booleans())
+def test_greedy_block_drop_equals_brute_force_rounds(seed, batch, seq, k, masked):
+    """Each round's choice is the block whose removal (given the earlier ones) has the least KL, found here by
+    dropping every candidate through drop_blocks and a whole forward."""
+    m = tiny_model(seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, TINY.vocab_size, (batch, seq), generator=g)
+    mask = torch.rand(batch, seq, generator=g) < 0.5 if masked else None
+    if mask is not None:
+        mask[0, -1] = True
+    order = greedy_block_drop(m, x, k, mask)
+    full = torch.ones_like(x, dtype=torch.bool) if mask is None else mask
+    assert len(order) == k == len(set(order))
+    for r in range(k):
+        costs = {c: _kl_after_dropping(m, order[:r] + [c], x, full) for c in range(TINY.n_layers) if c not in order[:r]}
+        assert costs[order[r]] == pytest.approx(min(costs.values()), abs=1e-5), (r, costs, order)
+
+
+def test_greedy_block_drop_finds_a_free_block_first():
+    """An identity block costs no KL to remove: round 1 takes it. k=0 removes nothing."""
+    m = tiny_model()
+    m.layers[2].attn.wo.weight.zero_()
+    m.layers[2].mlp.down.weight.zero_()  # block 2 is the identity: free to drop, found in round 1
+    x = torch.tensor([CALIB[:32]])
+    order = greedy_block_drop(m, x, 2)
+    assert order[0] == 2 and _kl_after_dropping(m, [2], x, torch.ones_like(x, dtype=torch.bool)) < 1e-9
+    assert greedy_block_drop(m, x, 0) == []
+
+
+def test_greedy_block_drop_bad_input():
+    m = tiny_model()
+    x = torch.tensor([CALIB[:16]])
+    with pytest.raises(ValueError, match="0..3"):
+        greedy_block_drop(m, x, 4)
+    with pytest.raises(ValueError, match="batch, seq"):
+        greedy_block_drop(m, x[0], 1)
+    with pytest.raises(ValueError, match="mask"):
+        greedy_block_drop(m, x, 1, torch.zeros_like(x, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mask"):
+        greedy_block_drop(m, x, 1, torch.ones(1, 3, dtype=torch.bool))
+    from minillm.compile.fusion import fuse
+
+    with pytest.raises(ValueError, match="unfused"):
+        greedy_block_drop(fuse(tiny_model()), x, 1)
 
 
 def test_pruned_model_runs_every_path_identically():

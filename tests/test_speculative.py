@@ -89,7 +89,8 @@ def greedy(model, ids, k):
     return solo(model, ids, SamplingParams(max_tokens=k))
 
 
-SOURCES = ("ngram", "early_exit", "draft", "self", "learned")
+SOURCES = ("ngram", "early_exit", "draft", "self", "learned", "learned_gated")
+GATE = 0.17  # learned_gated: chains stop once the head's path confidence falls below this (variable draft lengths)
 _HEADS: dict = {}
 
 
@@ -111,8 +112,9 @@ def learned_head(target) -> DraftHead:
 def spec_config(source: str, k: int, target, draft, **kw) -> SpeculativeConfig:
     if source == "ngram":
         return SpeculativeConfig("ngram", k=k, **kw)
-    if source == "learned":
-        return SpeculativeConfig("learned", k=k, draft_head=learned_head(target), **kw)
+    if source.startswith("learned"):
+        gate = GATE if source == "learned_gated" else 0.0
+        return SpeculativeConfig("learned", k=k, draft_head=learned_head(target), min_confidence=gate, **kw)
     if source == "early_exit":
         return SpeculativeConfig("early_exit", k=k, exit_layer=1, **kw)
     return SpeculativeConfig("draft", k=k, draft_model=draft if source == "draft" else target, **kw)
@@ -466,12 +468,12 @@ def test_rejection_sample_and_verify_edge_cases():
     assert verify(logits, [2], None, SamplingParams(temperature=0.0)) == [1]
 
 
-@pytest.mark.parametrize("source", ["ngram", "draft", "learned"])
+@pytest.mark.parametrize("source", ["ngram", "draft", "learned", "learned_gated"])
 def test_engine_speculative_sampling_has_the_targets_distribution(target, draft, source):
     """Temperature 1, top-k 4, 1500 seeded requests of one prompt through the engine: the first output token
     comes from the prefill, the second from a verification step (2 drafts: n-gram guesses, or the draft
-    model's samples with its distribution q). (x0, x1) must have target-only sampling's distribution
-    p0(x0) p1(x1 | x0)."""
+    model's samples with its distribution q; learned_gated: 0, 1 or 2 of them, by the head's confidence).
+    (x0, x1) must have target-only sampling's distribution p0(x0) p1(x1 | x0)."""
     n_req, top_k = 1500, 4
     if source == "ngram":  # every token occurs in the prompt, followed by another: 1-gram lookup always hits
         prompt = random.Random(1).sample(range(VOCAB), VOCAB)
@@ -490,7 +492,11 @@ def test_engine_speculative_sampling_has_the_targets_distribution(target, draft,
     params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=top_k, seed=i) for i in range(n_req)]
     outs = run_engine(llm, [prompt] * n_req, params)
     stats = llm.spec_stats
-    assert stats.accepted > 0 and stats.rejected > 0 and stats.proposed >= 1.5 * n_req, stats
+    assert stats.accepted > 0 and stats.rejected > 0, stats
+    if source == "learned_gated":  # the gate cut some chains short, and let others through
+        assert 0.2 * n_req <= stats.proposed < 1.5 * n_req, stats
+    else:
+        assert stats.proposed >= 1.5 * n_req, stats
     assert all(len(o.token_ids) == 4 for o in outs)
     pairs = [o.token_ids[0] * VOCAB + o.token_ids[1] for o in outs]
     assert chi2_passes(counts_of(pairs, VOCAB * VOCAB), joint)
@@ -989,6 +995,25 @@ def test_learned_drafter_bad_input_and_bookkeeping(target, tmp_path):
     drafter.observe([("a", 0, 3)])
     (draft, q), = drafter.propose([("a", [1, 2, 3, 4], 3)], [SamplingParams()], [None])
     assert len(draft) == 3 and q is None and all(int(t) in head.vocab_ids.tolist() for t in draft)
+    lengths = {}  # the gate: 0 drafts every k, near 1 drafts nothing, GATE something in between
+    for gate in (0.0, GATE, 0.999):
+        gated = LearnedDrafter(target, head, min_confidence=gate)
+        rng = random.Random(4)
+        seqs = [small_alphabet_prompt(rng, 4, 10) for _ in range(24)]
+        with torch.inference_mode():
+            for j, ids in enumerate(seqs):
+                target(torch.tensor([ids]))
+                gated.observe([(str(j), 0, len(ids))])
+        props = gated.propose([(str(j), ids + [ids[-1]], 3) for j, ids in enumerate(seqs)],
+                              [SamplingParams()] * len(seqs), [None] * len(seqs))
+        lengths[gate] = [len(d) for d, _ in props]
+        with torch.inference_mode():
+            f0 = torch.stack([gated.features[str(j)][1][len(ids) - 1] for j, ids in enumerate(seqs)])
+            p1 = torch.softmax(head(f0, torch.tensor([ids[-1] for ids in seqs]))[1].float(), -1).amax(-1)
+        assert [n > 0 for n in lengths[gate]] == (p1 >= gate).tolist() if gate else all(n == 3 for n in lengths[gate])
+    assert set(lengths[0.999]) == {0} and len(set(lengths[GATE])) > 1, lengths
+    with pytest.raises(ValueError, match="min_confidence"):
+        LearnedDrafter(target, head, min_confidence=1.0)
     drafter.release("a")
     assert not drafter.features
     path = tmp_path / "head.pt"
@@ -1015,6 +1040,40 @@ def test_learned_drafter_bad_input_and_bookkeeping(target, tmp_path):
     wide = Transformer(tiny_cfg(1).with_(dim=48, n_heads=4, n_kv_heads=2))
     with pytest.raises(ValueError, match="wide target"):
         DraftHead(target.config.dim, 64, head.vocab_ids).bind(wide)
+
+
+def test_draft_head_training_regularisers(target):
+    """concat keeps sequences apart (no start crosses from one part into the next); early stopping returns the
+    head of the best held-out score it saw, and that score is what guess_accuracy measures on the returned head;
+    noise is drawn from the seeded generator (two runs agree) and changes what is learned."""
+    from minillm.speculative.train_drafter import concat, expected_tokens, guess_accuracy, valid_starts
+
+    rng = random.Random(3)
+    seqs = [small_alphabet_prompt(rng, 3, 6) + greedy(target, small_alphabet_prompt(rng, 3, 6), 20) for _ in range(8)]
+    a = target_features(target, seqs[:4], autocast=False)
+    b = target_features(target, seqs[4:], autocast=False)
+    both = concat(a, b)
+    assert both["seq"].unique().numel() == 8 and both["tokens"].numel() == a["tokens"].numel() + b["tokens"].numel()
+    starts = valid_starts(both, 3)
+    assert torch.equal(both["seq"][starts], both["seq"][starts + 4])
+    vocab, _ = choose_vocab(both["choice"], 48, [])
+
+    def fit(noise, seed=0):
+        torch.manual_seed(5)
+        head = DraftHead(target.config.dim, 64, vocab).bind(target)
+        hist = train_draft_head(head, a, steps=40, batch=128, lr=1e-2, autocast=False, noise=noise,
+                                weight_decay=0.1, eval_data=b, eval_every=10, seed=seed)
+        return head, hist
+
+    head, hist = fit(0.2)
+    scores = [h["eval_tokens_per_step"] for h in hist if "step" in h and "eval_tokens_per_step" in h]
+    assert len(scores) == 4 and hist[-1]["eval_tokens_per_step"] == max(scores)
+    assert hist[-1]["best_step"] == 10 * (scores.index(max(scores)) + 1)
+    assert expected_tokens(guess_accuracy(head, b)) == pytest.approx(max(scores))
+    again, hist2 = fit(0.2)
+    assert [h.get("loss") for h in hist2] == [h.get("loss") for h in hist]
+    _, plain = fit(0.0)
+    assert [h.get("loss") for h in plain] != [h.get("loss") for h in hist]
 
 
 def test_shipped_draft_head_keeps_the_real_targets_greedy_output(real_model):

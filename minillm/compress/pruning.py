@@ -84,6 +84,48 @@ def least_important(importance: Tensor, k: int) -> list[int]:
     return sorted(torch.argsort(importance, stable=True)[:k].tolist())
 
 
+@torch.inference_mode()
+def greedy_block_drop(model: Transformer, x: Tensor, k: int, mask: Tensor | None = None) -> list[int]:
+    """The k blocks to drop, chosen one at a time: each round removes the block whose removal costs the least
+    KL(model || pruned) on x (batch, seq), at the positions of `mask` (batch, seq; None: all), given the blocks
+    already removed. Returns them in the order removed.
+
+    Why not the k least important by `block_importance`: each score is measured with every other block in place,
+    so removing several at once compounds errors the scores never saw (on SmolLM2, dropping 14 of 30 that way
+    starts a student at perplexity ~36,600; this greedy choice, scored on chat answers, at ~225; lesson 09).
+    A round re-runs only the blocks after the candidate: the hidden states before it are shared."""
+    _check_float_unfused(model)
+    n = len(model.layers)
+    if not 0 <= k < n:
+        raise ValueError(f"can drop 0..{n - 1} of {n} blocks, got k={k}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be (batch, seq) token ids, got shape {tuple(x.shape)}")
+    mask = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.to(x.device)
+    if mask.shape != x.shape or not mask.any():
+        raise ValueError(f"mask must be a (batch, seq) = {tuple(x.shape)} bool tensor with some True")
+    pos = torch.arange(x.shape[1], device=x.device).expand_as(x)
+    cos, sin = model.rope_cos[pos][:, None], model.rope_sin[pos][:, None]
+    h0 = model.embed_tokens(x)
+    ref = torch.log_softmax(model.logits(model.run_layers(h0, pos)[mask][None])[0].float(), -1)
+
+    def cost(h: Tensor, blocks: list[int]) -> float:
+        for i in blocks:
+            h = model.layers[i](h, cos, sin, model._attn, i, None)
+        logp = torch.log_softmax(model.logits(h[mask][None])[0].float(), -1)
+        return float(torch.nn.functional.kl_div(logp, ref, log_target=True, reduction="batchmean"))
+
+    keep, order = list(range(n)), []
+    for _ in range(k):
+        hs = [h0]
+        for i in keep:
+            hs.append(model.layers[i](hs[-1], cos, sin, model._attn, i, None))
+        costs = [cost(hs[j], keep[j + 1:]) for j in range(len(keep))]  # hs[j] is block keep[j]'s input
+        drop = keep[min(range(len(keep)), key=costs.__getitem__)]
+        keep.remove(drop)
+        order.append(drop)
+    return order
+
+
 # --------------------------------------------------------------------------------------- heads (KV groups)
 
 

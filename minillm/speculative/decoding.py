@@ -28,7 +28,8 @@ class SpeculativeConfig:
     """method "ngram" (prompt lookup), "draft" (draft_model: a model or a load_model name, e.g. the distilled
     "smollm2-135m-student"), "early_exit" (the target's first exit_layer blocks) or "learned" (draft_head: a
     learned.DraftHead, or the name/path of a saved one; default the shipped head for SmolLM2-135M-Instruct).
-    k: tokens proposed per step.
+    k: tokens proposed per step (at most, for "learned" with min_confidence > 0: the chain stops once the head's
+    own estimate that it survives falls below min_confidence).
     max_batch: the engine speculates only while at most this many sequences decode: verification stops being nearly
     free once the batch alone makes the forward compute bound. `minillm bench speculative` measures the engine at
     batch 1/4/16; on a 2-core CPU prompt lookup on grounded requests still paid at 16 (README), so the default is
@@ -42,6 +43,7 @@ class SpeculativeConfig:
     ngram_max: int = 3
     ngram_min: int = 2
     max_batch: int = 16
+    min_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -69,7 +71,7 @@ def make_drafter(config: SpeculativeConfig, target, num_blocks: int = 1024, bloc
 
         head = config.draft_head if isinstance(config.draft_head, torch.nn.Module) else load_draft_head(
             config.draft_head or DRAFTER)
-        drafter = LearnedDrafter(target, head)
+        drafter = LearnedDrafter(target, head, config.min_confidence)
     else:
         draft = config.draft_model
         if isinstance(draft, str):

@@ -11,6 +11,12 @@ with the target's own LM-head rows: a guess costs ~4% of a target step. Guesses 
 generate_speculative) calls `observe` with which sequence and position each logits row is; `propose` then drafts
 from the feature of the position that produced the last token. Greedy output stays the target's (verification
 keeps only agreeing drafts) and sampling stays exact: q is the head's distribution, zero outside vocab_ids.
+
+Draft length adapts (EAGLE-2's insight: the head knows when it is guessing): with `min_confidence` > 0 a chain stops
+before guess i once the product of the head's top probabilities up to i falls below it. A rejected guess costs
+verify width for nothing, and on a CPU each extra verified row is far from free (lesson 10 measures v); a step with
+no confident guess is a plain decode. The rule reads q_i before x_i is drawn, so x_i ~ q_i still holds whenever it
+is drafted and rejection sampling stays exact.
 Training: `train_draft_head` (features of the teacher's answers; minillm/compress/ability.py makes the data).
 """
 
@@ -83,8 +89,11 @@ class LearnedDrafter:
 
     wants_features = True
 
-    def __init__(self, target, head: DraftHead):
+    def __init__(self, target, head: DraftHead, min_confidence: float = 0.0):
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1) (0: always draft k), got {min_confidence!r}")
         self.target, self.head = target, head.bind(target).eval()
+        self.min_confidence = min_confidence
         self.features: dict[str, tuple[int, Tensor]] = {}  # key -> (position of the first row, rows (n, dim))
         self._captured: Tensor | None = None
         me = weakref.ref(self)  # the hook must not keep a dropped drafter (and its features) alive with the target
@@ -144,8 +153,15 @@ class LearnedDrafter:
         vocab = self.target.config.vocab_size
         drafts: dict[int, list[int]] = {i: [] for i in live}
         qs: dict[int, list[Tensor]] = {i: [] for i in live}
+        path = torch.ones(len(live), device=f_t.device)  # the head's own estimate that the chain so far survives
+        stopped = [False] * len(live)
         for step in range(max(batch[i][2] for i in live)):
             f_t, sub_logits = self.head(f_t, tok)
+            if self.min_confidence:
+                path = path * torch.softmax(sub_logits.float(), -1).amax(-1)
+                stopped = [s or float(c) < self.min_confidence for s, c in zip(stopped, path)]
+                if all(stopped):
+                    break
             if any(params[i].temperature > 0 for i in live):  # sampling: q over the whole vocabulary, 0 outside
                 full = torch.full((len(live), vocab), float("-inf"), device=sub_logits.device)
                 full[:, self.head.vocab_ids] = sub_logits.float()
@@ -158,7 +174,7 @@ class LearnedDrafter:
                 else:
                     q = logits_to_probs(full[row:row + 1], p.temperature, p.top_k, p.top_p)[0]
                     t = int(sample(q[None], generators[i])[0])
-                if step < batch[i][2]:
+                if step < batch[i][2] and not stopped[row]:
                     drafts[i].append(t)
                     if q is not None:
                         qs[i].append(q)
