@@ -1,14 +1,16 @@
 """`minillm bench distill` (lesson 09): a student sized by measurement, that keeps the teacher's answers.
 
-Teacher SmolLM2-135M-Instruct. Students: the teacher minus its least important blocks (lesson 08's block
-importance), keeping 24 / 20 / 16 of 30, recovered with LoRA adapters (compress/lora.py) by ability-transfer KD
-(compress/ability.py: the teacher's greedy answers to ~2,100 templated chat prompts, plus plain-text KD steps). Every
-size trains the same steps on the same batches; at the size that ships, the same budget also trains (a) standard
-text-only KD and (b) every weight instead of adapters. The shipped size then trains on to the full budget and is
-written to minillm/assets/smollm2-135m-student.pt (dropped blocks + adapters + norms, with its sha256): load_model
-rebuilds the student from it. Per row, a DistilBERT-style table: parameters, decode tok/s, perplexity and KL on the
-held-apart pydoc text, and retained ability on held-out prompts (never trained on): the share of greedy answers
-that start with the teacher's first sentence, and top-1 agreement on the teacher's answers.
+Teacher SmolLM2-135M-Instruct. Students: the teacher minus the blocks whose removal costs least, chosen one at a
+time by the KL they cost on the teacher's answers (pruning.greedy_block_drop; lesson 08's one-shot block importance
+is measured beside it, as the untrained start it would give), keeping 24 / 20 / 16 of 30, recovered with LoRA
+adapters (compress/lora.py) by ability-transfer KD (compress/ability.py: the teacher's greedy answers to ~2,100
+templated chat prompts, plus plain-text KD steps). Every size trains the same steps on the same batches; at the
+size that ships, the same budget also trains (a) standard text-only KD and (b) every weight instead of adapters.
+The shipped size then trains on to the full budget and is written to minillm/assets/smollm2-135m-student.pt
+(dropped blocks + adapters + norms, with its sha256): load_model rebuilds the student from it. Per row, a
+DistilBERT-style table: parameters, decode tok/s, perplexity and KL on the held-apart pydoc text, and retained
+ability on held-out prompts (never trained on): the share of greedy answers that start with the teacher's first
+sentence, and top-1 agreement on the teacher's answers. The speed target is measured in interleaved pairs.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import random
 import torch
 
 from minillm.bench.hardware import native_bf16
-from minillm.bench.harness import BenchResult
+from minillm.bench.harness import BenchResult, paired_ratio
 from minillm.bench.metrics import decode_tok_s, timer
 
 SHIP = "smollm2-135m-student"
@@ -32,10 +34,10 @@ def budget(quick: bool) -> dict:
     if quick:
         return {"sizes": [16], "ship_size": 16, "sweep_steps": 2, "final_steps": 3, "batch_size": 2, "seq_len": 96,
                 "n_prompts": 12, "n_heldout": 4, "max_answer": 12, "eval_tokens": 128, "lora_rank": 4,
-                "compare": False, "ship": False}
-    return {"sizes": [24, 20, 16], "ship_size": 16, "sweep_steps": 50, "final_steps": 200, "batch_size": 8,
+                "compare": False, "ship": False, "calib_examples": 1}
+    return {"sizes": [24, 20, 16], "ship_size": 16, "sweep_steps": 50, "final_steps": 300, "batch_size": 8,
             "seq_len": 320, "n_prompts": None, "n_heldout": 96, "max_answer": 64, "eval_tokens": 512,
-            "lora_rank": 32, "compare": True, "ship": True}
+            "lora_rank": 32, "compare": True, "ship": True, "calib_examples": 8}
 
 
 def chat_data(teacher, tok, b: dict) -> tuple[list, list, dict]:
@@ -72,6 +74,18 @@ def measure(student, teacher, tok, held: list, ev: torch.Tensor, prompt: list[in
             "blocks": student.config.n_layers, "decode_tok_s": speed}
 
 
+def answer_batch(examples: list, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, mask): prompt + answer ids right-padded, and True where a position predicts an answer token."""
+    length = max(len(p) + len(a) for p, a in examples) - 1
+    x = torch.full((len(examples), length), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(examples), length, dtype=torch.bool)
+    for i, (p, a) in enumerate(examples):
+        ids = (p + a)[:-1]
+        x[i, :len(ids)] = torch.tensor(ids)
+        mask[i, len(p) - 1:len(ids)] = True
+    return x, mask
+
+
 def by_name(rows: list[dict], name: str) -> dict:
     return next(r for r in rows if r["variant"] == name)
 
@@ -87,7 +101,7 @@ def run(quick: bool = False) -> BenchResult:
     from minillm.compress.ability import AbilityConfig, distill_ability
     from minillm.compress.distill import train_ids
     from minillm.compress.lora import add_lora, lora_state
-    from minillm.compress.pruning import block_importance, drop_blocks, least_important
+    from minillm.compress.pruning import block_importance, drop_blocks, greedy_block_drop, least_important
     from minillm.compress.quality import calibration_ids, eval_ids
     from minillm.gguf.loader import build_from_recipe, recipe_path
     from minillm.gguf.weights import cache_dir
@@ -101,12 +115,17 @@ def run(quick: bool = False) -> BenchResult:
     prompt = eval_ids(tok, 32)
     n_decode = 16 if quick else 64
     autocast = native_bf16(teacher.device)
-    importance = block_importance(teacher, calibration_ids(tok, 256))
     n_blocks = teacher.config.n_layers
-    dropped = {keep: least_important(importance, n_blocks - keep) for keep in b["sizes"]}
+    # which blocks go: one at a time, by the KL each removal costs on a few training answers (never held-out ones)
+    calib = random.Random(1).sample(train, b["calib_examples"])
+    with timer() as t_sel:
+        x, mask = answer_batch(calib, tok.eos_id)
+        order = greedy_block_drop(teacher, x, n_blocks - min(b["sizes"]), mask)
+    dropped = {keep: sorted(order[:n_blocks - keep]) for keep in b["sizes"]}
+    one_shot = least_important(block_importance(teacher, calibration_ids(tok, 256)), n_blocks - b["ship_size"])
 
-    def student_of(keep: int, lora: bool = True):
-        s = drop_blocks(copy.deepcopy(teacher), dropped[keep])
+    def student_of(keep: int, lora: bool = True, drop: list[int] | None = None):
+        s = drop_blocks(copy.deepcopy(teacher), dropped[keep] if drop is None else drop)
         if lora:
             add_lora(s, rank=b["lora_rank"], alpha=2.0 * b["lora_rank"])
         else:
@@ -136,8 +155,12 @@ def run(quick: bool = False) -> BenchResult:
     curves: dict = {}
     rows = [{"variant": "teacher", **measure(teacher, teacher, tok, held, ev, prompt, n_decode)}]
     ship = b["ship_size"]
-    rows.append({"variant": f"keep {ship}, untrained", **measure(student_of(ship, False).eval().requires_grad_(False),
-                                                                 teacher, tok, held, ev, prompt, n_decode)})
+    untrained = lambda drop=None: student_of(ship, False, drop).eval().requires_grad_(False)  # noqa: E731
+    rows.append({"variant": f"keep {ship}, untrained (one-shot importance)",
+                 **measure(untrained(one_shot), teacher, tok, held, ev, prompt, n_decode), "dropped": one_shot})
+    rows.append({"variant": f"keep {ship}, untrained", **measure(untrained(), teacher, tok, held, ev, prompt,
+                                                                 n_decode), "dropped": dropped[ship],
+                 "selection_s": t_sel.seconds})
     ckpt = cache_dir() / "distill" / f"ability_keep{ship}{'_quick' if quick else ''}.pt"
     if ckpt.exists():
         os.remove(ckpt)  # a bench run starts from the pruned student; resume is for an interrupted run (tests)
@@ -171,9 +194,14 @@ def run(quick: bool = False) -> BenchResult:
                 "eval": {k: v for k, v in final.items() if isinstance(v, (int, float, str))}}
         path.with_suffix(".pt.json").write_text(json.dumps(info, indent=1) + "\n")
         build_from_recipe(SHIP)  # the cache copy is what a fresh checkout builds: fp16 factors, not the float32 merge
+    # the speed target from interleaved pairs: each row's best-of-3 is measured minutes apart on a shared machine
+    shipped = merged(students[ship])
+    pair = paired_ratio(lambda: decode_tok_s(teacher, prompt, n_decode),
+                        lambda: decode_tok_s(shipped, prompt, n_decode), pairs=3 if quick else 7)
     t, u = by["teacher"], by[f"keep {ship}, untrained"]
     log_gap = (math.log(u["ppl"]) - math.log(final["ppl"])) / (math.log(u["ppl"]) - math.log(t["ppl"]))
-    ratios = {"student_decode_vs_teacher": final["decode_tok_s"] / t["decode_tok_s"],
+    ratios = {"student_decode_vs_teacher": pair.median,
+              "rows_decode_vs_teacher": final["decode_tok_s"] / t["decode_tok_s"],
               "student_answer_match": final["answer_match"], "student_top1_on_answers": final["answer_top1"],
               "student_params_vs_teacher": final["params_M"] / t["params_M"],
               "ppl_gap_closed": (u["ppl"] - final["ppl"]) / (u["ppl"] - t["ppl"]), "log_ppl_gap_closed": log_gap}
@@ -187,15 +215,20 @@ def run(quick: bool = False) -> BenchResult:
                        "lora_over_full_answer_match_per_minute": (ab["answer_match"] / ab["train_s"])
                        / max(full["answer_match"] / full["train_s"], 1e-9)})
         targets["ability_over_text_answer_match"] = (">", 1.0)
-    notes = [f"students: the teacher minus its least important blocks (lesson 08), e.g. keep {ship} drops "
-             f"{dropped[ship]}; LoRA rank {b['lora_rank']} on every block matmul + the block norms; the tied "
-             f"embedding/LM head stays the teacher's",
+    one = by[f"keep {ship}, untrained (one-shot importance)"]
+    ratios["selection_start_ppl_one_shot_over_greedy"] = one["ppl"] / u["ppl"]
+    notes = [f"students: the teacher minus the blocks chosen one at a time by the KL their removal costs on "
+             f"{b['calib_examples']} training answers (greedy_block_drop, {t_sel.seconds:.0f} s), e.g. keep {ship} "
+             f"drops {dropped[ship]} (start: ppl {u['ppl']:.0f}); lesson 08's one-shot block importance would drop "
+             f"{one_shot} (start: ppl {one['ppl']:.0f}); LoRA rank {b['lora_rank']} on every block matmul + the "
+             f"block norms; the tied embedding/LM head stays the teacher's",
              f"data: {facts['train_prompts']} training prompts ({facts['answer_tokens']} teacher answer tokens), "
              f"{facts['heldout_measured']} held-out prompts measured (never trained on); 25% of steps are plain-text "
              f"KD on pydoc; batch {b['batch_size']}; every sweep row {b['sweep_steps']} steps, the shipped student "
              f"{b['final_steps']}",
              f"float32 weights, bf16 autocast {'on (native bf16)' if autocast else 'off'} for training; decode "
-             f"tok/s at batch 1, float32, best of 3"]
+             f"tok/s at batch 1, float32, best of 3 per row; the speed target from {len(pair.ratios)} interleaved "
+             f"teacher/student pairs (median; per pair {[round(r, 2) for r in pair.ratios]})"]
     return BenchResult(name="distill", rows=rows, ratios=ratios, targets=targets,
                        settings={k: v for k, v in b.items() if not isinstance(v, list)} | {
                            "threads": torch.get_num_threads(), "autocast": autocast,

@@ -1,7 +1,7 @@
 """The small model's parts that need the batching engine (lessons 09, 10, 13): the teacher's answers to the chat
 prompts, the student's retained ability measured on held-out ones, and the command that trains the learned drafter.
 
-    python -m minillm.bench.small_model drafter    # lesson 10's draft head: ~10 min on 2 CPU cores -> minillm/assets/
+    python -m minillm.bench.small_model drafter    # lesson 10's draft head: ~15 min on 2 CPU cores -> minillm/assets/
     minillm bench distill                          # lesson 09's student (size sweep, comparisons, the shipped recipe)
 
 Both read the same cached answers (answers_path()): the teacher answers every prompt of compress/chat_data.py once.
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from minillm.compress.ability import Example, first_sentence, top1_agreement
-from minillm.compress.chat_data import chat_ids, chat_prompts, split
+from minillm.compress.chat_data import ALWAYS_HELD_OUT, chat_ids, chat_prompts, split
 from minillm.gguf.weights import cache_dir
 
 
@@ -74,12 +74,16 @@ def retained_ability(student, tokenizer, examples: list[Example], max_tokens: in
             "n_prompts": len(examples), "matched": same}
 
 
-def train_drafter(size: int = 4096, hidden: int = 1536, steps: int = 500, seed: int = 0) -> None:
-    """The shipped head's recipe (its .json records the result). Its 0.85 training vs 0.54 held-out top-1 says what
-    to try next: EAGLE's regularisers (noise on the input features, early stopping on held-out features)."""
+def train_drafter(size: int = 4096, hidden: int = 1536, steps: int = 800, seed: int = 0, noise: float = 0.2,
+                  weight_decay: float = 0.1, text_windows: int = 600, window: int = 256) -> None:
+    """The shipped head's recipe (its .json records the result). The teacher's answers to the training prompts, plus
+    `text_windows` pydoc windows labelled with the target's own choices; EAGLE's regularisers (feature noise, weight
+    decay); early stopping on half of the held-out prompts, and the other half reported (neither is trained on)."""
     from minillm.api import load_model
+    from minillm.compress.distill import train_ids
     from minillm.speculative.learned import ASSETS, DRAFTER, DraftHead, save_draft_head
-    from minillm.speculative.train_drafter import choose_vocab, guess_accuracy, target_features, train_draft_head
+    from minillm.speculative.train_drafter import (choose_vocab, concat, expected_tokens, guess_accuracy,
+                                                   target_features, train_draft_head)
 
     torch.manual_seed(seed)
     target, tok = load_model("smollm2-135m", dtype="float32")
@@ -92,17 +96,32 @@ def train_drafter(size: int = 4096, hidden: int = 1536, steps: int = 500, seed: 
         ids = [chat_ids(tok, p) for p in ps]
         return target_features(target, [i + answers[p] for i, p in zip(ids, ps)], first=[len(i) - 1 for i in ids])
 
-    data = features(train)
-    held_data = features(rng.sample(held, min(96, len(held))))
-    vocab, coverage = choose_vocab(data["choice"], size, sorted(tok.stop_ids))
+    text = train_ids(tok)
+    starts = sorted(rng.sample(range(0, len(text) - window, window), min(text_windows, (len(text) - 1) // window)))
+    chat = features(train)
+    data = concat(chat, target_features(target, [text[i:i + window].tolist() for i in starts])) if text_windows \
+        else chat
+    # early stopping never sees the prompts lessons 10 and 13 measure on: they stay in the reported half
+    rest = [p for p in held if p not in ALWAYS_HELD_OUT]
+    rest = rng.sample(rest, len(rest))
+    measured = [p for p in held if p in ALWAYS_HELD_OUT]
+    stop_on, report_on = features(rest[:len(rest) // 2]), features(rest[len(rest) // 2:] + measured)
+    vocab, coverage = choose_vocab(chat["choice"], size, sorted(tok.stop_ids))
     head = DraftHead(target.config.dim, hidden, vocab).bind(target)
-    hist = train_draft_head(head, data, steps=steps, seed=seed)
-    acc = guess_accuracy(head, held_data)
-    print(f"vocabulary {size} tokens covers {coverage:.1%} of the target's choices; held-out chained top-1 per "
-          f"guess: {[round(a, 3) for a in acc]}")
+    hist = train_draft_head(head, data, steps=steps, seed=seed, noise=noise, weight_decay=weight_decay,
+                            eval_data=stop_on)
+    acc, acc_train = guess_accuracy(head, report_on), guess_accuracy(head, chat)
+    print(f"vocabulary {size} tokens covers {coverage:.1%} of the target's choices in the answers; chained top-1 per "
+          f"guess, held-out: {[round(a, 3) for a in acc]}, training answers: {[round(a, 3) for a in acc_train]}; "
+          f"kept step {hist[-1]['best_step']} of {steps}")
     info = {"base": "smollm2-135m", "vocab_size": size, "hidden": hidden, "steps": steps, "seed": seed,
-            "train_prompts": len(train), "train_tokens": int(data["tokens"].numel()),
-            "vocab_coverage": coverage, "heldout_chained_top1": acc, "final_loss": hist[-1]["loss"],
+            "noise": noise, "weight_decay": weight_decay, "best_step": hist[-1]["best_step"],
+            "train_prompts": len(train), "answer_tokens": int(chat["tokens"].numel()),
+            "text_windows": len(starts) if text_windows else 0, "window": window,
+            "train_tokens": int(data["tokens"].numel()), "vocab_coverage": coverage,
+            "heldout_prompts": {"early_stopping": len(rest) // 2, "reported": len(held) - len(rest) // 2},
+            "heldout_chained_top1": acc, "heldout_tokens_per_step": expected_tokens(acc),
+            "train_chained_top1": acc_train, "final_loss": next(h["loss"] for h in reversed(hist) if "loss" in h),
             "command": "python -m minillm.bench.small_model drafter"}
     digest = save_draft_head(head, ASSETS / f"{DRAFTER}.pt", info)
     print(f"saved {ASSETS / f'{DRAFTER}.pt'} (sha256 {digest[:12]}...)")

@@ -42,11 +42,12 @@ STUDENT = "smollm2-135m-student"
 def budget(quick: bool) -> dict:
     if quick:
         return {"new_tokens": 8, "n_grounded": 1, "n_chat": 1, "n_text": 0, "ngram_k": [4], "student_k": [],
-                "learned_k": [3],
+                "learned_k": [3], "gated": [(4, 0.3)],
                 "early_exit": [(10, 1)], "verify_q": [1, 5], "engine_batches": [1, 4], "engine_tokens": 6}
     return {"new_tokens": 64, "n_grounded": 6, "n_chat": 4, "n_text": 4, "ngram_k": [2, 4, 8],
-            "learned_k": [2, 3, 4], "student_k": [1], "early_exit": [(10, 1), (20, 1)],
-            "verify_q": [1, 2, 3, 5, 9, 17],
+            "learned_k": [2, 3, 4], "gated": [(4, 0.3), (6, 0.2), (6, 0.4)],
+            "student_k": [1], "early_exit": [(10, 1), (20, 1)],
+            "verify_q": [1, 2, 3, 4, 5, 7, 9, 17],
             "engine_batches": [1, 4, 16], "engine_tokens": 64}
 
 
@@ -119,6 +120,9 @@ def run(quick: bool = False) -> BenchResult:
     student = load_model(STUDENT, dtype="float32", device="cpu")[0] if b["student_k"] else None
     variants = [("ngram", k, SpeculativeConfig("ngram", k=k)) for k in b["ngram_k"]]
     variants += [("learned", k, SpeculativeConfig("learned", k=k, max_batch=1)) for k in b["learned_k"]]
+    # the same head, drafting only while it is confident (draft length adapts per step; learned.py)
+    variants += [(f"learned, gate {g}", k, SpeculativeConfig("learned", k=k, max_batch=1, min_confidence=g))
+                 for k, g in b["gated"]]
     variants += [("student", k, SpeculativeConfig("draft", k=k, draft_model=student, max_batch=1))
                  for k in b["student_k"] if student is not None]
     variants += [(f"early exit {n}", k, SpeculativeConfig("early_exit", k=k, exit_layer=n)) for n, k in b["early_exit"]]
@@ -128,7 +132,8 @@ def run(quick: bool = False) -> BenchResult:
     for source, k, spec in variants:
         for load, prompts in loads.items():
             if not quick and (source.startswith("early") and load != "chat" or source == "ngram" and load == "text"
-                              or source == "learned" and load == "text"):
+                              or source == "learned" and load == "text" or source.startswith("learned,")
+                              and load != "chat"):
                 continue  # a weak draft everywhere: one workload shows it; text is there for the student
             t_base = t_spec = 0.0
             stats_all = None
@@ -167,8 +172,8 @@ def run(quick: bool = False) -> BenchResult:
         print(f"  engine batch {batch}: {plain:.1f} -> {spec_tps:.1f} tok/s", flush=True)
     curves["engine"] = engine
 
-    def best(source: str, load: str) -> float:
-        vals = [r["speedup"] for r in rows if r["draft"] == source and r["workload"] == load]
+    def best(source: str, load: str) -> float:  # "learned": the head with or without its confidence gate
+        vals = [r["speedup"] for r in rows if r["draft"].split(",")[0] == source and r["workload"] == load]
         return max(vals) if vals else float("nan")
 
     ratios = {"greedy_identical": float(identical), "ngram_grounded_speedup": best("ngram", "grounded"),
