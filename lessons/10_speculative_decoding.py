@@ -106,6 +106,31 @@ print(f"predicted (decode is memory bound, so q = 5 reads the same weights): ~1.
       f"extra row's arithmetic (49,152 x 576 multiply-adds in the LM head alone) is not hidden behind memory traffic")
 
 # %% [markdown]
+# Part of the price was a kernel choice, not physics. The LM head is the largest matmul of a step (49,152 x 576, a
+# fifth of the weights). Time it alone, with torch's `F.linear` (x @ W.T) and as W @ x.T, for 1 to 5 rows:
+#
+# *Predict before you run the next cell:* a memory-bound matmul reads W once whatever the rows; how should the time
+# grow from 1 row to 3?
+
+# %%
+import torch.nn.functional as F  # noqa: E402
+
+w_head = model.lm_head.weight
+print(f"{'rows':>5}{'F.linear (x @ W.T)':>22}{'W @ x.T':>12}")
+for m in pick([1, 2, 3, 4, 5], [1, 2]):
+    xm = torch.randn(m, model.config.dim)
+    with torch.inference_mode():
+        t_lin = min(timed_call(lambda: F.linear(xm, w_head)) for _ in range(pick(5, 2)))
+        t_wxt = min(timed_call(lambda: (w_head @ xm.t()).t()) for _ in range(pick(5, 2)))
+    print(f"{m:>5}{t_lin * 1e3:>19.1f} ms{t_wxt * 1e3:>9.1f} ms")
+
+# %% [markdown]
+# On the machine this lesson was recorded on, torch's CPU `F.linear` took a path for 2-3 rows that cost about as much
+# as 2-3 separate one-row products — the head's 113 MB read again per row — while W @ x.T read it once for any row
+# count. Verification lives on exactly these few-row shapes, so `Transformer.logits` computes the head as W @ x.T for
+# 2-16 rows on the CPU (model.py; the logits match F.linear's to ~4e-5). The section-1 table above already includes
+# that fix; the block matmuls (576- and 1,536-wide) keep torch's kernels and still grow with the rows.
+#
 # The ratio is `v(k)`, the price of verifying k drafts in units of a decode step. On this CPU a one-row forward
 # neither saturates memory bandwidth nor the arithmetic units (per-operator overhead, small-matrix kernels), so rows
 # add time; the lines above give the fractions of each roof. On a GPU, where a decode step of a 135M model uses a few
@@ -195,6 +220,12 @@ plt.show()
 # any others, so greedy output stays the target's, and under sampling q is the head's distribution (zero outside its
 # vocabulary), which the rejection rule handles exactly.
 #
+# A fixed k pays the verify width of k guesses at every step, also when the head is guessing blindly. The head's own
+# softmax says when that is: with `min_confidence`, the chain stops before guess i once the product of its top
+# probabilities so far — its estimate that the chain survives verification — falls below the gate (EAGLE-2 grows its
+# draft tree by the same estimate). A step with no confident guess is a plain decode. The decision reads q_i before
+# x_i is drawn, so a drafted x_i is still a sample of q_i and rejection sampling stays exact.
+#
 # *Predict before you run the next cell:* what fraction of a target decode step does one guess of the head cost?
 
 # %%
@@ -215,7 +246,8 @@ print(f"one guess {t_head * 1e3:.2f} ms vs one target forward of one token {t_st
       f"c = {t_head / t_step:.3f} of a step")
 q = "Give me three tips for staying healthy."  # held out of the head's training data
 ids = tok.encode_chat([{"role": "user", "content": q}])
-for name, spec in (("target only", None), ("learned head, k=3", SpeculativeConfig("learned", k=3))):
+for name, spec in (("target only", None), ("learned head, k=3", SpeculativeConfig("learned", k=3)),
+                   ("k<=4, gate 0.3", SpeculativeConfig("learned", k=4, min_confidence=0.3))):
     stats = SpecStats()
     out = minillm.generate(model, tok, ids, max_new_tokens=pick(48, 12), ignore_eos=True, speculative=spec,
                            spec_stats=stats)
@@ -282,7 +314,8 @@ if chat:
     c = max(chat, key=lambda r: r["speedup"])
     print(f"On open chat the same drafter finds little to copy: a = {c['acceptance']:.2f} at k={c['k']}, "
           f"{c['speedup']:.2f}x.")
-for draft in ("learned", "student", *sorted({r["draft"] for r in rows if r["draft"].startswith("early")})):
+gated = sorted({r["draft"] for r in rows if r["draft"].startswith("learned,")})
+for draft in ("learned", *gated, "student", *sorted({r["draft"] for r in rows if r["draft"].startswith("early")})):
     rs = [r for r in rows if r["draft"] == draft]
     if rs:
         b = max(rs, key=lambda r: r["speedup"])
@@ -336,8 +369,10 @@ plt.show()
 # - **Prompt lookup**: c ≈ 0, and a is high exactly when the output copies the input. It pays on grounded requests and
 #   costs little elsewhere (when nothing matches, nothing is proposed and the step is an ordinary decode).
 # - **The learned head**: c is a few percent of a step (section 4 measured it), so nearly all of the gain is the
-#   tokens per step its acceptance buys; its weakness is the later guesses, which chain on predicted features.
-# - **The student**: c is its decode time over the target's (lesson 09 measured its speed ratio, about 1/1.7): a
+#   tokens per step its acceptance buys; its weakness is the later guesses, which chain on predicted features. Its
+#   confidence gate spends verify width only where the head expects to be right: fewer tokens per step, but each
+#   step pays v(drafted + 1) instead of v(k + 1), and unconfident steps cost a plain decode.
+# - **The student**: c is its decode time over the target's (lesson 09 measured its speed ratio, about 1/1.6): a
 #   draft that costs more than half a target step needs a high a to win at all. Production drafts are 10-50x smaller
 #   than their targets (a 68M draft for a 7B target) and agree 60-80% of the time; 16 of 30 blocks of a 135M model is
 #   the opposite corner.
