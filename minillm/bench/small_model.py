@@ -1,7 +1,7 @@
 """The small model's parts that need the batching engine (lessons 09, 10, 13): the teacher's answers to the chat
 prompts, the student's retained ability measured on held-out ones, and the command that trains the learned drafter.
 
-    python -m minillm.bench.small_model drafter    # lesson 10's draft head: ~15 min on 2 CPU cores -> minillm/assets/
+    python -m minillm.bench.small_model drafter    # lesson 10's draft head: ~25 min on 2 CPU cores -> minillm/assets/
     minillm bench distill                          # lesson 09's student (size sweep, comparisons, the shipped recipe)
 
 Both read the same cached answers (answers_path()): the teacher answers every prompt of compress/chat_data.py once.

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from minillm.parallel.distributed import Comm
-from minillm.model import MLP, Attention, Block, head_logits
+from minillm.model import MLP, Attention, Block
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class VocabParallelHead(nn.Module):
         self.weight, self.comm = weight, comm  # tied: the embedding shard's own parameter
 
     def forward(self, h: Tensor) -> Tensor:
-        return self.comm.all_gather(head_logits(h, self.weight), dim=-1)  # the model's own head matmul
+        return self.comm.all_gather(F.linear(h, self.weight), dim=-1)
 
 
 def shard_tensor_parallel(model, comm: Comm) -> TPPlan:

@@ -209,7 +209,7 @@ def load_draft_head(name_or_path: str | Path = DRAFTER) -> DraftHead:
     meta_path = Path(str(path) + ".json")
     if not path.exists() or not meta_path.exists():
         raise FileNotFoundError(f"no draft head at {path}: train one with `python -m minillm.bench.small_model "
-                                f"drafter` (~10 min on 2 CPU cores)")
+                                f"drafter` (~25 min on 2 CPU cores)")
     raw = path.read_bytes()
     meta = json.loads(meta_path.read_text())
     if hashlib.sha256(raw).hexdigest() != meta["sha256"]:

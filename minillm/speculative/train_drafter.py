@@ -1,6 +1,6 @@
 """Train lesson 10's learned drafter (learned.py's DraftHead) on the teacher's own answers.
 
-    python -m minillm.bench.small_model drafter          # ~10 min on 2 CPU cores; writes minillm/assets/
+    python -m minillm.bench.small_model drafter          # ~25 min on 2 CPU cores; writes minillm/assets/
 
 Data: the training split of chat_data's prompts with the teacher's greedy answers (cached; the held-out prompts
 never enter). The target runs once over every sequence and gives, per position t, its feature f_t (the output of its
