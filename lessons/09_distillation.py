@@ -50,7 +50,7 @@ from minillm.bench import run_entry
 from minillm.bench.harness import paired_ratio
 from minillm.bench.hardware import native_bf16
 from minillm.bench.metrics import decode_tok_s
-from minillm.compress.ability import AbilityConfig, chat_batch_at, distill_ability
+from minillm.compress.ability import AbilityConfig, answer_batch, chat_batch_at, distill_ability
 from minillm.compress.chat_data import ALWAYS_HELD_OUT, chat_ids, chat_prompts, is_held_out, split
 from minillm.compress.distill import distillation_loss, evaluate, hidden_cosine_loss, train_ids
 from minillm.compress.lora import add_lora
@@ -193,13 +193,8 @@ for name, drop in start.items():
 calib = [(chat_ids(tok, p), tok.encode(a) + [tok.eos_id]) for p, a in (
     ("Name three fruits.", "Apples, bananas and oranges."),
     ("Write one sentence about rain.", "Rain taps softly on the window as the grey afternoon turns to evening."))]
-length = max(len(p) + len(a) for p, a in calib) - 1
-x = torch.full((2, length), tok.eos_id)
-mask = torch.zeros(2, length, dtype=torch.bool)
-for i, (p, a) in enumerate(calib):
-    x[i, :len(p) + len(a) - 1] = torch.tensor((p + a)[:-1])
-    mask[i, len(p) - 1:len(p) + len(a) - 1] = True
-first = greedy_block_drop(teacher, x, 1, mask)
+x, mask = answer_batch(calib, tok.eos_id)  # mask: the positions that predict an answer token
+first = greedy_block_drop(teacher, x[:, :-1], 1, mask)
 print(f"one greedy round here, on 2 answers: block {first[0]} costs the least "
       f"({'in' if first[0] in recipe['dropped_blocks'] else 'not in'} the shipped set)")
 

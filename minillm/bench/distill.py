@@ -74,18 +74,6 @@ def measure(student, teacher, tok, held: list, ev: torch.Tensor, prompt: list[in
             "blocks": student.config.n_layers, "decode_tok_s": speed}
 
 
-def answer_batch(examples: list, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, mask): prompt + answer ids right-padded, and True where a position predicts an answer token."""
-    length = max(len(p) + len(a) for p, a in examples) - 1
-    x = torch.full((len(examples), length), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(examples), length, dtype=torch.bool)
-    for i, (p, a) in enumerate(examples):
-        ids = (p + a)[:-1]
-        x[i, :len(ids)] = torch.tensor(ids)
-        mask[i, len(p) - 1:len(ids)] = True
-    return x, mask
-
-
 def by_name(rows: list[dict], name: str) -> dict:
     return next(r for r in rows if r["variant"] == name)
 
@@ -98,7 +86,7 @@ def merged(student):
 
 def run(quick: bool = False) -> BenchResult:
     from minillm.api import load_model
-    from minillm.compress.ability import AbilityConfig, distill_ability
+    from minillm.compress.ability import AbilityConfig, answer_batch, distill_ability
     from minillm.compress.distill import train_ids
     from minillm.compress.lora import add_lora, lora_state
     from minillm.compress.pruning import block_importance, drop_blocks, greedy_block_drop, least_important
@@ -119,8 +107,8 @@ def run(quick: bool = False) -> BenchResult:
     # which blocks go: one at a time, by the KL each removal costs on a few training answers (never held-out ones)
     calib = random.Random(1).sample(train, b["calib_examples"])
     with timer() as t_sel:
-        x, mask = answer_batch(calib, tok.eos_id)
-        order = greedy_block_drop(teacher, x, n_blocks - min(b["sizes"]), mask)
+        x, mask = answer_batch(calib, tok.eos_id)  # the positions that predict answer tokens are scored
+        order = greedy_block_drop(teacher, x[:, :-1], n_blocks - min(b["sizes"]), mask)
     dropped = {keep: sorted(order[:n_blocks - keep]) for keep in b["sizes"]}
     one_shot = least_important(block_importance(teacher, calibration_ids(tok, 256)), n_blocks - b["ship_size"])
 

@@ -50,11 +50,17 @@ def chat_batch_at(examples: list[Example], step: int, cfg: DistillConfig, pad_id
     (causal attention never looks right, so padding changes nothing before it); mask (batch, L - 1) is True where
     position t predicts an answer token x[t + 1]."""
     gen = random.Random(cfg.seed * 1_000_003 + step)
-    picked = [examples[gen.randrange(len(examples))] for _ in range(cfg.batch_size)]
-    length = min(max(len(p) + len(a) for p, a in picked), cfg.seq_len)
-    x = torch.full((len(picked), length), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(picked), length - 1, dtype=torch.bool)
-    for i, (p, a) in enumerate(picked):
+    return answer_batch([examples[gen.randrange(len(examples))] for _ in range(cfg.batch_size)], pad_id, cfg.seq_len)
+
+
+def answer_batch(examples: list[Example], pad_id: int, max_len: int | None = None) -> tuple[Tensor, Tensor]:
+    """(x, mask) for these examples: x (batch, L) the prompt + answer ids right-padded, cut at max_len; mask
+    (batch, L - 1) is True where position t predicts an answer token x[t + 1]."""
+    length = max(len(p) + len(a) for p, a in examples)
+    length = length if max_len is None else min(length, max_len)
+    x = torch.full((len(examples), length), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(examples), length - 1, dtype=torch.bool)
+    for i, (p, a) in enumerate(examples):
         ids = (p + a)[:length]
         x[i, :len(ids)] = torch.tensor(ids)
         mask[i, len(p) - 1:len(ids) - 1] = True
