@@ -10,7 +10,7 @@ per call (--level 1, 2, 3). The graders compare yours with
 independent references (torch's own RMSNorm and attention, a loop over complex numbers for RoPE, sampling
 frequencies for the sampler). Calling those library ops (or minillm) inside your answer is rejected.
 
-The last task, task_00_real_model, runs SmolLM2-135M on your pieces (minillm.course.ladder.use_exercises): your
+The last task, task_00_real_model, runs SmolLM2-135M on your pieces (minillm.course.seams.use_exercises): your
 rms_norm and apply_rope inside every block, your naive_attention as its attention backend, your sampler in
 minillm.chat. The chat prompt's logits must stay within 1e-3 of minillm's (one piece at a time, so the failure names
 the piece) and the model must answer "The capital of France is Paris." This exercise stands on nothing earlier:

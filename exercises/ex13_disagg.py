@@ -51,7 +51,7 @@ The real-model task runs SmolLM2-135M disaggregated in one process: your pack_kv
 minillm.cache.kv_transfer, LLM.add_prefill on one engine and LLM.add_prefilled on a second one whose free blocks come in
 another order (float32 and int8 KV): the greedy tokens of a single engine; then your PrefixAffinityRouter routes a
 stream of chat requests sharing system prompts over two prefix-caching engines: the same choices and prefix hits as
-minillm's router. Calling minillm.cache.kv_transfer's or minillm.serving.router's own functions is rejected.
+minillm's router. Calling minillm.cache.kv_transfer's or minillm.cluster.router's own functions is rejected.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from torch import Tensor
 from minillm.cache.kv_pool import KVBlockPool  # the pool: .k, .v, .k_scale, .v_scale, .spec.block_size
 from minillm.cache.kv_transfer import check_payload, stored_tensors  # noqa: F401  (given: the payload check, the tensors)
 from minillm.cache.prefix_cache import block_hashes  # noqa: F401  (given: the engine's chained block hashes, lesson 12)
-from minillm.serving.router import ReplicaState, Router, live  # noqa: F401  (given: replica state, base class, live filter)
+from minillm.cluster.router import ReplicaState, Router, live  # noqa: F401  (given: replica state, base class, live filter)
 
 # task 13.pack -------------------------------------------------------------------------------------------------
 

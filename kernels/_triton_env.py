@@ -1,17 +1,11 @@
 """Import triton the way every kernel in minillm_kernels needs it: `from ._triton_env import triton, tl, INTERPRET`.
 
-Triton decides at the moment a `@triton.jit` function is *defined* whether it will run on a GPU driver or in the
-interpreter (TRITON_INTERPRET=1: every program of the grid runs on the CPU through numpy; slow but exact enough to
-check a kernel), and triton's own library functions (tl.zeros, tl.max, ...) are defined when triton is first
-imported. So TRITON_INTERPRET has to be set before triton is imported at all -- and torch imports it lazily (dynamo,
-torch.utils.flop_counter). On a machine without CUDA we therefore set TRITON_INTERPRET=1 here *and* in
-minillm/__init__.py (setdefault: an explicit TRITON_INTERPRET=0/1 from the user wins). It changes the variable for
-the whole process, which is what a CPU-only machine wants anyway. If triton was already imported for a driver, the
-kernels could not run; importing this module then raises a RuntimeError that says so, instead of failing later.
-
-Interpreter traps this package's kernels respect (FACTS.md): bf16 arithmetic is wrong there, so kernels load and
-then `.to(tl.float32)`; tl.arange needs powers of 2; tiles stay >= 16; an unmasked out-of-bounds load segfaults
-instead of raising, so every load that can run past the end is masked; autotune needs a driver.
+Triton fixes when first imported (and at each `@triton.jit` definition) whether kernels run on a GPU driver or in the
+interpreter (TRITON_INTERPRET=1: the grid runs on the CPU through numpy, slow but exact enough to check a kernel), and
+torch imports it lazily (dynamo, flop_counter). So without CUDA this module and minillm/__init__.py setdefault
+TRITON_INTERPRET=1 first (an explicit 0/1 wins); if triton already came in for a driver, importing this raises.
+Interpreter traps the kernels respect (FACTS.md): bf16 arithmetic is wrong (load, then .to(tl.float32)); tl.arange
+wants powers of 2; tiles stay >= 16; a load that can run past the end is masked (else a segfault); no autotune.
 """
 
 from __future__ import annotations

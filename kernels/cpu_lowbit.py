@@ -1,22 +1,11 @@
 """Build, probe and call the CPU low-bit matmul kernels (kernels/cpu/*.cpp): lesson 07's fast path on a CPU.
 
-Decode multiplies every weight once per token, so its speed is bytes of weights over memory bandwidth -- if the
-kernel keeps up. torch's CPU int4/int8 kernels widen each weight to a float before the multiply; these kernels
-quantize the activations to int8 per block of 32 (as llama.cpp does) and do integer SIMD dot products on the packed
-bytes, applying the scales once per block. One C++ source, compiled once per instruction set:
-
-    avx512-vnni   vpdpbusd on 256-bit registers        (AVX-512 F/BW/VL + VNNI)
-    avx-vnni      the same instruction, VEX-encoded     (newer Intel/AMD without AVX-512)
-    avx2          vpmaddubsw + vpmaddwd                 (every x86-64 CPU since 2013-2015)
-    neon-dotprod  the plain C++ loops, auto-vectorized  (ARM with the dot-product extension)
-    scalar        the plain C++ loops                   (anything else with a C++ compiler)
-
-The build runs on first use with torch.utils.cpp_extension (g++ and ninja), is cached under torch's extension
-folder, and is probed once in a child process: a CPU that lists a feature the VM did not enable (seen with AMX)
-would kill the process with "Illegal instruction", so the child takes that risk and the next set down is tried.
-Where nothing can be built, `load()` returns None, `status()` says why, and the layers keep torch's own kernels.
-MINILLM_CPU_KERNELS=off|scalar|avx2|avx-vnni|avx512-vnni|neon-dotprod forces a choice (tests force the fallback).
-"""
+Decode reads every weight once per token, and torch's CPU int4/int8 kernels widen each to a float first. These quantize
+the activations to int8 per block of 32 (as llama.cpp does) and take integer dot products on the packed bytes; one C++
+source, built per instruction set (ISAS): vpdpbusd on 512-bit registers (avx512-vnni) or 256-bit ones (avx-vnni),
+vpmaddubsw + vpmaddwd (avx2), auto-vectorized loops (neon-dotprod, scalar). Built on first use, cached, and probed in a
+child process, since a VM may hide a feature the CPU lists ("Illegal instruction"): the next set down is tried. None
+loads: `load()` is None, `status()` says why, torch's kernels stay. MINILLM_CPU_KERNELS=off|<isa> forces a choice."""
 
 from __future__ import annotations
 

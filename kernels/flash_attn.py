@@ -1,23 +1,9 @@
 """FlashAttention forward as one Triton kernel: the tiles of minillm/attention/flash.py, kept in on-chip SRAM.
 
-The idea is the same as minillm.attention.flash.flash_attention (lesson 03): one program owns a BLOCK_M tile of queries
-for one (batch, query head), streams the keys and values through in BLOCK_N tiles, and keeps the online-softmax state
-(running max m, running sum l, unnormalised output acc) in registers. The score matrix never exists in GPU main
-memory (HBM): each K/V tile is read once per query tile and the output is written once. That removes the O(N^2)
-HBM traffic that bounds naive attention, and it is why this kernel, not the torch loop, is the fast one.
-
-Conventions (minillm/attention.py): q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D); query head h reads KV head h // (Hq//Hkv)
-(GQA: no K/V copy, the program just points at the shared head); causal is bottom-right aligned: query i sees keys
-j <= i + Tk - Tq. Any Tq <= Tk (decode, chunked prefill); head_dim must be 16, 32, 64 or 128.
-
-Structure: `attend_key_block` is one online-softmax step (exercise 03's Triton task); the kernel calls it first for
-the key tiles every query of the tile may see (no masks: the fast loop), then for the tiles that cross the causal
-diagonal or the end of the keys (masked). Tiles entirely above the diagonal are never visited.
-
-Runs on CUDA, or anywhere under TRITON_INTERPRET=1 (set automatically when torch sees no CUDA, see _triton_env.py;
-it must be set before this module is imported). Precision: on GPU, fp16/bf16 tiles feed the tensor cores with fp32
-accumulation; fp32 inputs use input_precision="ieee" (plain fp32, not TF32). Under the interpreter everything is
-upcast to fp32 after loading, because the interpreter's bf16 arithmetic is wrong.
+Same idea as minillm.attention.flash.flash_attention (lesson 03): a program streams K/V tiles past a tile of queries
+and keeps the online-softmax state in registers, so the score matrix never exists in GPU main memory (HBM). That
+removes the O(N^2) HBM traffic that bounds naive attention, and it is why this kernel, not the torch loop, is the fast
+one. `attend_key_block` is exercise 03's Triton task; shapes, precision and where it runs: `triton_attention`.
 """
 
 import torch
@@ -71,6 +57,13 @@ def _flash_fwd_kernel(Q, K, V, Out,
                       n_heads, group, q_len, kv_len, qk_scale, q_bucket, kv_bucket,
                       CAUSAL: tl.constexpr, UPCAST: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: a BLOCK_M tile of queries for one (batch, query head), keys and values streamed in BLOCK_N tiles.
+
+    The online-softmax state (running max m, running sum l, unnormalised output acc) stays in registers: each K/V
+    tile is read once per query tile and the output is written once. `attend_key_block` (one online-softmax step) is
+    called first for the key tiles every query of the tile may see (no masks: the fast loop), then for the tiles that
+    cross the causal diagonal or the end of the keys (masked). Tiles entirely above the diagonal are never visited.
+    """
     # grid: (query tiles, batch * n_heads). q_bucket/kv_bucket are unused here: they are the autotune cache key.
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -160,7 +153,17 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 
 def triton_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
-    """softmax(q k^T / sqrt(d)) v by the Triton flash kernel; same contract as minillm.attention.sdpa_attention."""
+    """softmax(q k^T / sqrt(d)) v by the Triton flash kernel; same contract as minillm.attention.sdpa_attention.
+
+    Conventions (minillm.attention): q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D); query head h reads KV head
+    h // (Hq//Hkv) (GQA: no K/V copy, the program just points at the shared head); causal is bottom-right aligned:
+    query i sees keys j <= i + Tk - Tq. Any Tq <= Tk (decode, chunked prefill); head_dim must be 16, 32, 64 or 128.
+
+    Runs on CUDA, or anywhere under TRITON_INTERPRET=1 (set automatically when torch sees no CUDA, see
+    _triton_env.py; it must be set before this module is imported). Precision: on GPU, fp16/bf16 tiles feed the
+    tensor cores with fp32 accumulation; fp32 inputs use input_precision="ieee" (plain fp32, not TF32). Under the
+    interpreter everything is upcast to fp32 after loading, because the interpreter's bf16 arithmetic is wrong.
+    """
     _check_inputs(q, k, v)
     if INTERPRET:
         return launch_fixed(_flash_fwd_kernel, q, k, v, causal)
@@ -195,5 +198,6 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, tup
     args = (q, k, v, out, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             n_heads, n_heads // n_kv_heads, q_len, kv_len, head_dim**-0.5 * LOG2E,
             triton.next_power_of_2(q_len), triton.next_power_of_2(kv_len))
+    # UPCAST: the interpreter's bf16 arithmetic is wrong, so it computes in fp32; fp32 inputs stay plain fp32 (ieee)
     meta = {"CAUSAL": bool(causal), "UPCAST": INTERPRET or q.dtype == torch.float32, "HEAD_DIM": head_dim}
     return out, args, meta

@@ -1,26 +1,10 @@
 """Paged decode attention in Triton: one query per sequence, keys and values read through the block table.
 
-Same contract as minillm.cache.paged_attention.paged_attention (the torch gather it replaces on the GPU):
-    q (num_seqs, n_heads, head_dim); k_pool, v_pool (num_blocks, block_size, n_kv_heads, head_dim), one layer;
-    block_tables (num_seqs, max_blocks) int, -1 past a sequence's blocks; context_lens (num_seqs,) int.
-    -> (num_seqs, n_heads, head_dim)
-
-The torch version copies every sequence's blocks into a contiguous buffer before attending: it reads the KV bytes
-twice and writes them once. This kernel reads each key/value once, straight from the pool: a tile of TILE token
-positions becomes block ids (one load from the table per position: `table[t // block_size]`) and row addresses
-`block_id * stride_block + (t % block_size) * stride_slot`. Decode is memory-bound, so reading the cache once is
-the whole game.
-
-Parallelism (flash-decoding): one program per (sequence, KV head, split of the context). A program handles all
-query heads of its KV head group at once (GQA: the group's queries are the rows of one tl.dot, padded to 16), keeps
-an online softmax (running max m, sum l, accumulator) in fp32, and writes its partial result; a second small kernel
-merges the splits with the log-sum-exp rule. Splitting the context keeps a GPU busy when num_seqs * n_kv_heads is
-smaller than the number of SMs (e.g. batch 8 x 3 KV heads = 24 programs on a 132-SM H200 without splits).
-
-Every load is masked (positions past the context, padded heads, padded head dims): under the interpreter an
-out-of-bounds load segfaults instead of raising. On a machine without CUDA this module turns the Triton
-interpreter on (TRITON_INTERPRET=1) before defining its kernels, so it runs on CPU tensors, slowly.
+The torch gather it replaces on the GPU (minillm.cache.paged_attention.paged_attention) copies every sequence's
+blocks into a contiguous buffer before attending: it reads the KV bytes twice and writes them once. This kernel reads
+each key/value once, straight from the pool; decode is memory-bound, so reading the cache once is the whole game.
 Lesson 04 uses it; scripts/gpu_check_paged.py measures it against contiguous decode attention on a GPU.
+Shapes: `triton_paged_decode`; the flash-decoding split: `_paged_decode_split_kernel`.
 """
 
 from __future__ import annotations
@@ -37,6 +21,8 @@ if not torch.cuda.is_available() and "triton" in sys.modules and os.environ.get(
                       "CPU-only machine: import minillm_kernels.paged_decode before triton, or export "
                       "TRITON_INTERPRET=1")
 
+# On a machine without CUDA this turns the Triton interpreter on (TRITON_INTERPRET=1) before the kernels below are
+# defined, so they run on CPU tensors, slowly.
 from ._triton_env import INTERPRET, tl, triton
 
 
@@ -53,6 +39,15 @@ def _paged_decode_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    """One program per (sequence, KV head, split of the context): flash-decoding's partial results.
+
+    A tile of TILE token positions becomes block ids (one load from the table per position: `table[t // block_size]`)
+    and row addresses `block_id * stride_block + (t % block_size) * stride_slot`, so each key/value is read once,
+    straight from the pool. A program handles all query heads of its KV head group at once (GQA: the group's queries
+    are the rows of one tl.dot, padded to 16), keeps an online softmax (running max m, sum l, accumulator) in fp32,
+    and writes its partial result for `_merge_splits_kernel`. Every load is masked (positions past the context,
+    padded heads, padded head dims): under the interpreter an out-of-bounds load segfaults instead of raising.
+    """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -112,6 +107,7 @@ def _merge_splits_kernel(
     stride_o_seq, stride_o_head,
     NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):
+    """One program per (sequence, query head): merge the splits' partial results with the log-sum-exp rule."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     sp = tl.arange(0, NUM_SPLITS)
@@ -132,7 +128,10 @@ def _next_pow2(n: int) -> int:
 
 
 def _pick_splits(n_programs: int, max_context: int, tile: int, device: torch.device) -> int:
-    """Enough context splits to give every SM about two programs, never more splits than tiles."""
+    """Enough context splits to give every SM about two programs, never more splits than tiles.
+
+    Splitting the context keeps a GPU busy when num_seqs * n_kv_heads is smaller than the number of SMs (e.g.
+    batch 8 x 3 KV heads = 24 programs on a 132-SM H200 without splits)."""
     if device.type != "cuda":
         return 1
     n_sm = torch.cuda.get_device_properties(device).multi_processor_count
@@ -142,7 +141,12 @@ def _pick_splits(n_programs: int, max_context: int, tile: int, device: torch.dev
 
 def triton_paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, context_lens: Tensor,
                         num_splits: int | None = None, tile: int | None = None) -> Tensor:
-    """Decode attention through block tables with the Triton kernel (see the module docstring for shapes).
+    """Decode attention through block tables with the Triton kernel.
+
+    Same contract as minillm.cache.paged_attention.paged_attention:
+        q (num_seqs, n_heads, head_dim); k_pool, v_pool (num_blocks, block_size, n_kv_heads, head_dim), one layer;
+        block_tables (num_seqs, max_blocks) int, -1 past a sequence's blocks; context_lens (num_seqs,) int.
+        -> (num_seqs, n_heads, head_dim)
 
     `num_splits` (a power of 2) splits each context for parallelism; by default it is chosen from the GPU's SM
     count (1 under the interpreter). `tile` is the token positions per inner step (power of 2, >= 16)."""

@@ -1,29 +1,10 @@
 """Weight-only quantized matmul in Triton: y = x @ w.T with w stored as int8 or packed int4 (lesson 07).
 
-Decode at batch 1 is memory-bound: each token multiplies a (1, K) activation by every weight matrix once, so the GPU
-spends its time reading weights and the speed is set by the bytes of weight read per token. Storing int8 halves those
-bytes and int4 quarters them, but only if the matmul reads the small integers themselves: dequantizing to a bf16
-matrix first would write and re-read the full-size weight. These kernels load a tile of int8/int4 codes, turn it into
-floats in registers, and feed it to tl.dot; only the quantized bytes (plus the small scale tables) cross memory.
-
-    int8_weight_matmul(x, q, scale)     q int8 (N, K), scale (N,): w[n, k] = q[n, k] * scale[n]
-        Symmetric per output channel. The scale is constant along K, so it factors out of the dot product: the
-        kernel multiplies the raw codes (exact in bf16/fp16) by x and scales each output column once at the end.
-    int4_group_matmul(x, qweight, scale, minimum, group_size)
-        qweight uint8 (N, K // 2): byte j of row n holds column 2j in its low nibble and 2j+1 in its high nibble.
-        scale, minimum (N, K // group_size): w[n, k] = code[n, k] * scale[n, k // g] + minimum[n, k // g] (GGUF
-        Q4_1: d * q + m). A K tile never crosses a group (BLOCK_K divides group_size), so one (scale, minimum) pair
-        per row dequantizes the whole tile: unpack both nibbles, interleave them back into column order, code * d + m.
-
-x is (..., K) in float32 / bfloat16 / float16, y is (..., N) in x's dtype; the sums accumulate in fp32. Grid: one
-program per (BLOCK_M rows of x, BLOCK_N outputs), looping over K. Block sizes are picked from M (no autotune: it
-needs a driver): a decode-sized M gets BLOCK_M = 16 (the smallest tl.dot tile; rows past M are masked) and BLOCK_N
-small enough that the programs fill every SM, since with one token there is little other parallelism. BLOCK_K: for
-int8 the largest of 128/64/32 that divides K (no ragged last tile; else 64, masked), for int4 min(group_size, 128).
-Precision: on GPU the dot runs in x's dtype (bf16/fp16 tensor cores, fp32 accumulation; the dequantized int4 weight is
-rounded to that dtype, as a bf16 model's weights are), fp32 inputs in plain fp32 (input_precision="ieee", not TF32).
-Under the Triton interpreter (CPU, TRITON_INTERPRET=1, see _triton_env.py) everything is upcast to fp32 after loading,
-because the interpreter's bf16 arithmetic is wrong.
+Decode at batch 1 is memory-bound: each token multiplies a (1, K) activation by every weight matrix once, so the
+speed is set by the bytes of weight read per token. int8 halves those bytes and int4 quarters them, but only if the
+matmul reads the small integers themselves: dequantizing to a bf16 matrix first would write and re-read the full-size
+weight. These kernels turn a tile of codes into floats in registers and feed it to tl.dot; only the quantized bytes
+(plus the small scale tables) cross memory. Formats: `int8_weight_matmul`, `int4_group_matmul`; tiling: `_launch`.
 """
 
 from __future__ import annotations
@@ -135,6 +116,17 @@ def _check_blocks(block_sizes: tuple[int, int, int]) -> None:
 
 def _launch(kernel, x: Tensor, n: int, weights: tuple[Tensor, ...], strides: tuple[int, ...], block_sizes,
             default_block_k: int, **meta) -> Tensor:
+    """Run one of the kernels on x (..., K) in float32 / bfloat16 / float16 -> y (..., N) in x's dtype.
+
+    The sums accumulate in fp32. Grid: one program per (BLOCK_M rows of x, BLOCK_N outputs), looping over K. Block
+    sizes are picked from M by `_pick_blocks` (no autotune: it needs a driver): a decode-sized M gets BLOCK_M = 16
+    (the smallest tl.dot tile; rows past M are masked) and BLOCK_N small enough that the programs fill every SM, since
+    with one token there is little other parallelism. Precision: on GPU the dot runs in x's dtype (bf16/fp16 tensor
+    cores, fp32 accumulation; the dequantized int4 weight is rounded to that dtype, as a bf16 model's weights are),
+    fp32 inputs in plain fp32 (input_precision="ieee", not TF32). Under the Triton interpreter (CPU,
+    TRITON_INTERPRET=1, see _triton_env.py) everything is upcast to fp32 after loading (UPCAST), because the
+    interpreter's bf16 arithmetic is wrong.
+    """
     k = x.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), k)  # a view when it can be: strides go to the kernel, no copy
@@ -153,6 +145,9 @@ def int8_weight_matmul(x: Tensor, q: Tensor, scale: Tensor, *,
                        block_sizes: tuple[int, int, int] | None = None) -> Tensor:
     """x (..., K) @ (q * scale[:, None]).T -> (..., N) in x's dtype; q int8 (N, K), scale (N,) float.
 
+    Symmetric per output channel: w[n, k] = q[n, k] * scale[n]. The scale is constant along K, so it factors out of
+    the dot product: the kernel multiplies the raw codes (exact in bf16/fp16) by x and scales each output column once
+    at the end. BLOCK_K is the largest of 128/64/32 that divides K (no ragged last tile; else 64, masked).
     block_sizes (BLOCK_M, BLOCK_N, BLOCK_K) overrides the choice from M (tests use it to force several tiles)."""
     _check_common("q", x, q, {"scale": scale})
     if q.dtype != torch.int8:
@@ -173,7 +168,11 @@ def int4_group_matmul(x: Tensor, qweight: Tensor, scale: Tensor, minimum: Tensor
                       block_sizes: tuple[int, int, int] | None = None) -> Tensor:
     """x (..., K) @ w.T -> (..., N) in x's dtype, w = code * scale + minimum per group of `group_size` columns.
 
-    qweight uint8 (N, K // 2), two codes per byte (low nibble = even column); scale, minimum (N, K // group_size).
+    qweight uint8 (N, K // 2): byte j of row n holds column 2j in its low nibble and 2j+1 in its high nibble.
+    scale, minimum (N, K // group_size): w[n, k] = code[n, k] * scale[n, k // g] + minimum[n, k // g] (GGUF Q4_1:
+    d * q + m). A K tile never crosses a group (BLOCK_K divides group_size; default min(group_size, 128)), so one
+    (scale, minimum) pair per row dequantizes the whole tile: unpack both nibbles, interleave them back into column
+    order, code * d + m.
     block_sizes (BLOCK_M, BLOCK_N, BLOCK_K): BLOCK_K must divide group_size (a tile reads one group's scale)."""
     _check_common("qweight", x, qweight, {"scale": scale, "minimum": minimum})
     if qweight.dtype != torch.uint8:

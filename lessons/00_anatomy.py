@@ -37,8 +37,8 @@ from gguf import GGUFReader
 
 import minillm
 from minillm.bench.decode import cast_model, measure_decode, measure_prefill
-from minillm.bench.hardware import bf16_status, hardware_info, hardware_summary, native_bf16
-from minillm.bench.metrics import decode_bytes_per_token, model_flops_per_token, prefill_flops, weight_bytes
+from minillm.measure.hardware import bf16_status, hardware_info, hardware_summary, native_bf16
+from minillm.measure.metrics import decode_bytes_per_token, model_flops_per_token, prefill_flops, weight_bytes
 from minillm.config import LLAMA2_7B
 from minillm.kv_cache import kv_bytes, kv_bytes_per_token
 from minillm.course.lesson import QUICK, hardware_line, pick

@@ -34,9 +34,9 @@ import matplotlib.pyplot as plt
 import torch
 
 import minillm
-from minillm.bench import roofline
-from minillm.bench.hardware import hardware_info, hardware_summary, peak_flops
-from minillm.bench.metrics import decode_bytes_per_token, model_flops_per_token, weight_bytes
+from minillm.measure import roofline
+from minillm.measure.hardware import hardware_info, hardware_summary, peak_flops
+from minillm.measure.metrics import decode_bytes_per_token, model_flops_per_token, weight_bytes
 from minillm.config import LLAMA2_7B, LLAMA2_70B, SMOLLM2_135M
 from minillm.kv_cache import KVCache, append_kv, kv_bytes, kv_bytes_per_token, max_tokens_in_budget
 from minillm.course.lesson import hardware_line, pick
@@ -236,7 +236,7 @@ print(f"MBU = achieved {bytes_tok / measured_s / 1e9:.1f} GB/s / peak {bw / 1e9:
 # **On this machine** (a shared 2-core CPU; see the hardware line above) absolute times move with other processes'
 # load, so read ratios measured in the same run.
 #
-# **A roofline model: when does the cache pay?** (`minillm/bench/roofline.py`; a model, not a measurement.) A step
+# **A roofline model: when does the cache pay?** (`minillm/measure/roofline.py`; a model, not a measurement.) A step
 # takes max(bytes / bandwidth, FLOPs / FLOP/s) plus a fixed cost per op: dispatch on this CPU (measured now), a kernel
 # launch on a GPU, where launches overlap the GPU's work and the largest term sets the time. The H100's figures are
 # from its datasheet. Without the cache the step at position *t* does *t* tokens' FLOPs; with it, one token's. The

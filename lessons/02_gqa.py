@@ -37,9 +37,9 @@ import torch.nn.functional as F
 import minillm
 from minillm.attention import sdpa_attention
 from minillm.bench.gqa import decode_step_seconds
-from minillm.bench.hardware import bf16_status, hardware_info, hardware_summary, preferred_dtype
-from minillm.bench.harness import time_fn
-from minillm.bench.metrics import decode_bytes_per_token
+from minillm.measure.hardware import bf16_status, hardware_info, hardware_summary, preferred_dtype
+from minillm.measure.harness import time_fn
+from minillm.measure.metrics import decode_bytes_per_token
 from minillm.config import LLAMA2_7B, LLAMA2_70B
 from minillm.compress.gqa import grouped_attention, kv_heads_for, mean_pool_kv_heads, regroup, to_mha, to_mqa
 from minillm.kv_cache import kv_bytes_per_token, max_tokens_in_budget

@@ -43,7 +43,7 @@ import torch
 import minillm
 from minillm.attention import naive_attention, sdpa_attention
 from minillm.bench.attention import BATCH, HEAD_DIM, N_HEADS, make_inputs, measure_cpu_peaks
-from minillm.bench.harness import time_fn
+from minillm.measure.harness import time_fn
 from minillm.attention.flash import flash_attention, merge_partials
 from minillm.course.lesson import hardware_line, pick
 

@@ -41,15 +41,15 @@ import matplotlib.pyplot as plt
 import torch
 
 import minillm
-from minillm.bench import roofline
+from minillm.measure import roofline
 from minillm.bench.batching import hf_padded_generate
-from minillm.bench.harness import time_fn
+from minillm.measure.harness import time_fn
 from minillm.engine import LLM
 from minillm.engine import scheduler as sched_mod
 from minillm.engine.static import StaticBatchEngine, continuous_batching_loop, static_batching_loop
 from minillm.course.lesson import hardware_line, pick
-from minillm.bench.metrics import summarize
-from minillm.bench.workload import make_workload, occupancy_timeline
+from minillm.measure.metrics import summarize
+from minillm.measure.workload import make_workload, occupancy_timeline
 
 print(hardware_line())
 model, tok = minillm.load_model("smollm2-135m", dtype="float32", device="cpu")
@@ -75,7 +75,7 @@ for b, ms, tps in rows:
 print(f"batch {rows[-1][0]} makes {rows[-1][2] / rows[0][2]:.1f}x the tokens/s of batch 1 "
       f"for {rows[-1][1] / rows[0][1]:.2f}x the step time")
 
-# the prediction, from a roofline model (minillm/bench/roofline.py): max(weight bytes / bandwidth, FLOPs / FLOP/s)
+# the prediction, from a roofline model (minillm/measure/roofline.py): max(weight bytes / bandwidth, FLOPs / FLOP/s)
 # plus a fixed cost per op, with this CPU's roofs measured now and an H100's datasheet figures
 cpu, ops = roofline.this_cpu(torch.float32), roofline.eager_ops(model)
 big = rows[-1][0]

@@ -44,9 +44,9 @@ import matplotlib.pyplot as plt
 import torch
 
 import minillm
-from minillm.bench import roofline
+from minillm.measure import roofline
 from minillm.bench.fusion import first_divergence, ladder
-from minillm.bench.hardware import bf16_status
+from minillm.measure.hardware import bf16_status
 from minillm.compile.fusion import count_ops, fuse
 from minillm.kv_cache import KVCache
 from minillm.course.lesson import hardware_line, pick
@@ -211,7 +211,7 @@ print(f"eager float32 runs at {1 - gap:.0%} of the matmul ceiling: at most {gap:
 # matvec kernels reach only part of the memory bandwidth at these shapes — the next lesson's quantized kernels are
 # measured against both.
 #
-# **A roofline model: why the sign flips on a GPU** (`minillm/bench/roofline.py`; a model, not a measurement). A step
+# **A roofline model: why the sign flips on a GPU** (`minillm/measure/roofline.py`; a model, not a measurement). A step
 # takes max(bytes / bandwidth, FLOPs / FLOP/s) plus its ops × a fixed cost per op. On this CPU the same core
 # dispatches and computes, so the op cost adds to the roofline time; on a GPU the CPU queues launches while earlier
 # kernels run, so the larger of the launches and the roofline time sets the pace. This CPU's numbers are measured

@@ -39,8 +39,8 @@ import torch
 from gguf import GGUFReader
 
 import minillm
-from minillm.bench import roofline, run_entry
-from minillm.bench.hardware import bf16_status
+from minillm.measure import roofline, run_entry
+from minillm.measure.hardware import bf16_status
 from minillm.config import LLAMA2_7B, SMOLLM2_135M
 from minillm.course.lesson import QUICK, hardware_line, pick
 from minillm.compress.llm_int8 import outlier_profile
@@ -235,7 +235,7 @@ if "int4 g32 RTN" in by and "Q4_1 from the file" in by:
           f"{f4['ppl']:.2f} (KL {g32['kl']:.4f} against {f4['kl']:.4f}) are the LM head at 4 bits instead of 8.")
 
 # %% [markdown]
-# **A roofline model: where fewer bytes pay** (`minillm/bench/roofline.py`; a model, not a measurement). A step takes
+# **A roofline model: where fewer bytes pay** (`minillm/measure/roofline.py`; a model, not a measurement). A step takes
 # max(bytes / bandwidth, FLOPs / FLOP/s) plus its ops × a fixed cost per op (on a GPU the launches overlap the work,
 # so the largest term sets the time). Quantization changes only the first term's bytes: it pays where that term sets
 # the time. The model takes each row's measured weight bytes, FLOPs at this CPU's measured float32 rate for every
@@ -316,7 +316,8 @@ print(f"Llama-2-7B in one CUDA graph per step (H100 model): bound by {graph.boun
 # One real block, by hand:
 
 # %%
-from minillm.compress.quant import cpu_kernels_disabled, describe_arithmetic  # noqa: E402
+from minillm.compress.quant import cpu_kernels_disabled  # noqa: E402
+from minillm.compress.quantize import describe_arithmetic  # noqa: E402
 from minillm_kernels import cpu_lowbit  # noqa: E402
 
 q4_model, _ = minillm.load_model(dtype="float32", weights="q4")
@@ -356,8 +357,8 @@ print(f"mlp.down {tuple(down.qweight.shape)} packed codes -> repacked {tuple(pac
 # rows the bytes stay the same, so the time should grow much slower than the rows.
 
 # %%
-from minillm.bench.harness import time_fn  # noqa: E402
-from minillm.bench.hardware import bandwidth  # noqa: E402
+from minillm.measure.harness import time_fn  # noqa: E402
+from minillm.measure.hardware import bandwidth  # noqa: E402
 
 w_bf16 = down.dequantize().bfloat16()
 layer_bytes = down.qweight.numel() + 2 * down.scale.numel() * 2

@@ -41,7 +41,7 @@ import minillm
 from minillm.bench import run_entry
 from minillm.engine.llm import LLM
 from minillm.course.lesson import QUICK, hardware_line, pick
-from minillm.gguf.loader import save_model
+from minillm.gguf.saved import save_model
 from minillm.compress.pruning import block_importance, n_params, prune_structured
 from minillm.compress.quality import calibration_ids, perplexity
 from minillm.sampling import SamplingParams
@@ -219,7 +219,7 @@ outs = engine.generate([prompt, "Python is a programming language that"], Sampli
 for o in outs:
     print(f"    engine: {o.text!r}")
 folder = save_model(pruned, "smollm2-pruned-20", info={"dropped_blocks": report["dropped_blocks"]})
-print(f"saved to {folder} (lesson 09 starts from it: minillm.gguf.loader.load_saved('smollm2-pruned-20'))")
+print(f"saved to {folder} (lesson 09 starts from it: minillm.gguf.saved.load_saved('smollm2-pruned-20'))")
 
 # %% [markdown]
 # ## 5. On a GPU
@@ -231,7 +231,7 @@ print(f"saved to {folder} (lesson 09 starts from it: minillm.gguf.loader.load_sa
 # `scripts/gpu_check.sh` times it for this model's shapes (`scripts/gpu_check_sparsity.py`). No GPU was available
 # when this notebook was executed: its numbers are the CPU named at the top, where torch has no sparse kernel.
 #
-# **A roofline model: when 2:4 pays** (`minillm/bench/roofline.py`; a model, not a measurement). A step takes
+# **A roofline model: when 2:4 pays** (`minillm/measure/roofline.py`; a model, not a measurement). A step takes
 # max(bytes / bandwidth, FLOPs / FLOP/s) plus its ops × a fixed cost per op (on a GPU the launches overlap the work,
 # so the largest term sets the time). A 2:4 kernel reads 0.5625x the bytes of each block matrix (half the values
 # plus the positions) and, on a sparse tensor core, spends half the time on its FLOPs; the embedding/LM head stays
@@ -239,8 +239,8 @@ print(f"saved to {folder} (lesson 09 starts from it: minillm.gguf.loader.load_sa
 # H100's are its datasheet's (bf16; the sparse tensor-core rate is twice the dense 989 TFLOP/s).
 
 # %%
-from minillm.bench import roofline  # noqa: E402
-from minillm.bench.harness import time_fn  # noqa: E402
+from minillm.measure import roofline  # noqa: E402
+from minillm.measure.harness import time_fn  # noqa: E402
 from minillm.config import LLAMA2_7B  # noqa: E402
 
 cpu, h100, ops = roofline.this_cpu(torch.float32), roofline.H100_SXM, roofline.eager_ops(model)

@@ -47,14 +47,14 @@ import torch.nn.functional as F
 
 import minillm
 from minillm.bench import run_entry
-from minillm.bench.harness import paired_ratio
-from minillm.bench.hardware import native_bf16
-from minillm.bench.metrics import decode_tok_s
+from minillm.measure.harness import paired_ratio
+from minillm.measure.hardware import native_bf16
+from minillm.measure.metrics import decode_tok_s
 from minillm.compress.ability import AbilityConfig, answer_batch, chat_batch_at, distill_ability
 from minillm.compress.chat_data import ALWAYS_HELD_OUT, chat_ids, chat_prompts, is_held_out, split
 from minillm.compress.distill import distillation_loss, evaluate, hidden_cosine_loss, train_ids
 from minillm.compress.lora import add_lora
-from minillm.gguf.loader import recipe_path
+from minillm.gguf.saved import recipe_path
 from minillm.course.lesson import QUICK, hardware_line, pick
 from minillm.compress.pruning import block_importance, drop_blocks, greedy_block_drop, least_important
 from minillm.compress.quality import calibration_ids, eval_ids

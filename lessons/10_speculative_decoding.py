@@ -87,7 +87,7 @@ for r in cost:
 # matmul peak.
 
 # %%
-from minillm.bench.hardware import hardware_info  # noqa: E402
+from minillm.measure.hardware import hardware_info  # noqa: E402
 
 hw = hardware_info()
 weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -211,7 +211,7 @@ plt.show()
 # the target just chose) to a predicted f_{t+1} with one linear layer and one SwiGLU MLP (no attention: the feature
 # carries the context), scores only the few thousand tokens the target actually writes with the target's own LM-head
 # rows, and chains: the predicted feature feeds the next guess. It trained for a few CPU minutes on the teacher's
-# answers to lesson 09's training prompts (`python -m minillm.bench.small_model drafter`), unrolled on its own
+# answers to lesson 09's training prompts (`python -m minillm.recipes.small_model drafter`), unrolled on its own
 # predictions as it will draft; the result ships in `minillm/assets/` with its sha256.
 #
 # The drafter reads f from a forward hook on the target's final norm; after each target forward the engine (or the

@@ -41,11 +41,11 @@ import matplotlib.pyplot as plt
 import torch
 
 import minillm
-from minillm.bench import roofline, run_entry
+from minillm.measure import roofline, run_entry
 from minillm.bench.prefix_cache import shared_prefix_prompts, simulate_hit_rate
 from minillm.course.lesson import QUICK, hardware_line, pick
 from minillm.cache.prefix_cache import block_hashes
-from minillm.bench.workload import corpus_ids
+from minillm.measure.workload import corpus_ids
 
 torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
 print(hardware_line())
@@ -309,7 +309,7 @@ plt.show()
 # vLLM and SGLang default to budgets in the thousands; on this CPU every token in a step costs time, and the best
 # budget is much smaller.
 #
-# **A roofline model** of that difference (`minillm/bench/roofline.py`: a model, not a measurement). A step's time
+# **A roofline model** of that difference (`minillm/measure/roofline.py`: a model, not a measurement). A step's time
 # is max(weight bytes / bandwidth, FLOPs / FLOP/s) plus a fixed cost per op (on a GPU, kernel launches overlap the
 # GPU's work, so the largest of the three terms sets the time). This CPU's three numbers are measured now; the H100's
 # are datasheet figures. How much longer is a step of the bench's decodes when it also carries a prompt chunk?

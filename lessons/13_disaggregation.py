@@ -47,9 +47,9 @@ from minillm.bench.chunked_prefill import mixed_workload
 from minillm.engine import LLM
 from minillm.course.lesson import hardware_line, pick
 from minillm.cache.prefix_cache import block_hashes
-from minillm.serving.router import ReplicaState, make_router
+from minillm.cluster.router import ReplicaState, make_router
 from minillm.sampling import SamplingParams
-from minillm.bench.workload import corpus_ids, serve
+from minillm.measure.workload import corpus_ids, serve
 
 torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
 print(hardware_line())
@@ -181,7 +181,7 @@ for h, ref in zip(handoffs, reference):
 # worker finish their answers (the decode worker reports each handoff as it comes off the wire).
 
 # %%
-from minillm.serving.disagg import DisaggregatedLLM
+from minillm.cluster.disagg import DisaggregatedLLM
 
 with DisaggregatedLLM("smollm2-135m", threads=1, timeout_s=300) as dllm:
     t = time.perf_counter()

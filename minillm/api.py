@@ -18,7 +18,8 @@ from minillm.compile.fusion import fuse as fuse_model
 from minillm.compile.torch_compile import decode_tokens_compiled
 from minillm.compress.quant import Int4Linear, Int8Linear, QuantizedEmbedding, cpu_kernels
 from minillm.decode_loop import decode_tokens
-from minillm.gguf.loader import load_from_file, resolve_device, saved_model_exists
+from minillm.gguf.loader import load_from_file, resolve_device
+from minillm.gguf.saved import saved_model_exists
 import minillm.kv_cache as kv_cache
 from minillm.request import Request, RequestOutput, finish_reason, make_request
 from minillm.sampling import SamplingParams
@@ -80,7 +81,7 @@ def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
     fuse=True applies lesson 06's fusions (same logits, fewer ops per step; with weights="q4" the 4-bit rows are
     concatenated as they are); weights: see WEIGHTS ("q4" keeps the file's 4-bit layers packed); sparsity="2:4"
     prunes before any quantization (see SPARSITY and transform_weights). The order is fixed: load, prune, quantize,
-    fuse. minillm.compress.quant.describe_arithmetic(model) says what the matmuls compute in."""
+    fuse. minillm.compress.quantize.describe_arithmetic(model) says what the matmuls compute in."""
     check_weights(weights, sparsity)
     if weights == "q4" and saved_model_exists(name):
         raise ValueError(f"{name!r} is a saved float model with no file of 4-bit blocks to keep: use weights='int4' "
@@ -105,7 +106,7 @@ def make_cache(kind: str, model, max_len: int, batch_size: int = 1, kv_dtype: to
     if kind == "none":
         return None
     if kind == "contiguous":
-        # through the module, at call time: the course swaps a learner's KVCache in there (course/ladder.py)
+        # through the module, at call time: the course swaps a learner's KVCache in there (course/seams.py)
         cls = kv_cache.Int8KVCache if kv_dtype == torch.int8 else kv_cache.KVCache
         return cls.for_model(model, batch_size, max_len, kv_dtype=kv_dtype)
     if kind == "paged":

@@ -4,26 +4,21 @@
     minillm bench decode --quick    minillm bench --list    minillm grade 00 [--solutions]    minillm info
     minillm serve --port 8000       (an OpenAI-compatible server; needs pip install 'minillm[serve]')
 
-Bad arguments print one line and exit with status 2; a setup problem (weights cache not writable, download
-failed, pytest missing) prints one line that says what to do and exits with status 1. No tracebacks.
+Here: the parser and the dispatch (the commands' bodies: cli_generate.py, cli_commands.py). A bad argument is one
+line and exit status 2; a setup problem, one line that says what to do and status 1. No tracebacks.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
-import math
-import time
 import sys
 
-EXIT_USAGE, EXIT_SETUP = 2, 1
+from minillm.cli_commands import EXIT_SETUP, EXIT_USAGE, UsageError, cmd_bench, cmd_grade, cmd_hint, cmd_info, cmd_serve
+from minillm.cli_generate import cmd_generate
+
 THREADS_HELP = ("torch threads (default: torch's choice, one per core). Each measurement prints the thread count and "
                 "the load average; on a busy machine use no more threads than free cores (more make bf16 matmuls "
                 "many times slower)")
-
-
-class UsageError(Exception):
-    """A user mistake: printed as one line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -153,290 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _use_threads(threads: int | None) -> str:
-    """Apply --threads; warn (stderr) when other work leaves fewer free cores than that. Returns the line
-    'N threads, load L on C cores', measured now, before our own work adds to the load."""
-    import torch
-
-    from minillm.bench.hardware import busy_warning, threads_line
-
-    if threads is not None:
-        torch.set_num_threads(threads)
-    if warning := busy_warning():
-        print(f"minillm: {warning}", file=sys.stderr)
-    return threads_line()
-
-
-def apply_profile(args) -> dict | None:
-    """`generate --profile edge`: set the edge profile's flags (minillm.bench.edge.EDGE_PROFILE, measured by `minillm
-    bench edge`), refusing flags given with other values; then fill in the plain defaults. Returns the profile."""
-    from minillm.bench.edge import EDGE_PROFILE
-
-    profile = EDGE_PROFILE if args.profile == "edge" else None
-    if profile is not None:
-        wanted = {"--threads": (args.threads, profile["threads"]), "--weights": (args.weights, profile["weights"]),
-                  "--cache": (args.cache, profile["cache"]), "--dtype": (args.dtype, "float32"),
-                  "--device": (args.device, "cpu")}
-        clashes = [flag for flag, (given, want) in wanted.items() if given is not None and given != want]
-        clashes += [flag for flag, on in (("--compile", args.compile), ("--tp", args.tp > 1), ("--pp", args.pp > 1),
-                                          ("--sp", args.sp)) if on]
-        if clashes:
-            raise UsageError(f"--profile edge sets {profile['threads']} thread, --weights {profile['weights']} "
-                             f"--fuse, --cache {profile['cache']} with an int8 KV cache, on the CPU: drop "
-                             f"{', '.join(clashes)}")
-        args.threads, args.weights, args.cache, args.device = (profile["threads"], profile["weights"],
-                                                               profile["cache"], "cpu")
-        args.fuse = profile["fuse"]
-    args.dtype = args.dtype or "float32"
-    args.weights = args.weights or "dequantized"
-    args.cache = args.cache or "contiguous"
-    return profile
-
-
-def cmd_generate(args) -> int:
-    import torch
-
-    from minillm import generate, load_model
-    from minillm.bench.hardware import bandwidth
-    from minillm.bench.metrics import decode_bytes_per_token, mbu
-    from minillm.sampling import validate_sampling
-
-    profile = apply_profile(args)
-    validate_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)  # fail before the slow load
-    if not args.prompt.strip():
-        raise UsageError("the prompt is empty: give some text to continue or a question to answer")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda but torch sees no CUDA GPU; use --device cpu")
-    machine = _use_threads(args.threads)
-    if args.dtype == "bfloat16" and not torch.cuda.is_available() and args.device != "cuda":
-        from minillm.bench.hardware import native_bf16
-
-        if not native_bf16("cpu"):
-            print("minillm: note: this CPU emulates bf16 (no avx512_bf16/amx_bf16): the prompt's prefill (a matrix "
-                  "multiply) runs far slower than in float32; decode (matrix-vector) much less so", file=sys.stderr)
-    if args.tp > 1 or args.pp > 1 or args.sp:
-        return _generate_parallel(args)
-    spec = None
-    if args.speculative:
-        from minillm.speculative.decoding import SpeculativeConfig, SpecStats
-
-        spec = SpeculativeConfig(args.speculative, k=args.k, draft_model=args.draft_model)  # refuses bad combos
-        spec_stats = SpecStats()
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, attn_backend=args.attn, fuse=args.fuse,
-                            weights=args.weights)
-    kv_dtype = profile["kv_cache_dtype"] if profile else None
-    if profile:  # the edge pool holds one context of max_context tokens
-        n_prompt = len(tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user",
-                                                                                   "content": args.prompt}]))
-        if n_prompt + args.max_new_tokens > profile["max_context"]:
-            raise UsageError(f"--profile edge serves contexts of at most {profile['max_context']} tokens; this prompt "
-                             f"has {n_prompt} and --max-new-tokens is {args.max_new_tokens}")
-
-    def emit(text: str) -> None:
-        print(text, end="", flush=True)
-
-    res = generate(model, tok, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, cache=args.cache, chat=not args.raw,
-                   on_text=emit, compile=args.compile, speculative=spec, spec_stats=spec_stats if spec else None,
-                   kv_cache_dtype=kv_dtype)
-    print()
-    n = len(res.token_ids)
-    tps = res.decode_tokens_per_s
-    stats = [
-        f"load {model.load_seconds:.2f} s ({args.dtype}, {model.device.type}, attn={args.attn}, cache={args.cache})",
-        f"prompt {res.prompt_tokens} tokens, generated {n}",
-        f"TTFT {res.ttft_s * 1e3:.1f} ms",
-    ]
-    if n > 1 and not math.isnan(tps):  # nan when only one token came out
-        line = f"decode {tps:.1f} tokens/s"
-        if args.cache != "none" and spec is None:  # with speculation one weight read yields several tokens
-            # MBU needs only the bandwidth: a bounded probe (< 1 s), measured once per machine and kept on disk
-            moved = decode_bytes_per_token(model, res.prompt_tokens + n // 2)
-            bw = bandwidth(model.device)
-            line += (f", MBU {mbu(moved, 1 / tps, bw):.0%} "
-                     f"({moved / 2**20:.0f} MiB read per token, {bw / 1e9:.0f} GB/s copy)")
-        stats.append(line)
-    if spec is not None:
-        stats.append(f"speculative {args.speculative} k={args.k}: acceptance {spec_stats.acceptance_rate:.2f}, "
-                     f"{spec_stats.tokens_per_step:.2f} tokens per target forward")
-    if profile:
-        from minillm.api import make_cache
-        from minillm.bench.edge import own_peak_rss
-
-        kv = make_cache(args.cache, model, res.prompt_tokens + n, kv_dtype=torch.int8).nbytes()
-        stats.append(f"profile edge: {kv / 1024:.0f} KiB of int8 KV for this request, peak RSS "
-                     f"{own_peak_rss() / 2**20:.0f} MiB")
-    stats.append(f"{machine} at start")
-    stats.append(f"finish_reason: {res.finish_reason}")
-    print("--- " + " | ".join(stats))
-    if args.weights != "dequantized":
-        from minillm.compress.quant import describe_arithmetic
-
-        print(f"--- arithmetic: {describe_arithmetic(model)}")
-    return 0
-
-
-def _generate_parallel(args) -> int:
-    """--tp / --pp / --sp: generation on several processes (torch.distributed, gloo on CPU)."""
-    from minillm.parallel.launch import ParallelConfig, generate_parallel
-    from minillm.sampling import SamplingParams
-
-    if args.speculative or args.compile or args.cache != "contiguous":
-        raise UsageError("--tp/--pp/--sp decode on a contiguous cache: drop --speculative, --compile and --cache")
-    ParallelConfig(args.tp, args.pp, args.sp)  # refuses bad combinations before anything loads
-    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
-    t0 = time.perf_counter()
-    (out,) = generate_parallel(args.model, [args.prompt], params, tp=args.tp, pp=args.pp, sp=args.sp,
-                               dtype=args.dtype, chat=not args.raw, threads=args.threads)
-    print(out.text)
-    m = out.metrics
-    moved = sum(v["ring_bytes"] for v in m["comm_decode"].values()) / max(m["decode_steps"], 1)
-    kind = f"tp={args.tp}{' + sp' if args.sp else ''}" if args.tp > 1 else f"pp={args.pp}"
-    print("--- " + " | ".join([
-        f"{kind}: {len(m['ranks'])} ranks, {m['threads']} thread(s) each, wall {time.perf_counter() - t0:.1f} s",
-        f"prompt {out.prompt_tokens} tokens, generated {len(out.token_ids)}",
-        f"prefill {m['prefill_s'] * 1e3:.1f} ms",
-        f"decode {m['decode_tok_s']:.1f} tokens/s, {m['comm_decode_s'] / m['decode_s']:.0%} of it inside "
-        f"collectives, {moved / 1024:.1f} KiB sent per rank per token",
-        f"finish_reason: {out.finish_reason}"]))
-    return 0
-
-
-def cmd_bench(args) -> int:
-    from minillm.bench import ENTRIES, run_entry
-
-    if args.list:
-        width = max(map(len, ENTRIES))
-        for name, target in ENTRIES.items():
-            print(f"{name:<{width}s}  {target}")
-        return 0
-    if not args.name:
-        raise UsageError(f"give a benchmark name or --list; benchmarks: {', '.join(ENTRIES)}")
-    if args.name not in ENTRIES:
-        raise UsageError(f"unknown benchmark {args.name!r}; available: {', '.join(ENTRIES)}")
-    from minillm.bench import load_entry
-    from minillm.bench.hardware import bf16_status
-
-    # for entries that take them
-    extra = {k: v for k, v in (("url", args.url), ("rate", args.rate), ("parts", args.parts)) if v is not None}
-    if refused := [k for k in extra if k not in inspect.signature(load_entry(args.name)).parameters]:
-        raise UsageError(f"--{refused[0]} is not an option of benchmark {args.name!r}")
-    print(f"minillm bench {args.name}: {_use_threads(args.threads)} at start; {bf16_status()}")
-    run_entry(args.name, quick=args.quick, save=not args.no_save, out=args.out, **extra)
-    return 0
-
-
-def access_policy(args):
-    """`minillm serve`'s flags -> AccessPolicy: loopback names always; the bound address when it is a specific one."""
-    import os
-
-    from minillm.serving.access import LOOPBACK_HOSTS, AccessPolicy
-
-    def names(text: str) -> list[str]:
-        return [n.strip().lower() for n in text.split(",") if n.strip()]
-
-    bound = [] if args.host in ("0.0.0.0", "::", "") else [args.host.lower()]
-    hosts = tuple(dict.fromkeys([*LOOPBACK_HOSTS, *bound, *names(args.allowed_hosts)]))
-    origins = tuple(o.rstrip("/") for o in names(args.allowed_origins))
-    key = args.api_key if args.api_key is not None else os.environ.get("MINILLM_API_KEY") or None
-    return AccessPolicy(api_key=key, allowed_hosts=hosts, allowed_origins=origins)
-
-
-def cmd_serve(args) -> int:
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError:
-        print("minillm: error: minillm serve needs fastapi and uvicorn: pip install 'minillm[serve]' "
-              "(from a checkout: pip install -e '.[serve]')", file=sys.stderr)
-        return EXIT_SETUP
-    from minillm.engine import LLM
-    from minillm.serving.server import serve
-
-    if args.drain_timeout < 0:
-        raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
-    machine = _use_threads(args.threads)
-    from minillm.speculative.decoding import SpeculativeConfig
-
-    spec = SpeculativeConfig(args.speculative, k=args.k) if args.speculative else None
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
-              weights=args.weights, sparsity=args.sparsity, fuse=args.fuse, kv_cache_dtype=args.kv_cache_dtype,
-              speculative=spec)
-    access = access_policy(args)
-    composed = [f"weights {args.weights}"] + [x for x, on in (
-        (f"sparsity {args.sparsity}", args.sparsity), ("fused", args.fuse), ("int8 KV", args.kv_cache_dtype),
-        (f"speculative {args.speculative} k={args.k}", args.speculative)) if on]
-    print(f"minillm serve: {args.model} ({args.dtype}; {', '.join(composed)}), {llm!r}, prefix caching "
-          f"{'on' if args.enable_prefix_caching else 'off'}; {machine}", flush=True)
-    print(f"minillm serve: API key {'required' if access.api_key else 'off (--api-key to require one)'}; Host "
-          f"names {', '.join(access.allowed_hosts)}; web origins {', '.join(access.allowed_origins) or 'none'}; "
-          f"requests without temperature are sampled at 1.0 (OpenAI's default)", flush=True)
-    serve(llm, args.model, host=args.host, port=args.port, max_waiting=args.max_waiting,
-          drain_timeout=args.drain_timeout, log_level=args.log_level, access=access)
-    return 0
-
-
-def cmd_grade(args) -> int:
-    from minillm.course.grading import TASKS, print_table, run_graders
-
-    lesson = args.lesson.zfill(2)
-    if lesson not in TASKS:
-        raise UsageError(f"unknown lesson {args.lesson!r}; lessons with exercises: {', '.join(TASKS)}")
-    target = "solutions" if args.solutions else "exercises"
-    outcomes = run_graders(lesson, target)
-    print_table(lesson, outcomes, target)
-    return 0 if all(v == "pass" for v in outcomes.values()) else 1
-
-
-def cmd_hint(args) -> int:
-    from minillm.course.hints import hint
-
-    try:
-        print(hint(args.lesson.zfill(2), args.task, args.level))
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    return 0
-
-
-def cmd_info(args) -> int:
-    from minillm.config import ModelConfig
-    from minillm.kv_cache import kv_bytes, kv_bytes_per_token
-    from minillm.gguf.weights import gguf_path, read_gguf_metadata
-
-    cfg = ModelConfig.from_gguf_metadata(read_gguf_metadata(gguf_path(args.model)))
-    n = cfg.n_params()
-    print(f"{args.model}: llama decoder")
-    for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "group_size", "ffn_dim",
-                "rope_theta", "norm_eps", "max_seq_len", "tie_embeddings"):
-        print(f"  {key:<15s} {getattr(cfg, key):g}" if isinstance(getattr(cfg, key), float)
-              else f"  {key:<15s} {getattr(cfg, key)}")
-    print(f"parameters       {n:,} ({n / 1e6:.1f}M): {n * 4 / 2**20:.0f} MiB float32, {n * 2 / 2**20:.0f} MiB bfloat16")
-    for name, size in (("float32", 4), ("bf16/fp16", 2)):
-        print(f"KV cache {name:<9s} {kv_bytes_per_token(cfg, size):,} bytes/token "
-              f"(2 x {cfg.n_layers} layers x {cfg.n_kv_heads} kv heads x {cfg.head_dim} dims x {size} bytes); "
-              f"{kv_bytes(cfg, cfg.max_seq_len, dtype=size) / 2**20:.0f} MiB at {cfg.max_seq_len} tokens")
-    _print_machine()
-    return 0
-
-
-def _print_machine() -> None:
-    """What this machine is, detected without timing anything (the probes belong to `minillm bench`)."""
-    import torch
-
-    from minillm.bench.hardware import bf16_status, busy_warning, cpu_name, threads_line
-    from minillm_kernels.cpu_lowbit import describe as describe_cpu_kernels
-
-    print(f"machine          CPU {cpu_name()}; torch {torch.__version__}; {threads_line()}")
-    if torch.cuda.is_available():
-        print(f"                 GPU {torch.cuda.get_device_name()}; {bf16_status('cuda')}")
-    print(f"                 CPU {bf16_status('cpu')}")
-    print(f"                 CPU low-bit kernels: {describe_cpu_kernels()}")
-    if warning := busy_warning():
-        print(f"                 {warning}")
-
-
 def _one_line(message: str) -> str:
     # some messages carry a how-to on further lines (weights: fetch by hand); keep them, joined, on one line
     return " ".join(part.strip() for part in message.splitlines() if part.strip())
@@ -447,6 +158,8 @@ COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "grade": cmd_grade, "h
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status. A user mistake prints one line, status 2; a setup problem (weights cache
+    not writable, download failed, pytest missing) one line that says what to do, status 1."""
     from minillm.course.grading import GradingSetupError
     from minillm.gguf.weights import WeightsError
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 def check(dtype: str) -> dict:
     import minillm
     from minillm.bench.speculative import STUDENT, engine_throughput, timed, verify_cost, workloads
-    from minillm.gguf.loader import saved_model_dir
+    from minillm.gguf.saved import saved_model_dir
     from minillm.speculative.decoding import SpeculativeConfig
 
     model, tok = minillm.load_model(dtype=dtype, device="cuda")

@@ -1,6 +1,6 @@
 """Greedy tokens of SmolLM2 on held prompts through every path (generate: contiguous, paged, speculative; the engine:
-plain, prefix caching + int8 KV, speculative; disaggregated prefill/decode), written as JSON. Run it before and after
-a change that should not change any token, then compare:
+plain, prefix caching + int8 KV, speculative; disaggregated prefill/decode; two replicas), written as JSON. Run it
+before and after a change that should not change any token, then compare:
 
     python scripts/held_tokens.py before.json     # on the old checkout
     python scripts/held_tokens.py after.json --compare before.json
@@ -21,7 +21,8 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about caches.", "Nam
 
 
 def held_tokens(max_tokens: int = 24) -> dict[str, list[list[int]]]:
-    from minillm.serving.disagg import DisaggregatedLLM
+    from minillm.cluster.disagg import DisaggregatedLLM
+    from minillm.cluster.replicas import ReplicaPool
 
     model, tok = minillm.load_model("smollm2-135m", dtype="float32")
     params = SamplingParams(max_tokens=max_tokens)
@@ -43,6 +44,8 @@ def held_tokens(max_tokens: int = 24) -> dict[str, list[list[int]]]:
         out["disaggregated"] = [o.token_ids for o in disagg.generate(PROMPTS, params, chat=True)]
     finally:
         disagg.close()
+    with ReplicaPool("smollm2-135m", 2, "prefix_affinity") as pool:
+        out["replicas"] = [o.token_ids for o in pool.generate(PROMPTS, params, chat=True)]
     return out
 
 

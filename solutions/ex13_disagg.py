@@ -1,7 +1,7 @@
 """Exercise 13 (reference solutions): moving KV blocks between engines, and routing requests between replicas.
 
 pack_kv_blocks and unpack_kv_blocks are verbatim copies of minillm.cache.kv_transfer's, least_loaded and
-PrefixAffinityRouter of minillm.serving.router's (see SAME_AS; tests/test_exercise_sync.py keeps them in sync).
+PrefixAffinityRouter of minillm.cluster.router's (see SAME_AS; tests/test_exercise_sync.py keeps them in sync).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from torch import Tensor
 from minillm.cache.kv_pool import KVBlockPool
 from minillm.cache.kv_transfer import check_payload, stored_tensors
 from minillm.cache.prefix_cache import block_hashes
-from minillm.serving.router import ReplicaState, Router, live
+from minillm.cluster.router import ReplicaState, Router, live
 
 SAME_AS = {
     "pack_kv_blocks": "minillm.cache.kv_transfer",
     "unpack_kv_blocks": "minillm.cache.kv_transfer",
-    "least_loaded": "minillm.serving.router",
-    "PrefixAffinityRouter": "minillm.serving.router",
+    "least_loaded": "minillm.cluster.router",
+    "PrefixAffinityRouter": "minillm.cluster.router",
 }
 
 # task 13.pack -------------------------------------------------------------------------------------------------

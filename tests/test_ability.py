@@ -5,8 +5,6 @@ merged student, the teacher's answers cached once, the 'same first sentence' mea
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ from hypothesis import strategies as st
 
 from minillm.compress.ability import (AbilityConfig, chat_batch_at, distill_ability, first_sentence, masked_step,
                                       top1_agreement)
-from minillm.bench.small_model import teacher_answers
+from minillm.recipes.small_model import teacher_answers
 from minillm.compress.chat_data import (ALWAYS_HELD_OUT, CASCADE_QUESTIONS, SPECULATIVE_CHAT, chat_prompts,
                                         is_held_out, split)
 from minillm.compress.distill import distillation_loss
@@ -152,6 +150,7 @@ def test_ability_training_learns_and_trains_only_adapters_and_norms():
 def test_recipe_rebuilds_the_merged_student(tmp_path, monkeypatch):
     """What ships (dropped blocks + factors + norms, fp16) rebuilds the merged student through load_model."""
     import minillm.gguf.loader as loader
+    import minillm.gguf.saved as saved
 
     real, _ = loader.load_from_file("smollm2-135m", dtype="float32")
     student = drop_blocks(copy.deepcopy(real), [1, 3])
@@ -161,14 +160,10 @@ def test_recipe_rebuilds_the_merged_student(tmp_path, monkeypatch):
             if isinstance(m, LoRALinear):
                 m.A.copy_(m.A.half().float())
                 m.B.normal_(0, 0.01).copy_(m.B.half().float())
-    recipe = {"base": "smollm2-135m", "dropped_blocks": [1, 3],
-              "state": {k: v.half() for k, v in lora_state(student).items()}}
-    monkeypatch.setattr(loader, "saved_model_dir", lambda name: tmp_path / "saved" / name)
-    monkeypatch.setattr(loader, "ASSETS", tmp_path)
-    path = tmp_path / "tiny-student.pt"
-    torch.save(recipe, path)
-    (tmp_path / "tiny-student.pt.json").write_text(json.dumps({"sha256": hashlib.sha256(path.read_bytes())
-                                                               .hexdigest()}))
+    monkeypatch.setattr(saved, "saved_model_dir", lambda name: tmp_path / "saved" / name)
+    monkeypatch.setattr(saved, "ASSETS", tmp_path)
+    path = saved.write_recipe("tiny-student", "smollm2-135m", [1, 3], lora_state(student), {"note": "test"})
+    assert path == tmp_path / "tiny-student.pt" and saved.recipe_path("tiny-student") == path
     built, _ = loader.load_from_file("tiny-student", dtype="float32")
     want = merge_lora(student)
     x = torch.randint(0, 1000, (1, 12))
@@ -177,7 +172,7 @@ def test_recipe_rebuilds_the_merged_student(tmp_path, monkeypatch):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))  # corrupted after a rebuild: the next rebuild refuses it
-    loader.saved_model_dir("tiny-student").joinpath("config.json").unlink()
+    saved.saved_model_dir("tiny-student").joinpath("config.json").unlink()
     with pytest.raises(RuntimeError, match="sha256"):
         loader.load_from_file("tiny-student")
 
@@ -204,7 +199,7 @@ def test_bad_input():
 
 def test_retained_ability_is_one_for_the_teacher_itself_and_less_for_a_pruned_student():
     from minillm.api import generate_ids
-    from minillm.bench.small_model import retained_ability
+    from minillm.recipes.small_model import retained_ability
     from minillm.sampling import SamplingParams
 
     student, teacher = pair()

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from minillm import bench
-from minillm.bench import hardware
-from minillm.bench.hardware import hardware_info
-from minillm.bench.harness import BenchResult, time_fn
-from minillm.bench.metrics import (
+from minillm.measure import hardware
+from minillm.measure.hardware import hardware_info
+from minillm.measure.harness import BenchResult, time_fn
+from minillm.measure.metrics import (
     decode_bytes_per_token,
     decode_rate,
     decode_tok_s,
@@ -407,7 +407,7 @@ def test_roofline_adds_the_op_cost_on_a_cpu_and_overlaps_it_on_a_gpu():
     queue (the largest term sets the time)."""
     import dataclasses
 
-    from minillm.bench.roofline import Machine, Step
+    from minillm.measure.roofline import Machine, Step
 
     cpu = Machine("test cpu", bandwidth=1e10, flops=1e11, op_seconds=1e-6, bytes_per_weight=4, overlaps_ops=False,
                   source="made up")
@@ -420,7 +420,7 @@ def test_roofline_adds_the_op_cost_on_a_cpu_and_overlaps_it_on_a_gpu():
 
 
 def test_forward_step_reads_the_weights_once_and_does_the_flops_per_token():
-    from minillm.bench.roofline import H100_SXM, forward_step
+    from minillm.measure.roofline import H100_SXM, forward_step
 
     cfg = ModelConfig()  # SmolLM2-135M: the LM head is the embedding, read whole
     one, eight = forward_step(cfg, H100_SXM, tokens=1), forward_step(cfg, H100_SXM, tokens=8)
@@ -473,7 +473,7 @@ def test_ladder_workload_is_seeded_chats_over_two_system_prompts_and_long_docume
 
 
 def test_waterfall_chains_rung0_through_the_subset_and_interference_compares_with_the_product():
-    from minillm.bench.ladder import interference, waterfall
+    from minillm.bench.ladder_gains import interference, waterfall
 
     # rungs 1..3 at 10, 30, 45 tok/s; rung 0 ran 2 tok/s on a subset where rung 1 ran 8 tok/s: rung 1 is 4x rung 0
     steps = waterfall([10.0, 30.0, 45.0], 2.0, rung1_subset=8.0)
@@ -485,7 +485,7 @@ def test_waterfall_chains_rung0_through_the_subset_and_interference_compares_wit
 
 def test_interference_pairs_explain_themselves_from_the_logged_runs():
     """Full mode only reaches this after ~10 minutes of serving: check its bookkeeping on made-up runs."""
-    from minillm.bench.ladder import interference_pairs
+    from minillm.bench.ladder_gains import interference_pairs
     from minillm.speculative.decoding import SpecStats
 
     def run(tok_per_s, prefill=100, steps=4, width=4.0, accepted=0):
@@ -511,8 +511,9 @@ def test_interference_pairs_explain_themselves_from_the_logged_runs():
 
 
 def test_one_at_a_time_serving_replays_arrivals_and_counts_ttft_from_arrival(monkeypatch):
-    from minillm.bench.ladder import agreement, serve_one_at_a_time
-    from minillm.bench.workload import Request
+    from minillm.bench.ladder import serve_one_at_a_time
+    from minillm.bench.ladder_gains import agreement
+    from minillm.measure.workload import Request
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig.tiny()).eval().requires_grad_(False)

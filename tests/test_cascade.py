@@ -1,4 +1,4 @@
-"""The model cascade (minillm/serving/cascade.py, lesson 13): confidence signals, the threshold's two ends (0 =
+"""The model cascade (minillm/cluster/cascade.py, lesson 13): confidence signals, the threshold's two ends (0 =
 always-small, 1 = always-large, answers and costs), the sweep against a per-request simulation, the entropy hook
 against a teacher-forced forward, and clear errors for bad input. Oracles: the engine run on one model alone, a full
 forward."""
@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minillm.serving.cascade import (
+from minillm.cluster.cascade import (
     SIGNALS,
     Cascade,
     Outcome,
@@ -294,7 +294,7 @@ def test_caller_params_are_not_changed(pair):
 
 @pytest.mark.slow
 def test_real_pair_ends_match_the_engine(real_model):
-    from minillm.serving.cascade import load_small
+    from minillm.cluster.cascade import load_small
 
     large, tok = real_model
     small, description = load_small(large)

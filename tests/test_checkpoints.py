@@ -1,4 +1,4 @@
-"""minillm.course.ladder: the learner's exercise code swapped into the model, the caches and the engine, and back out.
+"""minillm.course.seams: the learner's exercise code swapped into the model, the caches and the engine, and back out.
 
 The real-model tasks of the graders (task_NN_real_model) rely on this; here a tiny random model keeps it fast.
 """
@@ -18,7 +18,7 @@ import minillm.engine.llm
 import minillm.engine.scheduler
 import minillm.kv_cache
 import minillm.model
-from minillm.course.ladder import STANDS_ON, check_on_ladder, implemented, pieces, use_exercises
+from minillm.course.seams import STANDS_ON, check_on_ladder, implemented, pieces, use_exercises
 from minillm.kv_cache import KVCache
 from tests.conftest import tiny_model
 

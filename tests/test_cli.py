@@ -188,7 +188,7 @@ def test_profile_edge_applies_one_thread_q4_fused_and_an_int8_paged_cache(monkey
     import torch
 
     import minillm
-    import minillm.bench.hardware
+    import minillm.measure.hardware
     from minillm.config import ModelConfig
     from minillm.model import Transformer
     from minillm.request import RequestOutput
@@ -212,7 +212,7 @@ def test_profile_edge_applies_one_thread_q4_fused_and_an_int8_paged_cache(monkey
 
     monkeypatch.setattr(minillm, "load_model", fake_load_model)
     monkeypatch.setattr(minillm, "generate", fake_generate)
-    monkeypatch.setattr(minillm.bench.hardware, "bandwidth", lambda device: 10e9)
+    monkeypatch.setattr(minillm.measure.hardware, "bandwidth", lambda device: 10e9)
     threads = torch.get_num_threads()
     try:
         assert main(["generate", "hi", "--profile", "edge", "--weights", "q4", "--fuse", "--max-new-tokens", "3"]) == 0

@@ -19,7 +19,7 @@ from minillm.cache import kv_transfer
 from minillm.engine import LLM
 from minillm.cache.kv_pool import KVBlockPool, KVCacheSpec
 from minillm.cache.kv_transfer import kv_checksum, pack_kv_blocks, stored_tensors, unpack_kv_blocks
-from minillm.engine.llm import StreamEvent
+from minillm.engine.output import StreamEvent
 from minillm.gguf.loader import load_spec
 from minillm.request import RequestOutput
 from minillm.sampling import SamplingParams
@@ -200,7 +200,7 @@ def wait_for(cond, d, timeout_s: float = 20.0) -> None:
 
 @pytest.fixture(scope="module")
 def disagg():
-    from minillm.serving.disagg import DisaggregatedLLM
+    from minillm.cluster.disagg import DisaggregatedLLM
 
     with DisaggregatedLLM(TEXT_SPEC, prefill=dict(block_size=4, num_blocks=64, max_num_batched_tokens=8,
                                                   enable_prefix_caching=True),
@@ -276,7 +276,7 @@ def test_disaggregated_refuses_bad_requests_and_keeps_serving(disagg):
 def test_a_killed_prefill_worker_fails_only_the_requests_it_still_held():
     """The prefill worker hands two requests over, then holds the rest (a fault: it stops stepping) and is killed.
     The two already decoding finish with LLM's answer; the three it held end with an error naming its death."""
-    from minillm.serving.disagg import DisaggregatedLLM
+    from minillm.cluster.disagg import DisaggregatedLLM
 
     prompts = [ids(12, i) for i in range(5)]
     params = [SamplingParams(max_tokens=80, ignore_eos=True)] * 2 + [GREEDY] * 3
@@ -304,7 +304,7 @@ def test_a_killed_prefill_worker_fails_only_the_requests_it_still_held():
 def test_int8_kv_and_a_corrupted_transfer():
     """int8 KV moves with its scales; a payload corrupted on the way is refused (checksum) without holding blocks,
     and the next request is served."""
-    from minillm.serving.disagg import DisaggregatedLLM
+    from minillm.cluster.disagg import DisaggregatedLLM
 
     model = load_spec(SPEC)[0]
     kw = dict(block_size=4, num_blocks=64, kv_cache_dtype="int8")
@@ -318,7 +318,7 @@ def test_int8_kv_and_a_corrupted_transfer():
 
 
 def test_a_killed_decode_worker_ends_its_requests_with_an_error():
-    from minillm.serving.disagg import DisaggregatedLLM
+    from minillm.cluster.disagg import DisaggregatedLLM
 
     with DisaggregatedLLM(SPEC, prefill=dict(block_size=4), decode=dict(block_size=4), timeout_s=60) as d:
         rids = [d.submit(ids(20, i), SamplingParams(max_tokens=400, ignore_eos=True)) for i in range(3)]
@@ -334,7 +334,7 @@ def test_a_killed_decode_worker_ends_its_requests_with_an_error():
 
 
 def test_workers_with_different_weights_or_layouts_are_refused():
-    from minillm.serving.disagg import DisaggregatedLLM
+    from minillm.cluster.disagg import DisaggregatedLLM
 
     with pytest.raises(ValueError, match="same block_size"):
         DisaggregatedLLM(SPEC, prefill=dict(block_size=4), decode=dict(block_size=8))
@@ -348,7 +348,7 @@ def test_workers_with_different_weights_or_layouts_are_refused():
 
 @pytest.mark.slow
 def test_a_prefill_worker_dying_mid_transfer_is_an_error_not_a_hang():
-    from minillm.serving.disagg import DisaggregatedLLM
+    from minillm.cluster.disagg import DisaggregatedLLM
 
     with DisaggregatedLLM(SPEC, timeout_s=60, _fault=("die_mid_transfer", 0)) as d:
         out = d.generate([ids(10)], GREEDY, raise_on_error=False)[0]
@@ -357,7 +357,7 @@ def test_a_prefill_worker_dying_mid_transfer_is_an_error_not_a_hang():
 
 @pytest.mark.slow
 def test_real_model_disaggregated_equals_colocated(real_model):
-    from minillm.serving.disagg import DisaggregatedLLM
+    from minillm.cluster.disagg import DisaggregatedLLM
 
     model, tok = real_model
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, " * 6]

@@ -164,7 +164,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="not all 0"):
         DistillConfig(kd=0, ce=0, cos=0)
     with pytest.raises(ValueError, match="autocast"):
-        DistillConfig(autocast="auto")  # the caller resolves it (minillm.bench.hardware.native_bf16)
+        DistillConfig(autocast="auto")  # the caller resolves it (minillm.measure.hardware.native_bf16)
     with pytest.raises(ValueError, match="differ"):
         distillation_loss(torch.zeros(2, 3), torch.zeros(2, 4), 1.0)
     torch.manual_seed(0)

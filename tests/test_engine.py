@@ -227,7 +227,7 @@ def test_real_model_batched_equals_solo(real_model):
 
 
 def test_serve_feeds_requests_at_their_arrival_times(tiny):
-    from minillm.bench.workload import Request, serve
+    from minillm.measure.workload import Request, serve
 
     rng = random.Random(5)
     reqs, t = [], 0.0

@@ -1,4 +1,4 @@
-"""Workload generation (minillm/bench/workload.py) and serving metrics (minillm/bench/metrics.py), checked
+"""Workload generation (minillm/measure/workload.py) and serving metrics (minillm/measure/metrics.py), checked
 against numpy and hand counts."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from minillm.bench import workload as wl
-from minillm.bench.metrics import percentiles, summarize
+from minillm.measure import workload as wl
+from minillm.measure.metrics import percentiles, summarize
 class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode())

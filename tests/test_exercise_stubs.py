@@ -137,8 +137,8 @@ def test_every_task_has_three_hint_levels_without_solution_code(lesson):
     for marker, _ in TASKS[lesson]:
         levels = HINTS.get(marker)
         assert levels and len(levels) == 3 and all(s.strip() for s in levels), (
-            f"{marker}: minillm/course/hints.py needs exactly three levels (nudge, contract detail, recipe)")
-        assert "yet)" not in levels[2], f"{marker}: no level-3 recipe written in minillm/course/hints.py"
+            f"{marker}: minillm/course/tasks.toml needs exactly three levels (nudge, contract detail, recipe)")
+        assert "yet)" not in levels[2], f"{marker}: no level-3 recipe written in minillm/course/tasks.toml"
         task = marker.split("_", 2)[2]
         for level, text in enumerate(levels, 1):
             shown = _norm(hint(lesson, task, level))

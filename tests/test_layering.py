@@ -1,10 +1,9 @@
 """The house's layering, read from the import graph with `ast` (every import, at module level or inside a function).
 
-minillm is a ladder: the core every lesson stands on, then a folder per technique, then the engine that composes
-them, then serving, then the benches and the course, then the entry points. An arrow may only point down the
-ladder (or sideways, to a folder on the same rung); the import graph has no cycle; the core stays small enough to
-read in an afternoon. A new module must be placed in LAYERS: an unplaced one fails, so this table stays the map.
-"""
+minillm is a ladder: the kernels (kernels/, imported as minillm_kernels) at the ground, then the core every lesson
+stands on, a folder per technique, the engine that composes them, serving, the cluster of engines, the benches and
+the course, then the entry points. An arrow may only point down the ladder (or sideways, on the same rung); the
+graph has no cycle; the core stays small enough to read in an afternoon. A new module must be placed in LAYERS."""
 
 from __future__ import annotations
 
@@ -13,31 +12,39 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "minillm"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "minillm"
+PACKAGES = {"minillm": PACKAGE, "minillm_kernels": ROOT / "kernels"}  # import name -> folder (pyproject's package-dir)
 
 # rung -> the modules (or folders: every module under them) on it; a module may import its own rung and below
 LAYERS: list[tuple[str, list[str]]] = [
+    ("kernels", ["minillm_kernels"]),  # the ground: Triton and C++ kernels, importing nothing of minillm
     ("core", ["minillm.config", "minillm.model", "minillm.sampling", "minillm.kv_cache", "minillm.request",
               "minillm.decode_loop", "minillm.attention"]),  # the package minillm.attention: the registry
     ("model file", ["minillm.gguf"]),
     ("techniques", ["minillm.attention.flash", "minillm.cache", "minillm.compile", "minillm.compress"]),
     ("techniques over the cache", ["minillm.speculative", "minillm.parallel"]),
     ("one-request front door", ["minillm.api"]),
+    ("measuring tools", ["minillm.measure"]),  # timers, hardware, rooflines, workloads: benches, lessons and CLI
     ("engine", ["minillm.engine"]),
+    ("recipes", ["minillm.recipes"]),  # what trains the shipped assets: above everything it trains with
     ("serving", ["minillm.serving"]),
+    ("cluster", ["minillm.cluster"]),  # many engines (lesson 13) over the one-engine server (lesson 12)
     ("benches", ["minillm.bench"]),
     ("course", ["minillm.course"]),
-    ("entry points", ["minillm", "minillm.__main__", "minillm.cli"]),
+    ("entry points", ["minillm", "minillm.__main__", "minillm.cli", "minillm.cli_commands", "minillm.cli_generate"]),
 ]
 CORE_MAX_LINES = 1200
+CORE = [rung_name for rung_name, _ in LAYERS].index("core")
 
 
 def modules() -> dict[str, Path]:
     out = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        out[name] = path
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = (package, *path.relative_to(folder).with_suffix("").parts)
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = path
     return out
 
 
@@ -64,7 +71,7 @@ def rung(name: str) -> int:
     best, best_len = None, -1
     for i, (_, entries) in enumerate(LAYERS):
         for entry in entries:
-            inside = name == entry or (name.startswith(entry + ".") and entry != "minillm")
+            inside = name == entry or (name.startswith(entry + ".") and entry != "minillm")  # "minillm": __init__
             if inside and len(entry) > best_len:
                 best, best_len = i, len(entry)
     if best is None:
@@ -121,7 +128,7 @@ def test_no_import_cycles(graph):
 
 
 def test_the_core_is_small(graph):
-    core = [name for name in graph if rung(name) == 0]
+    core = [name for name in graph if rung(name) == CORE]
     lines = {name: len(modules()[name].read_text().splitlines()) for name in core}
     assert sum(lines.values()) <= CORE_MAX_LINES, f"the core has grown to {sum(lines.values())} lines: {lines}"
 
@@ -135,14 +142,26 @@ def test_the_checker_sees_a_violation(tmp_path):
     assert rung("minillm.engine.llm") > rung("minillm.model")
 
 
+def test_the_kernels_are_on_the_map(graph):
+    """kernels/ is read as minillm_kernels: its modules are in the graph, on the ground rung, and an import of
+    minillm from a kernel file would point up the ladder."""
+    kernels = [name for name in graph if name.startswith("minillm_kernels")]
+    assert "minillm_kernels.cpu_lowbit" in kernels and all(rung(k) == 0 for k in kernels)
+    assert any(t.startswith("minillm_kernels") for targets in graph.values() for t in targets)
+    assert rung("minillm.model") > rung("minillm_kernels.flash_attn")
+
 def test_readme_lists_the_core_with_its_size(graph):
     """README's "Read the core first" table names every core module with its length (give or take 10 lines)."""
     import re
 
     readme = (PACKAGE.parent / "README.md").read_text()
-    for name in (n for n in graph if rung(n) == 0):
+    for name in (n for n in graph if rung(n) == CORE):
         rel = modules()[name].relative_to(PACKAGE.parent).as_posix()
         row = re.search(rf"^\| `{re.escape(rel)}` \| (\d+) \|", readme, flags=re.M)
         assert row, f"README's core table does not list {rel}"
         lines = len(modules()[name].read_text().splitlines())
         assert abs(int(row.group(1)) - lines) <= 10, f"README says {rel} has {row.group(1)} lines; it has {lines}"
+    total = sum(len(modules()[n].read_text().splitlines()) for n in graph if rung(n) == CORE)
+    said = re.search(r"^\| \| \*\*([\d,]+)\*\* \|", readme, flags=re.M)
+    assert said, "README's core table has no total row (| | **N** | ...)"
+    assert abs(int(said.group(1).replace(",", "")) - total) <= 10, f"README's core total is {said.group(1)}: {total}"

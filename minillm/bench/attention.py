@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from minillm.bench.harness import BenchResult, time_fn
+from minillm.measure.harness import BenchResult, time_fn
 
 BATCH, N_HEADS, N_KV_HEADS, HEAD_DIM = 1, 9, 3, 64
 METHODS = ("naive", "flash", "sdpa")

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from minillm.bench.harness import BenchResult
-from minillm.bench.metrics import summarize, timer
-from minillm.bench.workload import make_workload
+from minillm.measure.harness import BenchResult
+from minillm.measure.metrics import summarize, timer
+from minillm.measure.workload import make_workload
 
 
 def hf_padded_generate(requests, max_batch: int, dtype: str) -> tuple[float, int]:

@@ -2,7 +2,7 @@
 
 Large: SmolLM2-135M. Small: lesson 09's distilled student ("smollm2-135m-student") when saved on this machine,
 else an untrained early-exit stand-in (the notes say which). Both answer a fixed set of short chat questions,
-greedy, one at a time; `minillm.serving.cascade.sweep` turns those answers into the cascade at every
+greedy, one at a time; `minillm.cluster.cascade.sweep` turns those answers into the cascade at every
 threshold, per confidence signal: agreement with the large model vs mean cost (seconds, FLOPs), escalation
 rate. A perfect-signal row bounds what any signal can reach; one live cascade run checks the sweep. Target:
 >= 95% agreement at <= 70% of the cost.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from minillm.bench.metrics import timer
+from minillm.measure.metrics import timer
 from minillm.compress.chat_data import CASCADE_QUESTIONS
 
 QUESTIONS = CASCADE_QUESTIONS  # held out of the student's training (compress/chat_data.py)
@@ -39,7 +39,7 @@ def _row(label: str, signal: str, p: dict) -> dict:
 
 
 def measure(quick: bool = False, threads: int = 1) -> dict:
-    from minillm.serving.cascade import SIGNALS, Cascade, Outcome, answer_kl, escalates, load_small, outcomes, sweep
+    from minillm.cluster.cascade import SIGNALS, Cascade, Outcome, answer_kl, escalates, load_small, outcomes, sweep
     from minillm.api import load_model
     from minillm.sampling import SamplingParams
 

@@ -13,9 +13,9 @@ import math
 
 import torch
 
-from minillm.bench.harness import BenchResult
-from minillm.bench.metrics import percentiles
-from minillm.bench.workload import Request, corpus_ids, serve
+from minillm.measure.harness import BenchResult
+from minillm.measure.metrics import percentiles
+from minillm.measure.workload import Request, corpus_ids, serve
 
 
 def mixed_workload(tok, n_decode: int, decode_len: int, n_long: int, long_len: int, gap_s: float,

@@ -2,7 +2,7 @@
 
 Prefill (many tokens through every weight at once) is compute-bound, judged by MFU; decode (one token per
 step, each weight byte read for 2 FLOPs) is memory-bound, judged by MBU; both against the roofs
-minillm.bench.hardware measures. Rows: prefill and cached decode in float32 and bfloat16, and the no-cache
+minillm.measure.hardware measures. Rows: prefill and cached decode in float32 and bfloat16, and the no-cache
 decode lesson 01 removes. Where the CPU emulates bf16, the bf16 rows measure the emulation (prefill at one
 size, no MFU; the notes say so).
 """
@@ -13,9 +13,9 @@ import copy
 
 import torch
 
-from minillm.bench.hardware import bandwidth, bf16_status, native_bf16, peak_flops
-from minillm.bench.harness import BenchResult, time_fn
-from minillm.bench.metrics import (
+from minillm.measure.hardware import bandwidth, bf16_status, native_bf16, peak_flops
+from minillm.measure.harness import BenchResult, time_fn
+from minillm.measure.metrics import (
     decode_bytes_per_token,
     decode_tok_s,
     mbu,

@@ -13,8 +13,8 @@ import importlib
 
 import torch
 
-from minillm.bench.harness import BenchResult
-from minillm.bench.metrics import timer
+from minillm.measure.harness import BenchResult
+from minillm.measure.metrics import timer
 
 PARTS = {"pd": "minillm.bench.disagg_pd", "routing": "minillm.bench.routing", "cascade": "minillm.bench.cascade"}
 

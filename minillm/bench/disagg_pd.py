@@ -2,7 +2,7 @@
 
 The chunked-prefill bench's workload (chat requests decoding while long prompts arrive), SmolLM2-135M,
 float32, greedy, served three ways on 2 x `threads` cores in all: one colocated LLM whose step holds a whole
-prompt; the same chunked at 64 tokens a step (Sarathi); minillm.serving.disagg.DisaggregatedLLM, a prefill and
+prompt; the same chunked at 64 tokens a step (Sarathi); minillm.cluster.disagg.DisaggregatedLLM, a prefill and
 a decode worker, the KV moved over gloo. Per mode: TTFT, the chat requests' TPOT and ITL, goodput under an
 SLO; for disaggregated, the KV bytes moved per prompt token against the formula and the transfer's share of
 TTFT. Outputs compared.
@@ -15,8 +15,8 @@ import math
 import torch
 
 from minillm.bench.chunked_prefill import mixed_workload
-from minillm.bench.metrics import percentiles, summarize, timer
-from minillm.bench.workload import serve
+from minillm.measure.metrics import percentiles, summarize, timer
+from minillm.measure.workload import serve
 
 
 def _row(mode: str, outs, wall: float, n_decode: int, slo: tuple[float, float]) -> dict:
@@ -37,10 +37,10 @@ def measure(quick: bool, threads: int = 1, colocated_threads: int | None = None)
     """Run the three modes back to back; rows, ratios, targets, notes, series (and settings). colocated_threads
     (default 2 x threads: the same cores) can be lowered where other work occupies cores: with more torch threads
     than free cores a step can slow down many-fold (spin-waiting threads), which would flatter disaggregation."""
-    from minillm.serving.disagg import DisaggregatedLLM
+    from minillm.cluster.disagg import DisaggregatedLLM
     from minillm.engine import LLM
     from minillm.api import load_model
-    from minillm.bench.hardware import load_average
+    from minillm.measure.hardware import load_average
 
     if quick:
         n_decode, decode_len, n_long, long_len, gap, first = 2, 24, 2, 200, 0.6, 0.3

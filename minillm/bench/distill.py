@@ -1,33 +1,24 @@
 """`minillm bench distill` (lesson 09): a student sized by measurement, that keeps the teacher's answers.
 
-Teacher SmolLM2-135M-Instruct. Students: the teacher minus the blocks whose removal costs least, chosen one at a
-time by the KL they cost on the teacher's answers (pruning.greedy_block_drop; lesson 08's one-shot block importance
-is measured beside it, as the untrained start it would give), keeping 24 / 20 / 16 of 30, recovered with LoRA
-adapters (compress/lora.py) by ability-transfer KD (compress/ability.py: the teacher's greedy answers to ~2,100
-templated chat prompts, plus plain-text KD steps). Every size trains the same steps on the same batches; at the
-size that ships, the same budget also trains (a) standard text-only KD and (b) every weight instead of adapters.
-The shipped size then trains on to the full budget and is written to minillm/assets/smollm2-135m-student.pt
-(dropped blocks + adapters + norms, with its sha256): load_model rebuilds the student from it. Per row, a
-DistilBERT-style table: parameters, decode tok/s, perplexity and KL on the held-apart pydoc text, and retained
-ability on held-out prompts (never trained on): the share of greedy answers that start with the teacher's first
-sentence, and top-1 agreement on the teacher's answers. The speed target is measured in interleaved pairs.
+Students are the teacher minus the blocks whose removal costs least (KL on the teacher's answers, one at a time),
+keeping 24 / 20 / 16 of 30, recovered with LoRA by ability-transfer KD on the teacher's answers to templated chat
+prompts. Per row, a DistilBERT-style table: parameters, decode tok/s, perplexity and KL on held-apart text, and
+retained ability on held-out prompts. The shipped size trains on to the full budget and ships as a few-MB recipe
+(recipes/student.py) instead of a full model: load_model rebuilds the student from it.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import random
 
 import torch
 
-from minillm.bench.hardware import native_bf16
-from minillm.bench.harness import BenchResult, paired_ratio
-from minillm.bench.metrics import decode_tok_s, timer
-
-SHIP = "smollm2-135m-student"
+from minillm.measure.hardware import native_bf16
+from minillm.measure.harness import BenchResult, paired_ratio
+from minillm.measure.metrics import decode_tok_s, timer
 
 
 def budget(quick: bool) -> dict:
@@ -42,7 +33,7 @@ def budget(quick: bool) -> dict:
 
 def chat_data(teacher, tok, b: dict) -> tuple[list, list, dict]:
     """(train examples, held-out examples, facts): the teacher's answers to the templated prompts (cached)."""
-    from minillm.bench.small_model import answers_path, teacher_answers
+    from minillm.recipes.small_model import answers_path, teacher_answers
     from minillm.compress.chat_data import ALWAYS_HELD_OUT, chat_ids, chat_prompts, is_held_out, split
 
     prompts = chat_prompts()
@@ -63,7 +54,7 @@ def chat_data(teacher, tok, b: dict) -> tuple[list, list, dict]:
 
 
 def measure(student, teacher, tok, held: list, ev: torch.Tensor, prompt: list[int], n_decode: int) -> dict:
-    from minillm.bench.small_model import retained_ability
+    from minillm.recipes.small_model import retained_ability
     from minillm.compress.distill import evaluate
     from minillm.compress.pruning import n_params
 
@@ -85,14 +76,21 @@ def merged(student):
 
 
 def run(quick: bool = False) -> BenchResult:
+    """Teacher SmolLM2-135M-Instruct. Blocks dropped by pruning.greedy_block_drop (lesson 08's one-shot block
+    importance is measured beside it, as the untrained start it would give); adapters from compress/lora.py, trained
+    by compress/ability.py on the teacher's greedy answers to ~2,100 prompts plus plain-text KD steps. Every size
+    trains the same steps on the same batches; at the size that ships, the same budget also trains (a) standard
+    text-only KD and (b) every weight instead of adapters. Retained ability: the share of greedy answers that start
+    with the teacher's first sentence, and top-1 agreement on the teacher's answers. The speed target is measured in
+    interleaved teacher/student pairs. Not quick: writes minillm/assets/smollm2-135m-student.pt (+ .json)."""
     from minillm.api import load_model
     from minillm.compress.ability import AbilityConfig, answer_batch, distill_ability
     from minillm.compress.distill import train_ids
-    from minillm.compress.lora import add_lora, lora_state
+    from minillm.compress.lora import add_lora
     from minillm.compress.pruning import block_importance, drop_blocks, greedy_block_drop, least_important
     from minillm.compress.quality import calibration_ids, eval_ids
-    from minillm.gguf.loader import build_from_recipe, recipe_path
     from minillm.gguf.weights import cache_dir
+    from minillm.recipes.student import ship_student
 
     b = budget(quick)
     torch.manual_seed(0)
@@ -168,20 +166,8 @@ def run(quick: bool = False) -> BenchResult:
     rows.append(final)
     by = {r["variant"]: r for r in rows}
     if b["ship"]:
-        state = {"base": "smollm2-135m", "dropped_blocks": dropped[ship], "state": {
-            k: v.half() for k, v in lora_state(students[ship]).items()}}
-        path = recipe_path(SHIP)
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-        import hashlib
-
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        info = {"sha256": digest, "command": "minillm bench distill", "dropped_blocks": dropped[ship],
-                "budget": {k: v for k, v in b.items()}, "data": facts,
-                "eval": {k: v for k, v in final.items() if isinstance(v, (int, float, str))}}
-        path.with_suffix(".pt.json").write_text(json.dumps(info, indent=1) + "\n")
-        build_from_recipe(SHIP)  # the cache copy is what a fresh checkout builds: fp16 factors, not the float32 merge
+        ship_student(students[ship], dropped[ship], {"budget": dict(b), "data": facts, "eval": {
+            k: v for k, v in final.items() if isinstance(v, (int, float, str))}})
     # the speed target from interleaved pairs: each row's best-of-3 is measured minutes apart on a shared machine
     shipped = merged(students[ship])
     pair = paired_ratio(lambda: decode_tok_s(teacher, prompt, n_decode),

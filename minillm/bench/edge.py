@@ -1,24 +1,10 @@
 """Benchmark "edge" (lesson 14): the smallest configuration that still serves, and what it costs in a fresh process.
 
-The idea: the ladder (`minillm bench ladder`) stacks techniques for throughput; an edge device asks the other question,
-how little memory and how few cores can still answer. The edge profile is one thread, the file's 4-bit weights kept
-packed (q4, fused), an int8 KV cache in a paged pool that holds one context of at most 512 tokens: EDGE_PROFILE below,
-which `minillm generate --profile edge` applies too. The lesson: a process's memory is not its weights. Each
-configuration runs in a fresh Python process, so its peak RSS is that configuration's alone: torch and the imports
-(the "floor" row), then the weights, the KV cache and the activations on top.
-
-Per profile: load time (load_model, after the imports), ready time (imports + load), the RSS (peak, after loading,
-at the end, after glibc returns freed memory), TTFT and decode tokens/s of a greedy generation of n_new tokens from
-one chat prompt, and quality against the float32 default: free-running token agreement, where it first differs, and
-teacher-forced top-1 agreement; perplexity in full mode (measured after the RSS). Beside it, llama.cpp
-(llama-cpp-python, optional) on the same GGUF file with the same thread count, prompt ids and token count; a missing or
-crashing llama.cpp (FACTS: AMX builds die with SIGILL on some VMs) is a stated skip. A trap measured here: the peak RSS
-of a child is its VmHWM, not getrusage's ru_maxrss, which Linux carries over from the parent across fork + exec.
-
-results/edge.json: rows (profile, config, load_s, ready_s, peak_rss_MiB, loaded_rss_MiB, end_rss_MiB, trimmed_rss_MiB,
-ru_maxrss_MiB, weights_MiB, kernel_copy_MiB (the CPU kernels' repacked weights), kv_MiB, ttft_ms, decode_tok_s,
-agree_fp32, first_diff, forced_agree_fp32, ppl; a skipped profile has a "skipped" reason instead), ratios
-(edge_peak_rss_vs_fp32, edge_decode_vs_fp32, edge_peak_rss_vs_llama_cpp, edge_decode_vs_llama_cpp), settings, notes.
+The ladder (`minillm bench ladder`) stacks techniques for throughput; an edge device asks the other question, how
+little memory and how few cores can still answer (EDGE_PROFILE). The lesson: a process's memory is not its weights.
+Each configuration runs in a fresh Python process, so its peak RSS is that configuration's alone: torch and the
+imports (the "floor" row), then the weights, the KV cache and the activations on top. What each profile measures and
+what results/edge.json holds: `run`.
 """
 
 from __future__ import annotations
@@ -29,8 +15,10 @@ import os
 import subprocess
 import sys
 
-from minillm.bench.harness import BenchResult
+from minillm.measure.harness import BenchResult
 
+# One thread, the file's 4-bit weights kept packed (q4, fused), an int8 KV cache in a paged pool that holds one
+# context of at most 512 tokens; `minillm generate --profile edge` applies it too.
 EDGE_PROFILE = {"threads": 1, "weights": "q4", "fuse": True, "kv_cache_dtype": "int8", "cache": "paged",
                 "max_context": 512}
 DEFAULT_PROFILE = {"threads": 1, "weights": "dequantized", "fuse": False, "kv_cache_dtype": None,
@@ -178,7 +166,7 @@ def own_peak_rss() -> int:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     except (OSError, StopIteration):
-        from minillm.bench.metrics import peak_memory
+        from minillm.measure.metrics import peak_memory
 
         return peak_memory("cpu")
 
@@ -190,7 +178,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def profile_row(name: str, config: str, res: dict, reference: list[int] | None) -> dict:
     """One table row from a child's result; quality against the reference (the float32 default's tokens)."""
-    from minillm.bench.metrics import decode_rate
+    from minillm.measure.metrics import decode_rate
 
     def mib(key):
         return res[key] / MiB if res.get(key) is not None else None
@@ -216,6 +204,23 @@ def profile_row(name: str, config: str, res: dict, reference: list[int] | None) 
 
 
 def run(quick: bool = False) -> BenchResult:
+    """Each profile in a fresh process, the float32 default first (every other row's quality reference).
+
+    Per profile: load time (load_model, after the imports), ready time (imports + load), the RSS (peak, after
+    loading, at the end, after glibc returns freed memory), TTFT and decode tokens/s of a greedy generation of n_new
+    tokens from one chat prompt, and quality against the float32 default: free-running token agreement, where it
+    first differs, and teacher-forced top-1 agreement; perplexity in full mode (measured after the RSS). Beside it,
+    llama.cpp (llama-cpp-python, optional) on the same GGUF file with the same thread count, prompt ids and token
+    count; a missing or crashing llama.cpp (FACTS: AMX builds die with SIGILL on some VMs) is a stated skip. A trap
+    measured here: the peak RSS of a child is its VmHWM, not getrusage's ru_maxrss, which Linux carries over from the
+    parent across fork + exec.
+
+    results/edge.json: rows (profile, config, load_s, ready_s, peak_rss_MiB, loaded_rss_MiB, end_rss_MiB,
+    trimmed_rss_MiB, ru_maxrss_MiB, weights_MiB, kernel_copy_MiB (the CPU kernels' repacked weights), kv_MiB,
+    ttft_ms, decode_tok_s, agree_fp32, first_diff, forced_agree_fp32, ppl; a skipped profile has a "skipped" reason
+    instead), ratios (edge_peak_rss_vs_fp32, edge_decode_vs_fp32, edge_peak_rss_vs_llama_cpp,
+    edge_decode_vs_llama_cpp), settings, notes.
+    """
     from minillm.gguf.tokenizer import Tokenizer
     from minillm.gguf.weights import gguf_path, read_gguf_metadata
 

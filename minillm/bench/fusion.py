@@ -2,11 +2,8 @@
 
 Every variant decodes the same prompt ids greedily in one process, one after another, and the table gives tok/s, the
 aten ops one decode step dispatches (eager and fused; a compiled step runs one generated program), and the bytes it
-reads per token against three roofs measured in the same run: MBU, over the copy probe (hardware.probe_bandwidth,
-the peak bytes/s every lesson and bench divides by), the share of a read-only probe (a large reduction: a decode step
-only *reads* weights), and the share of the ceiling of torch's own batch-1 matrix-vector products over the model's
-weights, with nothing else in the step (what torch can reach on this machine at all). transformers' generate runs
-beside it in bf16 (full mode).
+reads per token against three roofs measured in the same run (see `run`). transformers' generate runs beside it in
+bf16 (full mode).
 """
 
 from __future__ import annotations
@@ -15,9 +12,9 @@ import copy
 
 import torch
 
-from minillm.bench.hardware import bf16_status, probe_bandwidth
-from minillm.bench.harness import BenchResult, time_fn
-from minillm.bench.metrics import decode_bytes_per_token, decode_tok_s, timer
+from minillm.measure.hardware import bf16_status, probe_bandwidth
+from minillm.measure.harness import BenchResult, time_fn
+from minillm.measure.metrics import decode_bytes_per_token, decode_tok_s, timer
 from minillm.bench.kv_cache import hf_decode, hf_model, matmul_bytes_per_s
 
 
@@ -31,7 +28,7 @@ _COMPILE_CHILD = """
 import sys, torch
 torch.set_num_threads(int(sys.argv[1]))
 from minillm import generate, load_model
-from minillm.bench.metrics import timer
+from minillm.measure.metrics import timer
 from minillm.compile.fusion import fuse
 model, _ = load_model("smollm2-135m", dtype="float32")
 fuse(model)
@@ -108,6 +105,13 @@ def ladder(base, ids: list[int], n_new: int, repeat: int, dtypes=(torch.float32,
 
 
 def run(quick: bool = False) -> BenchResult:
+    """The table of `ladder`, with bytes read per token against three roofs measured in the same run.
+
+    MBU, over the copy probe (hardware.probe_bandwidth, the peak bytes/s every lesson and bench divides by); the share
+    of a read-only probe (a large reduction: a decode step only *reads* weights); and the share of the ceiling of
+    torch's own batch-1 matrix-vector products over the model's weights, with nothing else in the step (what torch
+    can reach on this machine at all).
+    """
     from minillm.api import load_model
 
     prompt_len, n_new, repeat = (16, 12, 1) if quick else (32, 128, 3)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from minillm.bench.hardware import bf16_status, preferred_dtype
-from minillm.bench.hardware import hardware_info
-from minillm.bench.harness import BenchResult, time_fn
-from minillm.bench.metrics import decode_bytes_per_token, weight_bytes
+from minillm.measure.hardware import bf16_status, preferred_dtype
+from minillm.measure.hardware import hardware_info
+from minillm.measure.harness import BenchResult, time_fn
+from minillm.measure.metrics import decode_bytes_per_token, weight_bytes
 from minillm.kv_cache import KVCache, kv_bytes_per_token, max_tokens_in_budget
 
 BUDGET_BYTES = 1 << 30  # 1 GiB of KV cache

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from minillm.bench.hardware import hardware_info
-from minillm.bench.harness import BenchResult, time_fn
-from minillm.bench.metrics import decode_bytes_per_token, decode_rate, mbu, timed_decode, timer, weight_bytes
+from minillm.measure.hardware import hardware_info
+from minillm.measure.harness import BenchResult, time_fn
+from minillm.measure.metrics import decode_bytes_per_token, decode_rate, mbu, timed_decode, timer, weight_bytes
 
 PROMPT_LEN = 32
 

@@ -1,46 +1,13 @@
 """Benchmark "ladder" (lesson 14, the capstone): every rung of the course stacked on one served workload.
 
-The idea: each lesson measured its technique against the step before, alone. A user runs them all at once, so the
-capstone serves one fixed, seeded workload with the techniques switched on one at a time, cumulatively, and asks what
-each rung adds on top of the others: the waterfall. The lesson: gains do not simply multiply. Two techniques that
-attack the same cost (or one that needs the slack the other removed) interfere, so a few pairs are measured on their
-own and gain(A+B) is set against gain(A) x gain(B).
-
-The workload: chat requests sharing one of two system prompts (pydoc text), a few long documents to summarize,
-Poisson arrivals replayed against the clock (a request is admitted once its arrival time has passed; TTFT counts
-from arrival), fixed output lengths (ignore_eos), greedy. The rungs, SmolLM2-135M on the CPU:
-
-    0  lesson 00's loop, no KV cache: every token recomputes the whole prefix (one request at a time, FIFO)
-    1  + KV cache (01), still one at a time
-    2  + paged KV and continuous batching: the engine (04, 05), float32
-    3  + fused layers (06)
-    4  + 4-bit weights: the file's own Q4_1 blocks (07)
-    5  + int8 KV cache (07)
-    6  + prefix caching (12)
-    7  + chunked prefill (12)
-    8  + speculative decoding (10): all on
-
-Rung 0 is quadratic in the length, so it serves only the first requests (`rung0_requests`); rung 1 serves that subset
-too, and rung 0's gains are chained through it (gain vs rung 0 = rung k / rung 1 x rung 1 / rung 0, on the subset).
-Per rung: output tokens/s over the wall time, TTFT and TPOT p50/p99, memory = weight bytes + KV bytes (the engine's
-whole pool, reserved up front; the largest contiguous cache one at a time; the drafter's tensors with speculation),
-quality = the fraction of output tokens equal, position by position, to rung 1's float32 greedy tokens, and the
-perplexity of the rung's weights. A finding the agreement column carries: with q4 weights minillm's CPU kernels round
-the activations to int8 per block of 32, so anything that changes the floats upstream (batching shapes, chunking,
-prefix reuse) can flip a near-tie, and greedy tokens differ from the same weights run one at a time (agree_q4_serial).
-
-results/ladder.json: rows (one per run: "rung" 0-8, "1 (subset)", "q4 serial", "8 alt" for the speculation method
-not chosen, "x" for the interference runs; columns technique, requests, output_tokens, wall_s, tok_per_s,
-ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms, weights_MiB, kv_MiB, memory_MiB, load1, agree_fp32,
-same_as_fp32, agree_q4_serial, ppl, gain_vs_rung0, gain_vs_prev), ratios (all_on_vs_no_cache, all_on_vs_kv_cache,
-batching_vs_one_at_a_time, q4_ppl_vs_fp32, all_on_agree_fp32, interference_<pair>), series.waterfall (per rung:
-tok_per_s, gain_vs_rung0, gain_vs_prev) and series.interference (per pair: gain_a, gain_b, gain_ab, product,
-interference, why), settings (the workload and engine sizes), notes. The edge profile: `minillm bench edge`.
+Each lesson measured its technique alone against the step before; a user runs them all at once. So one seeded
+workload is served with the techniques switched on one at a time, cumulatively: the waterfall of what each rung adds
+on top of the others. The lesson: gains do not simply multiply. Two techniques that attack the same cost interfere,
+so a few pairs are measured on their own (the arithmetic: ladder_gains.py). `run` says what results/ladder.json holds.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import time
@@ -48,11 +15,11 @@ from itertools import pairwise
 
 import torch
 
-from minillm.bench.harness import BenchResult
-from minillm.bench.metrics import summarize
-from minillm.bench.workload import Request, corpus_ids, serve
+from minillm.bench.ladder_gains import MiB, agreement, interference_pairs, waterfall
+from minillm.measure.harness import BenchResult
+from minillm.measure.metrics import summarize
+from minillm.measure.workload import Request, corpus_ids, serve
 
-MiB = 2**20
 SIZES = {  # quick: seconds on 2 cores; full: the whole ladder in ~10-15 minutes
     True: {"n_chat": 4, "n_docs": 1, "system_tokens": 48, "doc_tokens": 96, "out_tokens": 8, "rate": 32.0,
            "rung0_requests": 2, "ppl_tokens": 128, "budget": 64, "interference": False, "spec_methods": ("ngram",)},
@@ -69,8 +36,10 @@ MAX_NUM_SEQS = 16
 
 def ladder_workload(tok, n_chat: int, n_docs: int, system_tokens: int, doc_tokens: int, out_tokens: int,
                     rate: float, seed: int = 0) -> tuple[list[Request], list[str]]:
-    """(requests, kinds): n_chat chats over two shared system prompts and n_docs "summarize this" documents, in a
-    seeded shuffled order, Poisson arrivals at `rate` requests/s (the first at t=0), out_tokens each."""
+    """(requests, kinds): n_chat chats over two shared system prompts (pydoc text) and n_docs "summarize this"
+    documents, in a seeded shuffled order, Poisson arrivals at `rate` requests/s (the first at t=0), out_tokens each.
+    Served against the clock: a request is admitted once its arrival time has passed, and TTFT counts from arrival;
+    fixed output lengths (ignore_eos), greedy."""
     from pydoc_data.topics import topics
 
     rng = random.Random(seed)
@@ -114,53 +83,19 @@ def serve_one_at_a_time(model, requests: list[Request], cache: str) -> tuple[lis
     return outs, time.perf_counter() - t0
 
 
-# ------------------------------------------------------------------------------------------------- arithmetic
-
-
-def agreement(outputs: list, reference: list) -> float:
-    """Fraction of output tokens equal, position by position, to the reference's (same requests, same lengths)."""
-    same = sum(a == b for o, r in zip(outputs, reference) for a, b in zip(o.token_ids, r.token_ids))
-    total = sum(len(r.token_ids) for r in reference)
-    return same / total if total else float("nan")
-
-
-def waterfall(tok_per_s: list[float], rung0: float, rung1_subset: float | None = None) -> list[tuple[float, float]]:
-    """(gain vs rung 0, gain vs the previous rung) for rungs 1..n, given throughputs of rungs 1..n (index 0 is rung
-    1) and of rung 0. Rung 0 ran only on a subset, where rung 1 ran too (rung1_subset): gain vs rung 0 = rung k /
-    rung 1 x rung 1 / rung 0 on the subset. rung1_subset None: rung 0 ran the whole workload."""
-    base = (rung1_subset if rung1_subset is not None else tok_per_s[0]) / rung0
-    out, prev = [], None
-    for i, t in enumerate(tok_per_s):
-        vs0 = t / tok_per_s[0] * base
-        out.append((vs0, base if i == 0 else t / prev))
-        prev = t
-    return out
-
-
-def interference(base: float, a: float, b: float, ab: float) -> dict[str, float]:
-    """Throughputs of a base, base+A, base+B, base+A+B -> gains vs base and gain(A+B) / (gain(A) x gain(B)):
-    1 = independent, < 1 = they compete for the same saving (or one removes what the other needs), > 1 = they help
-    each other."""
-    ga, gb, gab = a / base, b / base, ab / base
-    return {"gain_a": ga, "gain_b": gb, "gain_ab": gab, "product": ga * gb, "interference": gab / (ga * gb)}
-
-
 # ---------------------------------------------------------------------------------------------------- running
 
 
 def _drafter_bytes(llm) -> int:
     """Bytes the learned drafter adds: its head and the LM-head rows it scores with (prompt lookup adds none)."""
     from minillm.model import model_bytes
+    from minillm.speculative.learned import LearnedDrafter
 
-    head = getattr(llm.drafter, "head", None)
-    if head is None:
+    if not isinstance(llm.drafter, LearnedDrafter):
         return 0
+    head = llm.drafter.head
     rows = head.head
     return model_bytes(head) + (rows.numel() * rows.element_size() if rows is not None else 0)
-
-
-def _decode_steps(step_log: list[dict]) -> list[dict]:
-    return [s for s in step_log if s["num_prefill_tokens"] == 0 and s["num_decodes"]]
 
 
 class Ladder:
@@ -225,6 +160,36 @@ def _warm(model) -> None:
 
 
 def run(quick: bool = False) -> BenchResult:
+    """The ladder, SmolLM2-135M on the CPU:
+
+        0  lesson 00's loop, no KV cache: every token recomputes the whole prefix (one request at a time, FIFO)
+        1  + KV cache (01), still one at a time
+        2  + paged KV and continuous batching: the engine (04, 05), float32
+        3  + fused layers (06)
+        4  + 4-bit weights: the file's own Q4_1 blocks (07)
+        5  + int8 KV cache (07)
+        6  + prefix caching (12)
+        7  + chunked prefill (12)
+        8  + speculative decoding (10): all on
+
+    Rung 0 is quadratic in the length, so it serves only the first requests (`rung0_requests`); rung 1 serves that
+    subset too, and rung 0's gains are chained through it (gain vs rung 0 = rung k / rung 1 x rung 1 / rung 0, on
+    the subset). Per rung: output tokens/s over the wall time, TTFT and TPOT p50/p99, memory = weight bytes + KV
+    bytes (the engine's whole pool, reserved up front; the largest contiguous cache one at a time; the drafter's
+    tensors with speculation), quality = the fraction of output tokens equal, position by position, to rung 1's
+    float32 greedy tokens, and the perplexity of the rung's weights. A finding the agreement column carries: with q4
+    weights minillm's CPU kernels round the activations to int8 per block of 32, so anything that changes the floats
+    upstream (batching shapes, chunking, prefix reuse) can flip a near-tie, and greedy tokens differ from the same
+    weights run one at a time (agree_q4_serial).
+
+    results/ladder.json: rows (one per run: "rung" 0-8, "1 (subset)", "q4 serial", "8 alt" for the speculation
+    method not chosen, "x" for the interference runs; columns technique, requests, output_tokens, wall_s, tok_per_s,
+    ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms, weights_MiB, kv_MiB, memory_MiB, load1, agree_fp32,
+    same_as_fp32, agree_q4_serial, ppl, gain_vs_rung0, gain_vs_prev), ratios (all_on_vs_no_cache,
+    all_on_vs_kv_cache, batching_vs_one_at_a_time, q4_ppl_vs_fp32, all_on_agree_fp32, interference_<pair>),
+    series.waterfall (per rung: tok_per_s, gain_vs_rung0, gain_vs_prev) and series.interference (per pair: gain_a,
+    gain_b, gain_ab, product, interference, why), settings (the workload and engine sizes), notes. The edge
+    profile: `minillm bench edge`."""
     from minillm.api import load_model
     from minillm.cache.block_allocator import blocks_needed
     from minillm.compress.quality import perplexity
@@ -388,56 +353,3 @@ def run(quick: bool = False) -> BenchResult:
         settings={"quick": quick, "model": "smollm2-135m", "device": "cpu", "threads": torch.get_num_threads(),
                   **{k: v for k, v in size.items() if k != "spec_methods"}, "spec_method": method, "spec_k": SPEC_K,
                   "max_num_seqs": MAX_NUM_SEQS, "num_blocks": num_blocks, "requests": len(requests)})
-
-
-def _direction(ratio: float, tolerance: float = 0.05) -> str:
-    """How gain(A+B) compares with gain(A) x gain(B), in words (within `tolerance`: independent)."""
-    if abs(ratio - 1) <= tolerance:
-        return "about the product (independent)"
-    return "less than the product" if ratio < 1 else "more than the product"
-
-
-def interference_pairs(runs: dict, mean_ctx: float, kv_per_token_fp32: int, by: dict, budget: int
-                       ) -> dict[str, dict]:
-    """The three pairs over rung 2 (the third over rung 2 at max_num_seqs 1), each with a 'why' computed from what
-    the runs logged: bytes per step, prompt tokens computed and steps taken, acceptance and tokens per step."""
-    tps = {k: v["tok_per_s"] for k, v in runs.items()}
-    base, out = tps["2"], {}
-
-    p = interference(base, tps["2 + q4 weights"], tps["2 + int8 KV"], tps["2 + q4 weights + int8 KV"])
-    seqs = _mean([s["num_seqs"] for s in _decode_steps(runs["2"]["steps"])])
-    kv = seqs * mean_ctx * kv_per_token_fp32  # bytes of fp32 KV a decode step reads, on average
-    w32, w4 = by["2"]["weights_MiB"] * MiB, by["4"]["weights_MiB"] * MiB
-    p["why"] = (f"{_direction(p['interference'])}: int8 KV gained x{p['gain_b']:.2f} over fp32 weights and "
-                f"x{p['gain_ab'] / p['gain_a']:.2f} over q4 weights. A decode step reads ~{kv / MiB:.0f} MiB of fp32 "
-                f"KV ({seqs:.1f} sequences x ~{mean_ctx:.0f} tokens): {kv / (kv + w32):.0%} of its bytes beside "
-                f"{w32 / MiB:.0f} MiB of fp32 weights, {kv / (kv + w4):.0%} beside {w4 / MiB:.0f} MiB of q4 weights")
-    out["q4_weights_x_int8_kv"] = p
-
-    names = ("2 + prefix caching", "2 + chunked prefill", "2 + prefix caching + chunked prefill")
-    p = interference(base, *(tps[n] for n in names))
-    prefill = {n: sum(s["num_prefill_tokens"] for s in runs[n]["steps"]) for n in ("2", *names)}
-    nsteps = {n: len(runs[n]["steps"]) for n in ("2", *names)}
-    p["why"] = (f"{_direction(p['interference'])}: prompt tokens computed {prefill['2']} (rung 2), "
-                f"{prefill[names[0]]} with prefix caching (hit rate {runs[names[0]]['hit_rate']:.0%}), "
-                f"{prefill[names[1]]} with chunking, {prefill[names[2]]} with both; engine steps {nsteps['2']}, "
-                f"{nsteps[names[0]]}, {nsteps[names[1]]} (budget {budget}), {nsteps[names[2]]}: each step reads all "
-                f"the weights once")
-    out["prefix_caching_x_chunked_prefill"] = p
-
-    names = ("2 at max_num_seqs 1", "2", "2 at max_num_seqs 1 + speculation", "2 + speculation")
-    p = interference(*(tps[n] for n in names))  # A = batching, B = speculation, both over max_num_seqs 1
-    alone, full = runs[names[2]], runs[names[3]]
-    width = {n: _mean([s["num_tokens"] for s in _decode_steps(runs[n]["steps"])]) for n in names}
-    p["why"] = (f"{_direction(p['interference'])}: speculation alone x{p['gain_b']:.2f} (acceptance "
-                f"{alone['spec'].acceptance_rate:.2f}, {alone['spec'].tokens_per_step:.2f} tokens per verify), with a "
-                f"full batch x{p['gain_ab'] / p['gain_a']:.2f} (acceptance {full['spec'].acceptance_rate:.2f}, "
-                f"{full['spec'].tokens_per_step:.2f}); tokens per decode step: {width[names[0]]:.1f} -> "
-                f"{width[names[2]]:.1f} alone, {width['2']:.1f} -> {width[names[3]]:.1f} in the batch")
-    out["speculation_x_batching"] = p
-    return out
-
-
-def _mean(xs) -> float:
-    xs = [x for x in xs if not math.isnan(x)]
-    return sum(xs) / len(xs) if xs else float("nan")

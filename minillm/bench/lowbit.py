@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from minillm.bench.harness import BenchResult
-from minillm.bench.metrics import decode_rate
+from minillm.measure.harness import BenchResult
+from minillm.measure.metrics import decode_rate
 
 PROMPT = "The history of the printing press begins with " * 4
 
@@ -92,7 +92,7 @@ def decoders(quick: bool) -> dict:
 
 
 def decode_rows(quick: bool, threads: list[int], n_new: int, repeat: int) -> tuple[list[dict], dict, list[str]]:
-    from minillm.bench.hardware import bandwidth
+    from minillm.measure.hardware import bandwidth
     from minillm.gguf.tokenizer import Tokenizer
     from minillm.gguf.weights import gguf_path, read_gguf_metadata
 
@@ -194,7 +194,7 @@ TARGETS = {"q4_vs_bf16_1t": (">=", 2.5), "q4_vs_bf16_2t": (">=", 2.5), "q4_vs_ll
 
 def parts(quick: bool) -> tuple[list[dict], dict, dict, list[str]]:
     """rows, ratios, targets, notes of every part (bench quant merges them into its own result)."""
-    from minillm.bench.hardware import native_bf16
+    from minillm.measure.hardware import native_bf16
     from minillm_kernels import cpu_lowbit
 
     cpu_lowbit.load()

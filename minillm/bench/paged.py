@@ -14,8 +14,8 @@ import statistics
 
 import torch
 
-from minillm.bench.harness import BenchResult, time_fn
-from minillm.bench.metrics import decode_tok_s, timed_decode
+from minillm.measure.harness import BenchResult, time_fn
+from minillm.measure.metrics import decode_tok_s, timed_decode
 from minillm.cache.block_allocator import BlockAllocator, OutOfBlocksError, blocks_needed
 from minillm.config import SMOLLM2_135M, ModelConfig
 from minillm.kv_cache import kv_bytes_per_token

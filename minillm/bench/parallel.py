@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minillm.bench.harness import BenchResult
-from minillm.bench.metrics import decode_rate, timed_decode
+from minillm.measure.harness import BenchResult
+from minillm.measure.metrics import decode_rate, timed_decode
 
 # the analytic model's links: (GB/s per GPU one way, microseconds per small all-reduce), rough public figures
 LINKS = {"NVLink 4 (H100 SXM)": (450.0, 8.0), "PCIe 4.0 x16": (25.0, 25.0)}

@@ -13,9 +13,9 @@ import math
 
 import torch
 
-from minillm.bench.harness import BenchResult
-from minillm.bench.metrics import percentiles, timer
-from minillm.bench.workload import corpus_ids
+from minillm.measure.harness import BenchResult
+from minillm.measure.metrics import percentiles, timer
+from minillm.measure.workload import corpus_ids
 
 
 def shared_prefix_prompts(tok, n: int, system_tokens: int) -> tuple[list[list[int]], int]:

@@ -3,13 +3,8 @@
 Every variant is the same SmolLM2 file; the reference is its fp32 dequantization (the file's Q4_1 weights
 expanded), bf16 the path the quantized kernels replace. Per variant: weight bytes, batch-1 decode and prefill
 tok/s, perplexity, KL to the reference and top-1 agreement on the pydoc text (AWQ calibrates on its held-apart
-tail). 3-bit rows are quality only: rounded to 3 bits and stored in float (no 3-bit kernel), so their weight_MB is
-computed for the packed format (`packed_3bit_bytes`), not counted from the float tensors. Which weights a row
-quantizes differs: the int8/int4 rows (RTN and AWQ) quantize every Linear *and* the tied embedding/LM head, the file's
-Q4_1 row keeps the file's Q8_0 embedding/LM head, the 3-bit rows keep it in float. Then the int8 KV cache: sequences
-admitted in the same KV byte budget, and throughput. torchao runs beside minillm when installed. Last, bench lowbit's
-parts (minillm/bench/lowbit.py): the CPU low-bit kernels against torch's and llama.cpp's (llama-cpp-python, an
-optional extra) at 1 and 2 threads, the verify / 16-row step, and the engine with q4 weights.
+tail). Which weights each row quantizes, and the 3-bit rows: `variants`. Then the int8 KV cache
+(`kv_int8_capacity`), torchao beside minillm when installed, and bench lowbit's parts (see `run`).
 """
 
 from __future__ import annotations
@@ -19,9 +14,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from minillm.bench.hardware import bf16_status
-from minillm.bench.harness import BenchResult, time_fn
-from minillm.bench.metrics import decode_tok_s, timer
+from minillm.measure.hardware import bf16_status
+from minillm.measure.harness import BenchResult, time_fn
+from minillm.measure.metrics import decode_tok_s, timer
 
 
 @torch.inference_mode()
@@ -49,7 +44,12 @@ def prefill_tok_s(model, ids: list[int], repeat: int) -> float:
 
 
 def variants(quick: bool, calib: list[int]):
-    """name -> (builder, quality only?). Builders load a fresh model: quantization happens in place."""
+    """name -> (builder, quality only?). Builders load a fresh model: quantization happens in place.
+
+    Which weights a row quantizes differs: the int8/int4 rows (RTN and AWQ) quantize every Linear *and* the tied
+    embedding/LM head, the file's Q4_1 row keeps the file's Q8_0 embedding/LM head, the 3-bit rows keep it in float.
+    3-bit rows are quality only: rounded to 3 bits and stored in float (no 3-bit kernel), so their weight_MB is
+    computed for the packed format (`packed_3bit_bytes`), not counted from the float tensors."""
     from minillm.api import load_model
     from minillm.compress.awq import apply_awq
     from minillm.compress.quant import fake_quantize_int4
@@ -113,7 +113,8 @@ def torchao_variants() -> tuple[dict, str | None]:
 
 
 def kv_int8_capacity(quick: bool) -> tuple[list[dict], dict]:
-    """The engine with a bf16 KV pool vs an int8 one, in the same byte budget: blocks, peak sequences, tok/s."""
+    """The engine with a bf16 KV pool vs an int8 one, in the same byte budget: blocks, peak sequences (sequences
+    admitted), tok/s."""
     from minillm.api import load_model
     from minillm.engine.llm import LLM
     from minillm.sampling import SamplingParams
@@ -146,6 +147,9 @@ def kv_int8_capacity(quick: bool) -> tuple[list[dict], dict]:
 
 
 def run(quick: bool = False) -> BenchResult:
+    """The variants' table, then the int8 KV cache and torchao (when installed), then bench lowbit's parts
+    (minillm/bench/lowbit.py): the CPU low-bit kernels against torch's and llama.cpp's (llama-cpp-python, an
+    optional extra) at 1 and 2 threads, the verify / 16-row step, and the engine with q4 weights."""
     from minillm.api import load_model
     from minillm.model import model_bytes
     from minillm.compress.quality import calibration_ids, eval_ids

@@ -3,7 +3,7 @@
 SmolLM2-135M, float32, greedy, fixed lengths (ignore_eos). Requests come from several groups, each with its
 own long system prompt, interleaved, arriving as a Poisson stream; a ReplicaPool of two replicas with prefix
 caching serves them behind round-robin, least-outstanding-tokens and prefix-affinity routing
-(serving/router.py), the same requests for each. Round-robin makes every replica cache every group's prompt;
+(cluster/router.py), the same requests for each. Round-robin makes every replica cache every group's prompt;
 affinity computes each once in the fleet. Per policy: TTFT p50/p99/mean, throughput, prefix hit rate,
 evictions, load imbalance; outputs compared.
 """
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from minillm.bench.metrics import percentiles, timer
-from minillm.bench.workload import corpus_ids
+from minillm.measure.metrics import percentiles, timer
+from minillm.measure.workload import corpus_ids
 
 POLICIES = ("round_robin", "least_tokens", "prefix_affinity")
 
@@ -54,7 +54,7 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 def measure(quick: bool = False, threads: int = 1) -> dict:
     """Run the three policies; returns {"rows", "ratios", "targets", "notes", "series", "settings"}."""
     from minillm.cache.block_allocator import blocks_needed
-    from minillm.serving.replicas import ReplicaPool
+    from minillm.cluster.replicas import ReplicaPool
     from minillm.sampling import SamplingParams
     from minillm.gguf.tokenizer import Tokenizer
     from minillm.gguf.weights import gguf_path, read_gguf_metadata

@@ -1,14 +1,9 @@
 """Benchmark "serve" (lesson 12): the OpenAI-compatible server (serving/server.py) under load, at the client.
 
-An asyncio load generator streams requests (SSE) at Poisson arrivals or a fixed concurrency and times every
-chunk: TTFT, ITL, TPOT, E2E, throughput, goodput under `SLO`, `lost` requests; fixed output lengths
-(`ignore_eos`). Workloads: short chats, chats sharing one system prompt, long documents. Given no URL it
-starts its own `minillm serve` and measures the server's overhead against `LLM.generate` (`overhead`).
-
-The rate sweep sends each rate's requests over the same stretch of time (`requests_at`), not a fixed count: a queue
-grows at (offered rate - capacity) per second, so only arrivals that go on long enough past the capacity form one.
-A fixed 16 requests at 4 req/s would arrive within 4 s and fit into the server's 16 slots: no queue, and goodput
-equal to throughput at every rate.
+An asyncio load generator streams requests (SSE) at Poisson arrivals or a fixed concurrency and times every chunk:
+TTFT, ITL, TPOT, E2E, throughput, goodput under `SLO`, `lost` requests; fixed output lengths (`ignore_eos`).
+Workloads: short chats, chats sharing one system prompt, long documents. Given no URL it starts its own `minillm
+serve` and measures the server's overhead against `LLM.generate` (`overhead`). Why rates span time: `requests_at`.
 
     minillm bench serve --quick          minillm bench serve --url http://127.0.0.1:8000 --rate 0.5 --rate 1
 """
@@ -31,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from minillm.bench.harness import BenchResult
-from minillm.bench.metrics import summarize, timer
-from minillm.bench.workload import corpus_ids
+from minillm.measure.harness import BenchResult
+from minillm.measure.metrics import summarize, timer
+from minillm.measure.workload import corpus_ids
 
 SLO = {"ttft_s": 2.0, "tpot_s": 0.5}
 WORKLOADS = ("short-chat", "shared-system", "long-doc")
@@ -42,7 +37,12 @@ MIN_REQUESTS = 16
 
 
 def requests_at(rate: float, window_s: float = ARRIVAL_WINDOW_S, least: int = MIN_REQUESTS) -> int:
-    """How many requests a rate sends: enough to keep arriving for `window_s` seconds, and at least `least`."""
+    """How many requests a rate sends: enough to keep arriving for `window_s` seconds, and at least `least`.
+
+    The rate sweep sends each rate's requests over the same stretch of time, not a fixed count: a queue grows at
+    (offered rate - capacity) per second, so only arrivals that go on long enough past the capacity form one. A fixed
+    16 requests at 4 req/s would arrive within 4 s and fit into the server's 16 slots: no queue, and goodput equal to
+    throughput at every rate."""
     return max(least, round(rate * window_s))
 
 

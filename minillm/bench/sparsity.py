@@ -13,8 +13,8 @@ import copy
 
 import torch
 
-from minillm.bench.harness import BenchResult
-from minillm.bench.metrics import decode_tok_s
+from minillm.measure.harness import BenchResult
+from minillm.measure.metrics import decode_tok_s
 from minillm.bench.quant import prefill_tok_s, quality
 
 SHAPES = {"wq/wo": (576, 576), "wk/wv": (192, 576), "gate/up": (1536, 576), "down": (576, 1536)}

@@ -1,12 +1,11 @@
 """`minillm bench speculative` (lesson 10): speculative decoding against target-only greedy decode.
 
-Target SmolLM2-135M, batch 1, greedy; each variant timed right after its own target-only baseline on the same
-prompt. Drafts: prompt lookup (n-gram, k = 2/4/8), the learned draft head (speculative/learned.py, shipped in
-minillm/assets), lesson 09's distilled student (shipped as a recipe) and an untrained early-exit self-draft.
-Workloads: input-grounded chat, open chat, pydoc
-text continuations. Also: a (k + 1)-token forward's cost next to a one-token decode, the acceptance rate a and
-tokens per step against (1 - a^(k+1)) / (1 - a), and the engine's throughput at batch 1/4/16 with prompt
-lookup.
+Target SmolLM2-135M, batch 1, greedy; each variant timed right after its own target-only baseline on the same prompt.
+Drafts: prompt lookup (n-gram, k = 2/4/8), the learned draft head (speculative/learned.py, shipped in minillm/assets),
+lesson 09's distilled student (shipped as a recipe) and an untrained early-exit self-draft. Workloads: input-grounded
+chat, open chat, pydoc text continuations. Also: a (k + 1)-token forward's cost next to a one-token decode, the
+acceptance rate a and tokens per step against (1 - a^(k+1)) / (1 - a), and the engine's throughput at batch 1/4/16 with
+prompt lookup.
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from minillm.bench.harness import BenchResult, time_fn
-from minillm.bench.metrics import timer
+from minillm.measure.harness import BenchResult, time_fn
+from minillm.measure.metrics import timer
 from minillm.compress.chat_data import SPECULATIVE_CHAT as CHAT
 
 PASSAGES = [

@@ -4,7 +4,7 @@ Disaggregation (DistServe, Splitwise) runs compute-bound prefill and memory-boun
 so a long prompt no longer stalls other requests' decodes; the price is shipping the prompt's KV. Blocks are
 scattered in both pools: `pack_kv_blocks` gathers a sequence's blocks into contiguous tensors in token order,
 `unpack_kv_blocks` writes them into the receiver's own blocks; `KVHandoff` is the request that travels with
-them. Engine seam: handoff.py; processes and the wire: serving/disagg.py. Exercise 13 asks for both functions.
+them. Engine seam: handoff.py; processes and the wire: cluster/disagg.py. Exercise 13 asks for both functions.
 """
 
 from __future__ import annotations

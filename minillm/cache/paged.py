@@ -1,20 +1,18 @@
 """The paged KV cache (lesson 04): keys and values in fixed-size blocks of one pool, read via block tables.
 
-A contiguous cache reserves max_len slots per sequence up front; paging (vLLM's PagedAttention) hands out a
-block only when the last one fills: a sequence wastes at most block_size - 1 slots, any free block fits.
-  PagedKVCache        pool (kv_pool.py), allocator (block_allocator.py), attention (paged_attention.py); the
-                      engine drives it through `set_metadata`, the model calls begin_forward / attend;
+A contiguous cache reserves max_len slots per sequence up front; paging (vLLM's PagedAttention) hands out a block
+only when the last one fills: a sequence wastes at most block_size - 1 slots, any free block fits.
+  PagedKVCache        the pool (kv_pool.py), allocator (block_allocator.py) and attention (paged_attention.py);
   PagedSequenceCache  the same cache keeping its own BlockTables for a fixed batch (generate(cache="paged"));
   PackedForward       the model over several sequences' new tokens packed in one row (engine runner, drafter).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from typing import NamedTuple
 
 import torch
-from minillm_kernels import cpu_lowbit
+from minillm_kernels import cpu_lowbit, triton_available
 from torch import Tensor
 
 from minillm.attention import AttentionFn, get_attention
@@ -25,7 +23,7 @@ from minillm.config import ModelConfig
 
 
 def _triton_usable(q: Tensor, pool: KVBlockPool) -> bool:
-    return q.is_cuda and not pool.spec.quantized and importlib.util.find_spec("triton") is not None
+    return q.is_cuda and not pool.spec.quantized and triton_available()
 
 
 def _int8_cpu_decode_usable(q: Tensor, pool: KVBlockPool) -> bool:

@@ -15,6 +15,7 @@ import shutil
 
 import torch
 import torch.nn.functional as F
+from minillm_kernels import triton_available
 from torch import Tensor
 
 from minillm.attention import AttentionFn
@@ -88,7 +89,7 @@ def compiler_available(device: torch.device) -> str | None:
     if device.type == "cpu" and not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
                                      or shutil.which("clang++")):
         return "inductor needs a C++ compiler on the CPU and none was found (install g++, or set CXX)"
-    if device.type == "cuda" and __import__("importlib").util.find_spec("triton") is None:
+    if device.type == "cuda" and not triton_available():
         return "inductor needs triton on CUDA (pip install triton)"
     return None
 

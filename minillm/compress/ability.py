@@ -1,16 +1,10 @@
 """Ability-transfer distillation: the student learns the teacher's answers, not only its text (lesson 09).
 
-Standard KD (distill.py) matches the teacher's next-token distributions on plain text; a pruned student trained that
-way writes fluent text yet answers a chat question with unrelated words, because answering is a behaviour the
-instruct teacher shows only in its answers. So the student also learns those (chat_data.py): sequence-level KD
-(cross-entropy on the teacher's own greedy tokens, Kim & Rush 2016) plus token-level KD (KL to the teacher's logits
-over the same tokens), on the answer positions only: the prompt is given, not learned, and computing the 49k-way
-LM head only where the loss looks saves a third of each step. A share of steps (`text_share`) stays plain-text KD so
-the student keeps the teacher's language model. Recovery trains LoRA adapters (lora.py) or every weight.
-
-`retained_ability` (minillm/bench/small_model.py: it runs the engine) is the DistilBERT-style score: on held-out
-prompts, how often the student's greedy answer starts with the teacher's first sentence (exact tokens), and its top-1
-agreement with the teacher on the teacher's answers (`first_sentence`, `top1_agreement` here).
+Plain KD on text (distill.py) leaves a pruned student fluent but answering with unrelated words: answering shows only
+in the instruct teacher's answers (chat_data.py). So the student learns those too: sequence-level KD (cross-entropy on
+the teacher's greedy tokens, Kim & Rush 2016) plus token-level KD (KL to its logits), on answer positions only (the
+49k-way LM head only where the loss looks saves a third of each step); a `text_share` of steps stays plain-text KD.
+Recovery trains LoRA (lora.py) or every weight; `first_sentence` and `top1_agreement` score it (`retained_ability`).
 """
 
 from __future__ import annotations

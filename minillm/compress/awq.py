@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from minillm.compress.calibration import run_windows, watch_inputs
 from minillm.compress.quant import check_group_size, dequantize_int4, quantize_int4
 
 
@@ -35,21 +36,16 @@ def _targets(block: nn.Module) -> list[tuple[str, list[nn.Linear], Tensor]]:
 def collect_activations(model: nn.Module, ids: list[int], window: int = 256, keep_rows: int = 256) -> list[dict]:
     """Per block: {input name: (mean |x| per channel (in,), up to keep_rows sample rows (n, in))}, float32."""
     stats: list[dict] = [dict() for _ in model.layers]
-    hooks = []
-    for i, block in enumerate(model.layers):
-        for name, linears, _ in _targets(block):
-            def hook(mod, args, i=i, name=name):
-                x = args[0].reshape(-1, args[0].shape[-1]).float()
-                total, n, rows = stats[i].get(name, (0.0, 0, []))
-                rows.append(x[torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(i))[:keep_rows]])
-                stats[i][name] = (total + x.abs().sum(0), n + x.shape[0], rows)
-            hooks.append(linears[0].register_forward_pre_hook(hook))
-    try:
-        for start in range(0, len(ids) - 1, window):
-            model(torch.tensor([ids[start:start + window]], device=model.device))
-    finally:
-        for h in hooks:
-            h.remove()
+
+    def record(key: tuple[int, str], x: Tensor) -> None:
+        i, name = key
+        total, n, rows = stats[i].get(name, (0.0, 0, []))
+        rows.append(x[torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(i))[:keep_rows]])
+        stats[i][name] = (total + x.abs().sum(0), n + x.shape[0], rows)
+
+    readers = {(i, name): linears[0] for i, block in enumerate(model.layers) for name, linears, _ in _targets(block)}
+    with watch_inputs(readers, record):
+        run_windows(model, ids, window)
     return [{k: (total / n, torch.cat(rows)[:keep_rows]) for k, (total, n, rows) in s.items()} for s in stats]
 
 

@@ -1,12 +1,10 @@
 """Chat prompts and the teacher's own answers: the data of ability-transfer distillation (lesson 09).
 
-Standard distillation (distill.py) teaches a student the teacher's next-token distributions on plain text; what
-the teacher can *do* (answer a question, follow an instruction) lives in its answers to chat prompts, so the student
-must also learn those. `chat_prompts` builds a few thousand prompts offline from templates: short questions over
-facts, arithmetic, words, definitions, lists, advice, writing, and tasks over paragraphs of CPython's documentation
-(summarise, explain, list). `split` holds some out, by a hash of the text, and always the prompts lessons 10 and 13
-measure on: those are never trained on, so "retained ability" is measured on prompts the student never saw.
-The teacher's answers come from the batching engine: minillm/bench/small_model.py (`teacher_answers`).
+What the teacher can *do* (answer a question, follow an instruction) lives in its answers to chat prompts, not in plain
+text (distill.py), so the student must learn those too. `chat_prompts` builds a few thousand prompts offline from
+templates (questions over facts, arithmetic, words, definitions, lists, advice, writing; tasks over paragraphs of
+CPython's documentation). `split` holds some out by a hash of the text, always with the prompts lessons 10 and 13
+measure on, so "retained ability" is measured on unseen prompts. The answers: recipes/small_model.py `teacher_answers`.
 """
 
 from __future__ import annotations

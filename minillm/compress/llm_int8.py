@@ -14,6 +14,7 @@ from collections import defaultdict
 import torch
 from torch import Tensor, nn
 
+from minillm.compress.calibration import run_windows, watch_inputs
 from minillm.compress.quant import Int8Linear, quantize_int8
 
 
@@ -80,20 +81,15 @@ def outlier_profile(model: nn.Module, ids: list[int], threshold: float = 6.0, wi
     largest |activation| seen. Returns {name: {"outlier_columns": n, "in_features": k, "max_abs": v}}."""
     cols: dict[str, Tensor] = {}
     peak: dict[str, float] = defaultdict(float)
-    hooks = []
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.Linear, Int8Linear)):
-            def hook(mod, args, name=name):
-                x = args[0].reshape(-1, args[0].shape[-1]).float().abs()
-                hit = (x > threshold).any(dim=0)
-                cols[name] = cols[name] | hit if name in cols else hit
-                peak[name] = max(peak[name], float(x.max()))
-            hooks.append(m.register_forward_pre_hook(hook))
-    try:
-        for i in range(0, len(ids) - 1, window):
-            model(torch.tensor([ids[i:i + window]], device=model.device))
-    finally:
-        for h in hooks:
-            h.remove()
+
+    def record(name: str, x: Tensor) -> None:
+        x = x.abs()
+        hit = (x > threshold).any(dim=0)
+        cols[name] = cols[name] | hit if name in cols else hit
+        peak[name] = max(peak[name], float(x.max()))
+
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, (nn.Linear, Int8Linear))}
+    with watch_inputs(linears, record):
+        run_windows(model, ids, window)
     return {n: {"outlier_columns": int(c.sum()), "in_features": c.numel(), "max_abs": peak[n]}
             for n, c in cols.items()}

@@ -1,11 +1,10 @@
 """Structured pruning: remove whole blocks, KV groups and FFN channels, for a smaller dense model (lesson 08).
 
-Zeros inside a dense matrix save nothing (sparsity.py); removed rows and columns do, on any hardware, and
-every path (generate, the engine, the paged cache) runs the result unchanged: its config says what it now is.
-Each unit has an importance measured on calibration text: `block_importance` (1 - cos(input, output),
-ShortGPT's block influence), `kv_group_importance` (a KV head with its query heads), `ffn_channel_importance`
-(mean |activation| x the norm of down's column, after Wanda). `prune_structured` applies all three; lesson 09
-distils the result.
+Zeros inside a dense matrix save nothing (sparsity.py); removed rows and columns do, on any hardware, and every
+path (generate, the engine, the paged cache) runs the result unchanged: its config says what it now is. Each unit
+has an importance measured on calibration text: `block_importance` (1 - cos(input, output), ShortGPT's block
+influence), `kv_group_importance` (a KV head with its query heads), `ffn_channel_importance` (mean |activation| x
+the norm of down's column, after Wanda). `prune_structured` applies all three; lesson 09 distils the result.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from minillm.compress.calibration import calib_batch, watch_inputs
 from minillm.model import Transformer
 
 
@@ -29,15 +29,6 @@ def _check_importance(importance: Tensor, what: str) -> None:
     if not torch.isfinite(importance).all():
         raise ValueError(f"{what} importance contains NaN or inf: the calibration forward overflowed or produced "
                          "NaN (run it in float32, and check the model's output on the calibration text)")
-
-
-def calib_batch(model, ids: list[int], window: int) -> Tensor:
-    """Calibration ids cut into equal windows of `window` tokens, one batch (a short last window is dropped)."""
-    windows = [ids[i:i + window] for i in range(0, len(ids), window)]
-    windows = [w for w in windows if len(w) == len(windows[0])]
-    if not windows or len(windows[0]) < 2:
-        raise ValueError("calibration needs at least 2 token ids")
-    return torch.tensor(windows, device=model.device)
 
 
 def n_params(model: nn.Module) -> int:
@@ -136,20 +127,17 @@ def kv_group_importance(model: Transformer, calib_ids: list[int], window: int = 
     cfg = model.config
     hd, per_group = cfg.head_dim, cfg.group_size
     scores = torch.zeros(len(model.layers), cfg.n_kv_heads)
-    hooks = []
-    for i, block in enumerate(model.layers):
-        def hook(mod, args, i=i):
-            o = args[0].float().reshape(-1, cfg.n_heads, hd)  # (tokens, heads, head_dim)
-            w = mod.weight.float().reshape(mod.weight.shape[0], cfg.n_heads, hd)  # (dim, heads, head_dim)
-            contrib = torch.einsum("thd,ohd->tho", o, w)  # each head's share of the output
-            group = contrib.reshape(o.shape[0], cfg.n_kv_heads, per_group, -1).sum(2)  # (tokens, groups, dim)
-            scores[i] += group.norm(dim=-1).mean(0).cpu()
-        hooks.append(block.attn.wo.register_forward_pre_hook(hook))
-    try:
+    wos = {i: block.attn.wo for i, block in enumerate(model.layers)}
+
+    def record(i: int, x: Tensor) -> None:
+        o = x.reshape(-1, cfg.n_heads, hd)  # (tokens, heads, head_dim)
+        w = wos[i].weight.float().reshape(wos[i].weight.shape[0], cfg.n_heads, hd)  # (dim, heads, head_dim)
+        contrib = torch.einsum("thd,ohd->tho", o, w)  # each head's share of the output
+        group = contrib.reshape(o.shape[0], cfg.n_kv_heads, per_group, -1).sum(2)  # (tokens, groups, dim)
+        scores[i] += group.norm(dim=-1).mean(0).cpu()
+
+    with watch_inputs(wos, record):
         model(calib_batch(model, calib_ids, window))
-    finally:
-        for h in hooks:
-            h.remove()
     _check_importance(scores, "KV group")
     return scores
 
@@ -200,18 +188,13 @@ def ffn_channel_importance(model: Transformer, calib_ids: list[int], window: int
     _check_float_unfused(model)
     scores = torch.zeros(len(model.layers), model.config.ffn_dim)
     counts = [0] * len(model.layers)
-    hooks = []
-    for i, block in enumerate(model.layers):
-        def hook(mod, args, i=i):
-            a = args[0].float().reshape(-1, args[0].shape[-1])
-            scores[i] += a.abs().sum(0).cpu()
-            counts[i] += a.shape[0]
-        hooks.append(block.mlp.down.register_forward_pre_hook(hook))
-    try:
+
+    def record(i: int, a: Tensor) -> None:
+        scores[i] += a.abs().sum(0).cpu()
+        counts[i] += a.shape[0]
+
+    with watch_inputs({i: block.mlp.down for i, block in enumerate(model.layers)}, record):
         model(calib_batch(model, calib_ids, window))
-    finally:
-        for h in hooks:
-            h.remove()
     col_norm = torch.stack([b.mlp.down.weight.float().norm(dim=0).cpu() for b in model.layers])
     scores = scores / torch.tensor(counts)[:, None] * col_norm
     _check_importance(scores, "FFN channel")

@@ -1,22 +1,20 @@
 """Weight-only quantization: store 8 or 4 bits per weight, dequantize inside the matmul (lesson 07).
 
-Batch-1 decode is memory-bound, so fewer bytes per weight are fewer bytes per token, provided the kernel reads
-the small integers and dequantizes in registers (torch's int8/int4 kernels on a CPU, kernels/quant_matmul.py
-on a GPU). `Int8Linear`: int8 per output channel, symmetric. `Int4Linear`: int4 group-wise, asymmetric, two
-codes per byte; with groups of 32 and fp16 scale/minimum it is GGUF's Q4_1, so `load_model(weights="q4")`
-fills it with the file's own bytes. `quantize(model, scheme)` (compress/quantize.py) swaps them in, gpt-fast
-style; LLM.int8() is in llm_int8.py, AWQ in awq.py.
+Batch-1 decode is memory-bound, so fewer bytes per weight are fewer bytes per token, provided the kernel reads the
+small integers and dequantizes in registers (torch's int8/int4 kernels on a CPU, kernels/quant_matmul.py on a GPU).
+`Int8Linear`: int8 per output channel, symmetric. `Int4Linear`: int4 group-wise, asymmetric, two codes per byte;
+with groups of 32 and fp16 scale/minimum it is GGUF's Q4_1, so `load_model(weights="q4")` fills it with the file's
+own bytes. `quantize(model, scheme)` (compress/quantize.py) swaps them in; LLM.int8() is in llm_int8.py, AWQ in awq.py.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 
 import torch
 import torch.nn.functional as F
-from minillm_kernels import cpu_lowbit
+from minillm_kernels import cpu_lowbit, triton_available
 from torch import Tensor, nn
 
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -86,10 +84,10 @@ def check_group_size(n_in: int, group_size: int) -> None:
 # ------------------------------------------------------------------------------------------ quantized layers
 
 def _cuda_kernels():
-    try:
-        import minillm_kernels.quant_matmul as kernels
-    except ImportError:  # triton not installed: dequantize-then-matmul still gives the right answer
+    if not triton_available():  # dequantize-then-matmul still gives the right answer
         return None
+    import minillm_kernels.quant_matmul as kernels  # imports triton: only when a CUDA tensor asks
+
     return kernels
 
 
@@ -124,8 +122,6 @@ def _cpu_kernels_loaded() -> bool:
 # this one attribute (torch 2.13), but it imports torch._dynamo to do so, which costs every `import minillm` ~150 MiB
 # and ~2 s (lesson 14's edge profile). tests/test_quant.py checks that the attribute is still what the decorator sets.
 _cpu_kernels_loaded._dynamo_marked_constant = True
-
-
 
 
 class QuantizedLinear(nn.Module):
@@ -361,38 +357,6 @@ class QuantizedEmbedding(nn.Module):
 
 def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, QuantizedLinear) for m in model.modules())
-
-
-def _weight_format(m: QuantizedLinear) -> str:
-    if isinstance(m, Int4Linear):
-        return f"int4 g{m.group_size}" + (" (q4_1)" if m.group_size == 32 else "")
-    if type(m) is Int8Linear:
-        return "int8 per block of 32 (q8_0)" if m.per_block else "int8 per row"
-    return type(m).__name__  # LLM.int8() and other schemes with their own matmul
-
-
-def describe_arithmetic(model: nn.Module) -> str:
-    """What the model's matmuls compute in, in one line: the storage format of the weights and the precision of the
-    activations each kernel actually uses (a q4 model "in float32" does not multiply in float32)."""
-    dtype = str(model.dtype).removeprefix("torch.")
-    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    if not layers:
-        return f"weights and matmuls in {dtype}"
-    if layers[0].weight_storage.device.type == "cuda":
-        formats = collections.Counter(_weight_format(m) for m in layers)
-        return f"weights {', '.join(f'{n} x{c}' for n, c in formats.items())}; Triton kernels, activations {dtype}"
-    paths = collections.defaultdict(collections.Counter)
-    for m in layers:
-        if m.uses_cpu_kernels():
-            path = (f"activations int8 per block of 32, integer dot products, float32 accumulation (minillm's "
-                    f"{cpu_lowbit.load().isa} kernels)")
-        elif type(m).__name__ == "LLMInt8Linear":
-            path = "int8 x int8 with the outlier columns in float (LLM.int8())"
-        else:
-            path = "activations, scales and outputs rounded to bfloat16 inside torch's int4/int8 CPU kernels"
-        paths[path][_weight_format(m)] += 1
-    parts = [f"{', '.join(f'{n} x{c}' for n, c in formats.items())}: {path}" for path, formats in paths.items()]
-    return "; ".join(parts) + f"; the rest in {dtype}"
 
 
 def fake_quantize_int4(model: nn.Module, group_size: int = 128, bits: int = 4) -> nn.Module:

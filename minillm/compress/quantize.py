@@ -1,12 +1,17 @@
 """quantize(model, scheme): the scheme registry above the layer types (lesson 07), gpt-fast style: every nn.Linear
-(and the tied LM head with its embedding) is swapped for a quantized layer; the model code does not change."""
+(and the tied LM head with its embedding) is swapped for a quantized layer; the model code does not change.
+describe_arithmetic(model) says what the swapped-in layers then compute in, scheme by scheme."""
 
 from __future__ import annotations
 
+import collections
+
+from minillm_kernels import cpu_lowbit
 from torch import nn
 
 from minillm.compress.llm_int8 import LLMInt8Linear
-from minillm.compress.quant import Int4Linear, Int8Linear, QuantizedEmbedding, check_group_size, is_quantized
+from minillm.compress.quant import (Int4Linear, Int8Linear, QuantizedEmbedding, QuantizedLinear, check_group_size,
+                                   is_quantized)
 from minillm.model import replace_linears
 
 SCHEMES = {
@@ -50,3 +55,35 @@ def quantize(model: nn.Module, scheme: str, group_size: int = 32, include_head: 
             model.embed = QuantizedEmbedding(model.lm_head, dtype)
     model.quant_scheme = scheme
     return model
+
+
+def _weight_format(m: QuantizedLinear) -> str:
+    if isinstance(m, Int4Linear):
+        return f"int4 g{m.group_size}" + (" (q4_1)" if m.group_size == 32 else "")
+    if type(m) is Int8Linear:
+        return "int8 per block of 32 (q8_0)" if m.per_block else "int8 per row"
+    return type(m).__name__  # LLM.int8() and other schemes with their own matmul
+
+
+def describe_arithmetic(model: nn.Module) -> str:
+    """What the model's matmuls compute in, in one line: the storage format of the weights and the precision of the
+    activations each kernel actually uses (a q4 model "in float32" does not multiply in float32)."""
+    dtype = str(model.dtype).removeprefix("torch.")
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    if not layers:
+        return f"weights and matmuls in {dtype}"
+    if layers[0].weight_storage.device.type == "cuda":
+        formats = collections.Counter(_weight_format(m) for m in layers)
+        return f"weights {', '.join(f'{n} x{c}' for n, c in formats.items())}; Triton kernels, activations {dtype}"
+    paths = collections.defaultdict(collections.Counter)
+    for m in layers:
+        if m.uses_cpu_kernels():
+            path = (f"activations int8 per block of 32, integer dot products, float32 accumulation (minillm's "
+                    f"{cpu_lowbit.load().isa} kernels)")
+        elif isinstance(m, LLMInt8Linear):
+            path = "int8 x int8 with the outlier columns in float (LLM.int8())"
+        else:
+            path = "activations, scales and outputs rounded to bfloat16 inside torch's int4/int8 CPU kernels"
+        paths[path][_weight_format(m)] += 1
+    parts = [f"{', '.join(f'{n} x{c}' for n, c in formats.items())}: {path}" for path, formats in paths.items()]
+    return "; ".join(parts) + f"; the rest in {dtype}"

@@ -1,11 +1,10 @@
 """Unstructured and 2:4 sparsity: which weights to zero, and what zeros are worth (lesson 08).
 
-Magnitude drops the smallest |W|; Wanda (Sun et al., 2023) drops the smallest |W[i, j]| x ||X_j||, compared
-within each output row, from one calibration pass (`magnitude_scores`, `wanda_scores`, `unstructured_mask`).
-Scattered zeros speed up no dense kernel; 2:4 (two of every four consecutive weights kept:
-`semi_structured_mask`, `compress_2to4`) is what NVIDIA's sparse tensor cores skip. `prune` calibrates each
-block on the outputs of the already-pruned blocks before it. Structured pruning (a smaller dense model) is in
-pruning.py.
+Magnitude drops the smallest |W|; Wanda (Sun et al., 2023) drops the smallest |W[i, j]| x ||X_j||, compared within
+each output row, from one calibration pass (`magnitude_scores`, `wanda_scores`, `unstructured_mask`). Scattered
+zeros speed up no dense kernel; 2:4 (two of every four consecutive weights kept: `semi_structured_mask`,
+`compress_2to4`) is what NVIDIA's sparse tensor cores skip. `prune` calibrates each block on the outputs of the
+already-pruned blocks before it. Structured pruning (a smaller dense model) is in pruning.py.
 """
 
 from __future__ import annotations
@@ -14,6 +13,8 @@ import math
 
 import torch
 from torch import Tensor, nn
+
+from minillm.compress.calibration import calib_batch, watch_inputs
 
 
 def check_sparsity(sparsity: float) -> float:
@@ -154,8 +155,6 @@ def prune(model: nn.Module, sparsity: float, method: str = "wanda", pattern: str
 
     report = []
     if method == "wanda":
-        from minillm.compress.pruning import calib_batch
-
         x = calib_batch(model, calib_ids, window)
         positions = torch.arange(x.shape[1], device=x.device).expand_as(x)
         h = model.embed_tokens(x)
@@ -163,17 +162,13 @@ def prune(model: nn.Module, sparsity: float, method: str = "wanda", pattern: str
         linears = _block_linears(block)
         norms = {name: None for name in linears}
         if method == "wanda":
-            sq, hooks = {}, []
-            for name, lin in linears.items():
-                def hook(mod, args, name=name):
-                    a = args[0].reshape(-1, args[0].shape[-1]).float()
-                    sq[name] = sq.get(name, 0.0) + a.pow(2).sum(0)
-                hooks.append(lin.register_forward_pre_hook(hook))
-            try:
+            sq = {}
+
+            def record(name: str, a: Tensor) -> None:
+                sq[name] = sq.get(name, 0.0) + a.pow(2).sum(0)
+
+            with watch_inputs(linears, record):
                 model.run_layers(h, positions, layers=slice(i, i + 1))  # block i's inputs, from pruned 0..i-1
-            finally:
-                for hk in hooks:
-                    hk.remove()
             norms = {name: sq[name].sqrt() for name in linears}
         for name, lin in linears.items():
             lin.weight.mul_(mask_for(lin, norms[name]).to(lin.weight.dtype))

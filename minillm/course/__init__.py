@@ -1,1 +1,1 @@
-"""The course's tooling, never imported by the engine: grading, hints, the checkpoint ladder, lesson helpers."""
+"""The course's tooling, never imported by the engine: grading, hints, the checkpoint seams, lesson helpers."""

@@ -23,6 +23,7 @@ from minillm.engine.llm import LLM
 from minillm.model import model_bytes
 from minillm.sampling import SamplingParams
 from minillm.speculative.decoding import SpeculativeConfig
+from minillm.speculative.learned import LearnedDrafter
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def build_engine(config: dict, model, tokenizer) -> LLM:
 def deployed_bytes(llm: LLM) -> int:
     """What the deployment holds in memory: the weights of the model and of a learned draft head (a storage they
     share counted once) plus the KV pool, reserved whole when the engine is built."""
-    modules = [llm.model] + [m for m in [getattr(llm.drafter, "head", None)] if isinstance(m, torch.nn.Module)]
+    modules = [llm.model] + ([llm.drafter.head] if isinstance(llm.drafter, LearnedDrafter) else [])
     return model_bytes(torch.nn.ModuleList(modules)) + llm.cache.nbytes()
 
 

@@ -1,4 +1,4 @@
-"""The graded exercises: which tasks each lesson has, and `minillm grade` that runs their graders.
+"""`minillm grade NN`: run a lesson's graders, one outcome per task of the course's table (tasks.toml).
 
 Graders live in tests/graders/test_exNN_*.py, one pytest marker per task (`task_NN_name`). They import the learner's
 exercises/ when MINILLM_GRADE=exercises and the reference solutions/ otherwise (see tests/graders/conftest.py).
@@ -16,103 +16,10 @@ import warnings
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-# lesson -> [(task marker, what the task asks)]
-TASKS: dict[str, list[tuple[str, str]]] = {
-    "00": [
-        ("task_00_rmsnorm", "RMSNorm in float32"),
-        ("task_00_rope", "rotary position embedding (rotate-half pairing)"),
-        ("task_00_attention", "causal GQA attention from scores"),
-        ("task_00_sampler", "temperature, top-k, top-p sampling"),
-        ("task_00_real_model", "your decoder pieces in SmolLM2: reference logits, answers Paris"),
-    ],
-    "01": [
-        ("task_01_cache_append", "write new keys/values at the right cache positions"),
-        ("task_01_cached_attention", "one decode step attending over the filled cache only"),
-        ("task_01_real_model", "your KV cache decodes SmolLM2: the reference greedy tokens"),
-    ],
-    "02": [
-        ("task_02_grouped_attention", "attention with n_kv_heads < n_heads (query head h uses KV head h // group)"),
-        ("task_02_mean_pool", "GQA -> fewer KV heads by mean-pooling groups"),
-        ("task_02_real_model", "your grouped attention runs SmolLM2: the reference greedy tokens"),
-    ],
-    "03": [
-        ("task_03_merge", "merge two partial softmax results (online softmax)"),
-        ("task_03_flash", "tiled flash-attention forward in torch"),
-        ("task_03_speed", "speed: your tile loop within 4x of minillm's on a 512-token prefill, timed in "
-                          "interleaved pairs"),
-        ("task_03_real_model", "your flash attention runs SmolLM2: the reference greedy tokens"),
-        ("task_03_triton", "optional: Triton flash forward, graded under the interpreter"),
-    ],
-    "04": [
-        ("task_04_allocator", "block allocator: allocate, free, ref counts"),
-        ("task_04_slots", "slot mapping: the pool slot each new token is written to, and each sequence's context "
-                          "slots to read (padding: position 0, valid False)"),
-        ("task_04_real_model", "your allocator and slots in generate and the engine on SmolLM2: the reference tokens"),
-    ],
-    "05": [
-        ("task_05_schedule", "one scheduler step: admit, preempt, finish"),
-        ("task_05_static_vs_continuous", "the static and continuous batching loops"),
-        ("task_05_real_model", "your scheduler serves a seeded workload on SmolLM2: reference outputs"),
-    ],
-    "06": [
-        ("task_06_add_norm", "RMSNorm with the residual add fused in: the sum once, float32 statistics"),
-        ("task_06_static_cache", "a static KV cache: write at tensor positions, attend the whole buffer under a mask; "
-                                 "a decode step that compiles once"),
-        ("task_06_real_model", "SmolLM2 fused with your add_rms_norm (same logits), decoded through your static cache "
-                               "with the forward compiled once: the eager tokens, one graph"),
-    ],
-    "07": [
-        ("task_07_int8", "int8 per output row, symmetric [-127, 127], and back"),
-        ("task_07_int4", "int4 per group, asymmetric (GGUF Q4_1, bit-exact), two codes per byte"),
-        ("task_07_outliers", "LLM.int8(): int8 x int8 -> int32 matmul, outlier columns in float"),
-        ("task_07_real_model", "your quantization of SmolLM2: int8 still says Paris, perplexity kept"),
-    ],
-    "08": [
-        ("task_08_wanda", "Wanda scores |W| * activation norm; drop the lowest of each row (or of the matrix)"),
-        ("task_08_2to4", "n:m semi-structured masks: the 2 highest of every 4 consecutive weights of a row"),
-        ("task_08_drop_blocks", "remove whole blocks in place: an nn.ModuleList and a config that agree"),
-        ("task_08_real_model", "your pruning of SmolLM2: Wanda 50% keeps perplexity, 2:4 everywhere, 26 blocks run"),
-    ],
-    "09": [
-        ("task_09_loss", "T^2 * KL(teacher || student) at temperature T, stable for logits in the thousands"),
-        ("task_09_schedule", "linear warm-up from step 0, then cosine decay to lr * min_lr_ratio at the last step"),
-        ("task_09_step", "one training step: teacher without autograd, weighted terms, zero_grad, clip, step"),
-        ("task_09_real_model", "your distillation heals SmolLM2 pruned to 20 blocks: its KL to the teacher falls"),
-    ],
-    "10": [
-        ("task_10_greedy", "greedy verification: the drafts up to the first mismatch, then the target's own token"),
-        ("task_10_rejection", "speculative sampling: accept min(1, p/q), replace from max(0, p - q): exactly p"),
-        ("task_10_ngram", "prompt lookup: what followed the longest suffix's most recent earlier occurrence"),
-        ("task_10_real_model", "your speculation on SmolLM2: the target's greedy tokens, most n-gram drafts accepted"),
-    ],
-    "11": [
-        ("task_11_shard", "column- and row-parallel slices of a linear layer: concatenated / summed, they are x @ W.T"),
-        ("task_11_collectives", "the collectives of a TP forward: row-parallel all-reduce, vocabulary-parallel "
-                                "embedding (masked lookup, all-reduce) and head (all-gather)"),
-        ("task_11_gpipe", "the GPipe grid: stage r runs micro-batch t - r at step t, m + p - 1 steps, None idles"),
-        ("task_11_real_model", "your slices and collectives shard SmolLM2 on 3 thread ranks, then 3 gloo processes: "
-                               "the single-process logits and greedy tokens, Paris"),
-    ],
-    "12": [
-        ("task_12_hash", "chained block names: SHA-256(parent + int32 ids), full blocks only, `known` continued"),
-        ("task_12_match", "the longest cached prefix (stop at the first miss) and acquire: identical prefixes share"),
-        ("task_12_lru", "free keeps named blocks in an LRU list; allocate: unnamed first, then least recently freed"),
-        ("task_12_real_model", "your prefix cache serves SmolLM2 chats sharing a system prompt: same answers and hits"),
-    ],
-    "13": [
-        ("task_13_pack", "pack a sequence's KV blocks into contiguous copies (partial last block, int8 scales); unpack "
-                         "them into another pool's blocks, in table order"),
-        ("task_13_route", "least outstanding tokens; prefix affinity: leading-run match, balance fallback, LRU memory"),
-        ("task_13_real_model", "SmolLM2 prefilled on one engine, decoded on another with your transfer; your router's "
-                               "choices and hits"),
-    ],
-    "14": [
-        ("task_14_budget", "KV blocks that fit in a memory budget after the weights: K and V, every layer, the KV "
-                           "heads, int8's scales, whole blocks; a budget that cannot hold one refused"),
-        ("task_14_slo", "an edge SLO met on SmolLM2: your load_model / LLM keywords within its memory, serving its "
-                        "sequences at once, above its quality and speed floors"),
-    ],
-}
+from minillm.course.tasks import tasks_by_lesson
+
+# lesson -> [(task marker, what the task asks)], from the course's one table of tasks (tasks.toml)
+TASKS: dict[str, list[tuple[str, str]]] = tasks_by_lesson()
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: minillm/course/grading.py
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from minillm.bench.hardware import machine_line
+from minillm.measure.hardware import machine_line
 
 QUICK = os.environ.get("MINILLM_QUICK", "") not in ("", "0")
 
@@ -20,6 +20,6 @@ def pick(full, quick):
 
 
 def hardware_line() -> str:
-    """One line naming the hardware a lesson's numbers come from (minillm.bench.hardware names it), and quick
+    """One line naming the hardware a lesson's numbers come from (minillm.measure.hardware names it), and quick
     mode when on; print it above every table."""
     return machine_line() + (" [QUICK mode]" if QUICK else "")

@@ -1,12 +1,10 @@
 """The block manager (lesson 05): which KV blocks each sequence owns, in verbs that read like the scheduler.
 
-On the engine's BlockAllocator (lesson 04), shared with the paged cache, it keeps each sequence's
-`block_table` through a BlockTable: `can_allocate` / `allocate` on admission (prompt, or prompt + output after
-a preemption), `can_append` / `may_append` before a step writes new tokens (several with drafts, lesson 10),
-`truncate` (speculative rollback), `deallocate`, `cache_blocks` (prefix caching, lesson 12). With a
-PrefixCachingAllocator `allocate` shares the longest cached prefix and marks it computed: prefix caching
-changes what "allocate" finds, not the scheduling algorithm (the n samples of one prompt are admitted once the
-first has computed it, so the prompt runs once).
+On the engine's BlockAllocator (lesson 04), shared with the paged cache, it keeps each sequence's `block_table`:
+`can_allocate` / `allocate` on admission (prompt, or prompt + output after a preemption), `can_append` /
+`may_append` before a step writes new tokens (several with drafts, lesson 10), `truncate` (speculative rollback),
+`deallocate`, `cache_blocks` (prefix caching, lesson 12). With a PrefixCachingAllocator `allocate` shares the
+longest cached prefix: prefix caching changes what "allocate" finds, not the scheduling algorithm.
 """
 
 from __future__ import annotations
@@ -59,7 +57,8 @@ class BlockManager:
 
     def allocate(self, seq: Sequence) -> None:
         """Give `seq` blocks for all its tokens (it must hold none yet: admission or re-admission). With prefix
-        caching, its cached prefix's blocks are shared and count as computed (num_cached_tokens)."""
+        caching, its cached prefix's blocks are shared and count as computed (num_cached_tokens): the n samples of
+        one prompt are admitted once the first has computed it, so the prompt runs once."""
         if seq.block_table:
             raise ValueError(f"request {seq.request_id} already holds blocks {seq.block_table}")
         hit = self._cached_prefix(seq)

@@ -3,11 +3,9 @@
     llm = minillm.LLM("smollm2-135m", dtype="bfloat16", max_num_seqs=16)  # or LLM.from_model(model, tok)
     outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=32))  # also chat, stream
 
-Each step(): schedule (plain data) -> propose drafts (lesson 10) -> run one packed forward -> postprocess
-(append, retire, free blocks; hand off prefilled KV, lesson 13) -> emit each token into its request's queue.
-The knobs: EngineConfig (engine/config.py); the disaggregation methods: handoff.py. A request's sampling settings
-(penalties, min_tokens, logprobs: SamplingParams) travel with its Sequence; `add_samples` queues n samples of one
-prompt (SamplingParams.n), which share its KV blocks under prefix caching.
+Each step(): schedule -> propose drafts (lesson 10) -> one packed forward -> postprocess -> emit. A finished request
+frees its KV blocks at once and a waiting one takes its slot, so no batch idles behind its longest request.
+Knobs: config.py; tokens out: output.py; the KV handoff between engines (lesson 13): handoff.py.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from typing import NamedTuple
 
 from minillm.cache.block_allocator import BlockAllocator, blocks_needed
 from minillm.cache.kv_transfer import KVHandoff
@@ -25,32 +22,20 @@ from minillm.cache.paged import PagedKVCache
 from minillm.cache.prefix_cache import PrefixCachingAllocator
 from minillm.engine.block_manager import BlockManager
 from minillm.engine.config import EngineConfig
-from minillm.engine.handoff import HandoffMixin
+from minillm.engine.handoff import PrefillHandoff
 from minillm.engine.model_runner import ModelRunner
+from minillm.engine.output import OutputCollector, StreamEvent, follow, sample_ids
 from minillm.engine.scheduler import Schedule, Scheduler
-from minillm.engine.sequence import Sequence, SequenceStatus
+from minillm.engine.sequence import Sequence
 from minillm.request import Request, RequestOutput, make_request, params_per_prompt
 from minillm.sampling import SamplingParams
 from minillm.speculative.decoding import SpecStats, SpeculativeConfig, make_drafter
 
 
-class StreamEvent(NamedTuple):
-    request_id: str
-    token_id: int | None  # None only in the event that reports an abort
-    text: str  # the text this token completes ("" inside a multi-byte character or for a stop token)
-    finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last event
-    logprob: float | None = None  # the token's raw log-probability, when params.logprobs
-    top_logprobs: list[tuple[int, float]] | None = None  # [(id, logprob)] most likely first, params.top_logprobs
+class LLM:
+    """A paged KV pool, a scheduler and a model runner; an OutputCollector hands tokens out, a PrefillHandoff
+    hands KV to another engine. One lock: any thread may call any method."""
 
-
-def sample_ids(request_id: str, n: int) -> list[str]:
-    """The ids of the n samples of one request (LLM.add_samples): request_id itself when n == 1, else
-    f"{request_id}-{i}"."""
-    return [str(request_id)] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
-
-
-class LLM(HandoffMixin):
     def __init__(self, model_name: str = "smollm2-135m", dtype: str = "float32", device: str = "cpu",
                  num_blocks: int | None = None, kv_cache_bytes: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, attn_backend: str = "sdpa",
@@ -61,10 +46,10 @@ class LLM(HandoffMixin):
 
         model, tokenizer = load_model(model_name, dtype=dtype, device=device, attn_backend=attn_backend, fuse=fuse,
                                       weights=weights, sparsity=sparsity)
-        self._setup(model, tokenizer, EngineConfig(
-            num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, speculative=speculative,
-            kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=enable_prefix_caching))
+        self._setup(model, tokenizer, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
+                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                    kv_cache_dtype=kv_cache_dtype, speculative=speculative,
+                    enable_prefix_caching=enable_prefix_caching)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, num_blocks: int | None = None, kv_cache_bytes: int | None = None,
@@ -75,14 +60,15 @@ class LLM(HandoffMixin):
         The keywords are EngineConfig's (kv_cache_dtype="int8": lesson 07, speculative: lesson 10,
         enable_prefix_caching: lesson 12)."""
         llm = cls.__new__(cls)
-        llm._setup(model, tokenizer, EngineConfig(
-            num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, speculative=speculative,
-            kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=enable_prefix_caching))
+        llm._setup(model, tokenizer, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
+                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                   kv_cache_dtype=kv_cache_dtype, speculative=speculative,
+                   enable_prefix_caching=enable_prefix_caching)
         return llm
 
-    def _setup(self, model, tokenizer, config: EngineConfig) -> None:
-        self.model, self.tokenizer, self.config = model, tokenizer, config
+    def _setup(self, model, tokenizer, **engine) -> None:
+        """The one construction path, for both constructors: `engine` are EngineConfig's keywords."""
+        self.model, self.tokenizer, self.config = model, tokenizer, (config := EngineConfig(**engine))
         num_blocks, block_size = config.pool_blocks(model), config.block_size
         # one allocator: the block manager decides who owns which block, the cache holds what is in each one
         allocator = (PrefixCachingAllocator if config.enable_prefix_caching else BlockAllocator)(num_blocks,
@@ -96,15 +82,12 @@ class LLM(HandoffMixin):
         self.drafter = make_drafter(spec, model, num_blocks, block_size) if spec is not None else None
         self.spec_stats = SpecStats()
         self.max_model_len = model.config.max_seq_len
+        self.outputs = OutputCollector(tokenizer)
+        self.handoff = PrefillHandoff(self.cache, self.block_manager, self.scheduler, self.max_model_len)
         self.step_log: list[dict] = []  # one entry per step: batch occupancy, tokens, preemptions
         self._seqs: dict[str, Sequence] = {}  # in flight
-        self._finished: dict[str, RequestOutput] = {}
         self._ids = itertools.count()
         self._lock = threading.RLock()  # one step (and one change of the queues) at a time, whoever calls it
-        self._sinks: dict[str, queue.SimpleQueue] = {}  # request id -> where its StreamEvents go
-        self._decoders: dict = {}  # request id -> incremental detokenizer, for requests with a sink
-        self._prefill_only: dict[str, SamplingParams] = {}  # add_prefill's requests -> the caller's params
-        self._handoffs: list[KVHandoff] = []  # packed when their first token was sampled, until pop_handoffs
 
     # ------------------------------------------------------------------------------------------------ requests
 
@@ -119,12 +102,15 @@ class LLM(HandoffMixin):
         if peak > self.block_manager.num_blocks:
             raise ValueError(f"prompt + max_tokens need {peak} KV blocks at their peak but the whole pool has "
                              f"{self.block_manager.num_blocks}: lower max_tokens or build the LLM with more blocks")
-        if req.request_id in self._seqs or req.request_id in self._finished:
+        if self._in_use(req.request_id):
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if req.params.n != 1:
             raise ValueError(f"params.n is {req.params.n}: one request is one sequence; add_samples (or generate, "
                              f"chat, stream) queues n samples of a prompt")
         return req
+
+    def _in_use(self, request_id: str) -> bool:
+        return request_id in self._seqs or request_id in self.outputs
 
     def _prepare_samples(self, prompt: str | list[int], params: SamplingParams | None, chat: bool,
                          request_id: str | None, arrival_time: float | None) -> list[Request]:
@@ -138,17 +124,18 @@ class LLM(HandoffMixin):
         return [first] + [self._prepare(first.prompt_ids, params.for_sample(i), False, ids[i], first.arrival_time)
                           for i in range(1, n)]
 
-    def _enqueue(self, req: Request, sink: queue.SimpleQueue | None, prefix_source: Sequence | None = None) -> str:
-        seq = Sequence.from_request(req, self.max_model_len)
-        if self.block_manager.prefix_caching:  # admitted once prefix_source has computed the shared prompt
-            seq.prefix_source = prefix_source
-        self._seqs[req.request_id] = seq
-        if sink is not None:
-            self._sinks[req.request_id] = sink
-            if self.tokenizer is not None:
-                self._decoders[req.request_id] = self.tokenizer.stream_decoder()
-        self.scheduler.add(seq)
-        return req.request_id
+    def _enqueue(self, reqs: list[Request], sink: queue.SimpleQueue | None) -> list[str]:
+        """Queue validated requests: one, or the samples of one prompt (_prepare_samples)."""
+        first = None
+        for req in reqs:
+            seq = Sequence.from_request(req, self.max_model_len)
+            if self.block_manager.prefix_caching:  # admitted once the first sample has computed the shared prompt
+                seq.prefix_source = first
+            first = first or seq
+            self._seqs[req.request_id] = seq
+            self.outputs.attach(req.request_id, sink)
+            self.scheduler.add(seq)
+        return [req.request_id for req in reqs]
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                     chat: bool = False, arrival_time: float | None = None, sink: queue.SimpleQueue | None = None
@@ -156,7 +143,7 @@ class LLM(HandoffMixin):
         """Queue one request; returns its id. Raises ValueError (and queues nothing) for an invalid request.
         `sink`, if given, receives a StreamEvent for each of its tokens (and its end)."""
         with self._lock:
-            return self._enqueue(self._prepare(prompt, params, chat, request_id, arrival_time), sink)
+            return self._enqueue([self._prepare(prompt, params, chat, request_id, arrival_time)], sink)[0]
 
     def add_samples(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     chat: bool = False, arrival_time: float | None = None, sink: queue.SimpleQueue | None = None
@@ -165,11 +152,7 @@ class LLM(HandoffMixin):
         (just request_id when n == 1). Sample i is seeded with seed + i. With prefix caching the prompt is computed
         once: samples 1..n-1 wait for sample 0's prefill and share its KV blocks."""
         with self._lock:
-            return self._enqueue_samples(self._prepare_samples(prompt, params, chat, request_id, arrival_time), sink)
-
-    def _enqueue_samples(self, reqs: list[Request], sink: queue.SimpleQueue | None) -> list[str]:
-        first = self._enqueue(reqs[0], sink)
-        return [first] + [self._enqueue(r, sink, prefix_source=self._seqs[first]) for r in reqs[1:]]
+            return self._enqueue(self._prepare_samples(prompt, params, chat, request_id, arrival_time), sink)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request in flight (its KV blocks return to the pool). False if it is not in flight."""
@@ -178,12 +161,20 @@ class LLM(HandoffMixin):
             if seq is None:
                 return False
             seq.finish_time = time.perf_counter()
-            self._emit(seq, None)
+            self.outputs.emit(seq, None)
             self._retire(seq)
             return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def pop_output(self, request_id: str) -> RequestOutput:
+        with self._lock:
+            return self.outputs.pop(str(request_id))
+
+    @property
+    def _finished(self) -> dict[str, RequestOutput]:  # the outputs nobody popped yet (tests check none is left)
+        return self.outputs.finished
 
     # ---------------------------------------------------------------------------------------------------- steps
 
@@ -192,19 +183,13 @@ class LLM(HandoffMixin):
         Returns (sequence, token) for each token emitted."""
         with self._lock:
             schedule, t0 = self._schedule()
-            draft_probs = self._propose(schedule)
-            sampled = self.runner.run(schedule, draft_probs)
-            if getattr(self.drafter, "wants_features", False):  # lesson 10's learned drafter: which row is whose
-                self.drafter.observe([(c.seq.request_id, c.start + c.num_new_tokens + len(c.draft_ids) - n, n)
-                                      for c in schedule.scheduled
-                                      for n in [1 + len(c.draft_ids) if c.samples else 0]])
+            sampled = self.runner.run(schedule, self._propose(schedule))
             new_tokens, finished = self._postprocess(schedule, sampled, t0)
-            return self._emit_step(new_tokens, finished)
+            return self._emit(new_tokens, finished)
 
     def _schedule(self) -> tuple[Schedule, float]:
-        """The scheduler's plan for this step, and when it was made. With speculation (lesson 10) each
-        decode also gets KV slots for k draft tokens, while the batch is small enough for verifying to be
-        nearly free."""
+        """The scheduler's plan for this step, and when it was made. With speculation (lesson 10) each decode also
+        gets KV slots for k drafts, while the batch is small enough for verifying them to be nearly free."""
         spec = self.config.speculative
         k = spec.k if spec is not None and len(self.scheduler.running) <= spec.max_batch else 0
         schedule = self.scheduler.schedule(k)
@@ -234,71 +219,41 @@ class LLM(HandoffMixin):
         """Hand the sampled tokens to the scheduler, which appends them and retires finished sequences (their
         blocks are freed at once: a prefill-only request's KV is packed into its handoff first, lesson 13).
         Returns each scheduled sequence's new tokens (a stop drops those after it) and the finished ones."""
+        if self.drafter is not None:  # right after the forward: which logits row is whose (the learned drafter's)
+            self.drafter.observe([(c.seq.request_id, c.start + c.num_new_tokens + len(c.draft_ids) - n, n)
+                                  for c in schedule.scheduled for n in [1 + len(c.draft_ids) if c.samples else 0]])
         now = time.perf_counter()
-        if self._prefill_only:
-            self._pack_handoffs(schedule, sampled, now)
+        self.handoff.pack(schedule, sampled, now)
         n_before = [item.seq.num_output_tokens for item in schedule.scheduled]
         finished = self.scheduler.postprocess(schedule, sampled, now)
         for item, tokens in zip(schedule.scheduled, sampled):
             if item.num_lookahead:
                 self.spec_stats.record(len(item.draft_ids), len(tokens) - 1, len(tokens))
         self.step_log.append({
-            "t_start": t0, "t_end": now, "num_seqs": len(schedule.scheduled),
-            "num_decodes": schedule.num_decodes, "num_prefill_tokens": schedule.num_prefill_tokens,
-            "num_tokens": schedule.num_batched_tokens, "num_preempted": len(schedule.preempted),
-            "num_waiting": len(self.scheduler.waiting),
+            "t_start": t0, "t_end": now, "num_seqs": len(schedule.scheduled), "num_decodes": schedule.num_decodes,
+            "num_prefill_tokens": schedule.num_prefill_tokens, "num_tokens": schedule.num_batched_tokens,
+            "num_preempted": len(schedule.preempted), "num_waiting": len(self.scheduler.waiting),
             "occupancy": len(schedule.scheduled) / self.scheduler.max_num_seqs,
             "free_blocks": self.block_manager.num_free(),
-            "num_draft_tokens": sum(len(item.draft_ids) for item in schedule.scheduled),
-        })
+            "num_draft_tokens": sum(len(item.draft_ids) for item in schedule.scheduled)})
         new_tokens = [(item.seq, item.seq.output_ids[n:]) for item, n in zip(schedule.scheduled, n_before)]
         return new_tokens, finished
 
-    def _emit_step(self, new_tokens: list[tuple[Sequence, list[int]]], finished: list[Sequence]
-                   ) -> list[tuple[Sequence, int]]:
-        """Each new token into its request's queue, then the finished requests' outputs."""
-        out = []
-        for seq, tokens in new_tokens:
-            start = seq.num_output_tokens - len(tokens)  # the new tokens are the tail of seq.output_ids
-            for i, tok in enumerate(tokens):
-                out.append((seq, tok))
-                self._emit(seq, tok, last=i == len(tokens) - 1, index=start + i)
+    def _emit(self, new_tokens: list[tuple[Sequence, list[int]]], finished: list[Sequence]
+              ) -> list[tuple[Sequence, int]]:
+        """Each new token into its request's sink, then the finished requests retire."""
+        emitted = self.outputs.emit_step(new_tokens)
         for seq in finished:
             self._retire(seq)
-        return out
-
-    def _emit(self, seq: Sequence, token: int | None, last: bool = True, index: int = -1) -> None:
-        """Put one StreamEvent into the request's output queue (token None: it was aborted); index: the token's
-        position in seq.output_ids (for its logprobs)."""
-        sink = self._sinks.get(seq.request_id)
-        if sink is None:
-            return
-        decoder = self._decoders.get(seq.request_id)
-        text = ""
-        if decoder is not None and token is not None and token not in seq.stop_ids:
-            text = decoder.push(token)
-        done = seq.is_finished and last
-        if done and decoder is not None:
-            text += decoder.flush()
-        logprob = top = None
-        if token is not None and seq.params.logprobs:
-            logprob = seq.logprobs[index]
-            top = seq.top_logprobs[index] if seq.params.top_logprobs else None
-        sink.put(StreamEvent(seq.request_id, token, text, done, seq.finish_reason if done else None, logprob, top))
-        if done:
-            self._sinks.pop(seq.request_id, None)
-            self._decoders.pop(seq.request_id, None)
+        return emitted
 
     def _retire(self, seq: Sequence) -> None:
+        """A finished or aborted sequence leaves the engine; its output waits for pop_output."""
         if self.drafter is not None:
             self.drafter.release(seq.request_id)
-        self._prefill_only.pop(seq.request_id, None)
+        self.handoff.forget(seq.request_id)
         self._seqs.pop(seq.request_id, None)
-        self._finished[seq.request_id] = seq.to_output(self.tokenizer)
-
-    def pop_output(self, request_id: str) -> RequestOutput:
-        with self._lock:
-            return self._finished.pop(str(request_id))
+        self.outputs.finish(seq)
 
     def _pump(self, sink: queue.SimpleQueue | None = None) -> None:
         """Make progress for a waiting consumer: step, unless its queue already got events meanwhile (another
@@ -318,14 +273,14 @@ class LLM(HandoffMixin):
                     prepared.append(self._prepare_samples(prompt, p, chat, None, None))
                 except (ValueError, TypeError) as e:
                     raise type(e)(f"request {i}: {e}") from None
-            return [rid for reqs in prepared for rid in self._enqueue_samples(reqs, sink)]
+            return [rid for reqs in prepared for rid in self._enqueue(reqs, sink)]
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  chat: bool = False) -> list[RequestOutput]:
         """Run all prompts (raw text or token ids, continued as is) to completion; outputs in input order, the
         params.n samples of a prompt in a row (n > 1: sample i is seeded with seed + i, see add_samples)."""
         ids = self._submit(prompts, params, chat)
-        while any(r not in self._finished for r in ids):
+        while any(r not in self.outputs for r in ids):
             self._pump()
         return [self.pop_output(r) for r in ids]
 
@@ -348,25 +303,57 @@ class LLM(HandoffMixin):
         ends that request (a last event with finish_reason "abort"); the others go on."""
         sink: queue.SimpleQueue = queue.SimpleQueue()
         ids = self._submit(prompts, params, chat, sink)
-        remaining = set(ids)
         try:
-            while remaining:
-                try:
-                    event = sink.get_nowait()
-                except queue.Empty:
-                    if not self.has_unfinished() and sink.empty():
-                        raise RuntimeError(f"requests {sorted(remaining)} left the engine without a last event")
-                    self._pump(sink)
-                    continue
-                if event.finished:
-                    remaining.discard(event.request_id)
-                yield event
+            yield from follow(sink, ids, self._pump, self.has_unfinished)
         finally:  # the caller stopped iterating early: don't leave its requests holding blocks
             with self._lock:
                 for r in ids:
                     if r in self._seqs:
                         self.abort(r)
-                    self._finished.pop(r, None)
+                    self.outputs.discard(r)
+
+    # ------------------------------------------------------------------- disaggregation (lesson 13): handoff.py
+
+    def add_prefill(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a prompt for prefill only: it runs as usual (chunked, prefix-cached) and samples its first token
+        with the request's own params/generator; then its KV is packed into a KVHandoff (`pop_handoffs`) and the
+        request ends here (max_tokens 1 semantics). The handoff carries the caller's params, unchanged."""
+        params = SamplingParams() if params is None else params
+        first_only = self.handoff.first_token_params(params)
+        with self._lock:
+            req = self._prepare(prompt, first_only, False, request_id, arrival_time)
+            self.handoff.expect(req, params)
+            return self._enqueue([req], None)[0]
+
+    def pop_handoffs(self) -> list[KVHandoff]:
+        """The KVHandoffs packed since the last call (their prefill-side requests are finished and forgotten)."""
+        with self._lock:
+            out = self.handoff.pop()
+            for h in out:
+                self.outputs.discard(h.request_id)
+            return out
+
+    def can_add_prefilled(self, handoff: KVHandoff) -> bool:
+        """Are there blocks (and a batch slot) for this handoff now? If not, keep it and try again after a step."""
+        return self.handoff.can_add(handoff)
+
+    def add_prefilled(self, handoff: KVHandoff, sink: queue.SimpleQueue | None = None) -> str:
+        """Continue a request another engine prefilled: its KV lands in this pool and it joins the running queue
+        as a decoding sequence (PrefillHandoff.receive). Raises RuntimeError if the pool lacks blocks now (see
+        can_add_prefilled); if anything fails midway its blocks go back to the pool."""
+        with self._lock:
+            seq = self.handoff.receive(handoff, self._in_use, self.model.device)
+            self.outputs.attach(seq.request_id, sink)
+            if not seq.is_finished:  # its first token did not end it: on to decoding
+                self._seqs[seq.request_id] = seq
+                self.scheduler.add_running(seq)
+            self.outputs.emit(seq, seq.output_ids[0])
+            if seq.is_finished:
+                self._retire(seq)
+            return seq.request_id
+
+    # ------------------------------------------------------------------------------------------------- state
 
     def num_free_blocks(self) -> int:
         """Blocks a new request can get (with prefix caching: unowned cached blocks included, they are evictable)."""
@@ -383,4 +370,4 @@ class LLM(HandoffMixin):
                 f"max_num_batched_tokens={self.scheduler.max_num_batched_tokens})")
 
 
-__all__ = ["LLM", "RequestOutput", "SequenceStatus", "StreamEvent", "sample_ids"]
+__all__ = ["LLM", "RequestOutput"]

@@ -1,15 +1,11 @@
 """The model file -> (Transformer, Tokenizer), with an explicit map from GGUF names to our parameters.
 
 Plain loading only (lesson 00): minillm.api.load_model adds the techniques a caller asks for (fuse=True,
-weights="q4")."""
+weights="q4"). A name that is no model file is one the course made (gguf/saved.py: lessons 08-09)."""
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,17 +13,12 @@ import torch
 
 from minillm.config import ModelConfig
 from minillm.model import Transformer
-from minillm.gguf.weights import cache_dir, gguf_path, model_source, read_gguf, read_gguf_metadata
+from minillm.gguf.saved import (HOW_TO_MAKE, build_from_recipe, built_from_current_recipe, load_saved, recipe_path,
+                                saved_config, saved_model_exists)
+from minillm.gguf.weights import gguf_path, model_source, read_gguf, read_gguf_metadata
 
 if TYPE_CHECKING:
     from minillm.gguf.tokenizer import Tokenizer
-
-# saved models the course makes, and how (load_model names them in its error when they are missing)
-HOW_TO_MAKE = {
-    "smollm2-pruned-20": "run lesson 08 (lessons/08_sparsity_pruning.py), which saves it",
-    "smollm2-135m-student": "it ships as minillm/assets/smollm2-135m-student.pt; retrain it with "
-                            "`python -m minillm.bench.small_model` (~60 min on 2 CPU cores)",
-}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -104,17 +95,17 @@ def load_from_file(name: str = "smollm2-135m", dtype: str | torch.dtype = "float
     q4_1_layer(codes, d, m) -> nn.Module keeps each Q4_1 tensor packed in the layer it builds (the caller chooses
     the layer type: minillm/api.py passes lesson 07's Int4Linear). q8_0_tied(q, d, dtype) -> (lm_head, embed) does
     the same for a Q8_0 tied embedding (the two modules share its storage). A name saved with save_model loads from
-    disk."""
+    disk (a shipped recipe is built into the cache first, once)."""
     from minillm.gguf.tokenizer import Tokenizer
     from minillm.gguf.weights import KNOWN_MODELS
 
     if name not in KNOWN_MODELS:
         if recipe_path(name).exists() and not built_from_current_recipe(name):
-            build_from_recipe(name)
+            build_from_recipe(name, load_from_file)
         if saved_model_exists(name):
             if q4_1_layer is not None or q8_0_tied is not None:
                 raise ValueError(f"{name!r} is a saved float model: load it, then quantize it")
-            return load_saved(name, dtype, device)
+            return load_saved(name, resolve_dtype(dtype), resolve_device(device))
         if name in HOW_TO_MAKE:
             raise ValueError(f"{name!r} has not been made on this machine yet: {HOW_TO_MAKE[name]}")
     model_source(name)  # unknown names fail here, before any download
@@ -186,123 +177,10 @@ def describe_spec(spec) -> tuple[ModelConfig, Tokenizer | None]:
                 raise ValueError(f"vocab_size {overrides['vocab_size']} is smaller than the tokenizer's {len(tok)}")
         return ModelConfig.tiny(**overrides), tok
     if not saved_model_exists(spec) and recipe_path(spec).exists():
-        build_from_recipe(spec)  # once, as load_from_file would
+        build_from_recipe(spec, load_from_file)  # once, as load_from_file would
     if saved_model_exists(spec):
-        meta = json.loads((saved_model_dir(spec) / "config.json").read_text())
-        return ModelConfig(**meta["config"]), describe_spec(meta["base"])[1]
+        cfg, base = saved_config(spec)
+        return cfg, describe_spec(base)[1]
     model_source(spec)  # unknown names fail here, before any download
     meta = read_gguf_metadata(gguf_path(spec))
     return ModelConfig.from_gguf_metadata(meta), Tokenizer.from_gguf_metadata(meta)
-
-
-# ------------------------------------------------------------------------------- transformed models on disk
-
-
-def saved_model_exists(name: str) -> bool:
-    """Is `name` a model save_model wrote (and not one of the known model files)?"""
-    from minillm.gguf.weights import KNOWN_MODELS
-
-    return name not in KNOWN_MODELS and bool(name) and "/" not in name and (
-        saved_model_dir(name) / "config.json").exists()
-
-
-def saved_model_dir(name: str) -> Path:
-    """Where save_model(model, name) writes: <cache dir>/saved/<name> ($MINILLM_CACHE or ~/.cache/minillm)."""
-    if not name or "/" in name or name.startswith("."):
-        raise ValueError(f"a saved model's name is one plain folder name (e.g. 'smollm2-pruned-22'), got {name!r}")
-    return cache_dir() / "saved" / name
-
-
-def save_model(model: Transformer, name: str, base: str = "smollm2-135m", info: dict | None = None) -> Path:
-    """Save a transformed float model (pruned, distilled: lessons 08-09) as config.json + model.pt under
-    saved_model_dir(name). The config says what the model now is; `base` names the model whose tokenizer it uses;
-    `info` is kept as-is (what was done to it). The state dict's SHA-256 is recorded and checked on load."""
-    model_source(base)
-    if any(type(m).__name__.endswith("Linear") and not isinstance(m, torch.nn.Linear) for m in model.modules()):
-        raise ValueError("save_model stores float weights: save before quantizing (quantize again after loading)")
-    folder = saved_model_dir(name)
-    folder.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
-          if not (model.config.tie_embeddings and k == "lm_head.weight")}
-    tmp = folder / "model.pt.tmp"
-    torch.save(sd, tmp)
-    digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
-    tmp.replace(folder / "model.pt")  # a crash mid-write never leaves a half file under the real name
-    meta = {"config": dataclasses.asdict(model.config), "base": base, "dtype": str(model.dtype).removeprefix("torch."),
-            "sha256": digest, "info": info or {}}
-    (folder / "config.json").write_text(json.dumps(meta, indent=1))
-    return folder
-
-
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
-
-
-def recipe_path(name: str) -> Path:
-    """Where the course ships a small model as a recipe (lesson 09): minillm/assets/<name>.pt (+ .pt.json)."""
-    return ASSETS / f"{name}.pt"
-
-
-def built_from_current_recipe(name: str) -> bool:
-    """Is the saved copy of `name` built from the recipe that ships now (an older build is rebuilt)?"""
-    meta_path = Path(str(recipe_path(name)) + ".json")
-    if not saved_model_exists(name) or not meta_path.exists():
-        return False
-    saved = json.loads((saved_model_dir(name) / "config.json").read_text()).get("info", {})
-    return saved.get("sha256") == json.loads(meta_path.read_text()).get("sha256")
-
-
-@torch.no_grad()
-def build_from_recipe(name: str) -> Path:
-    """Rebuild a shipped student from its base model and a few MB of what training made: the blocks it drops and a
-    low-rank update (A, B) per weight plus its norms (lesson 09's LoRA recovery). The full model (~340 MB) is too
-    large to ship; this takes seconds, runs once, and saves it like save_model (later loads read the cache)."""
-    path = recipe_path(name)
-    meta_path = Path(str(path) + ".json")
-    raw = path.read_bytes()
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    if hashlib.sha256(raw).hexdigest() != meta.get("sha256"):
-        raise RuntimeError(f"{path} does not match the sha256 in {meta_path.name} (corrupted or replaced): restore "
-                           f"it with `git checkout -- {path}` or retrain it "
-                           f"({meta.get('command', HOW_TO_MAKE.get(name))})")
-    recipe = torch.load(path, weights_only=True)
-    print(f"building {name} once from {recipe['base']} + {path.name} ...", flush=True)
-    model, _ = load_from_file(recipe["base"], dtype="float32", device="cpu")
-    drop = set(recipe["dropped_blocks"])
-    model.layers = torch.nn.ModuleList(b for i, b in enumerate(model.layers) if i not in drop)
-    model.config = model.config.with_(n_layers=len(model.layers))
-    for key, value in recipe["state"].items():
-        if key.endswith(".A"):
-            lin = model.get_submodule(key[:-2])
-            lin.weight += recipe["state"][key[:-2] + ".B"].float() @ value.float()
-        elif not key.endswith(".B"):
-            model.get_parameter(key).copy_(value.float())
-    return save_model(model, name, base=recipe["base"], info={**meta, "built_from": str(path)})
-
-
-def load_saved(name: str, dtype: str | torch.dtype | None = None, device: str | None = "cpu"):
-    """(model, tokenizer) from save_model's folder; weights round-trip exactly (dtype=None keeps the saved one)."""
-    folder = saved_model_dir(name)
-    if not (folder / "config.json").exists() or not (folder / "model.pt").exists():
-        raise FileNotFoundError(f"no saved model {name!r} in {folder}: save one first with "
-                                f"minillm.gguf.loader.save_model(model, {name!r})")
-    meta = json.loads((folder / "config.json").read_text())
-    raw = (folder / "model.pt").read_bytes()
-    if hashlib.sha256(raw).hexdigest() != meta["sha256"]:
-        raise RuntimeError(f"{folder / 'model.pt'} does not match the checksum in its config.json (corrupted or "
-                           f"overwritten): delete {folder} and save the model again")
-    cfg = ModelConfig(**meta["config"])
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model = model.to_empty(device=resolve_device(device))
-    sd = torch.load(folder / "model.pt", weights_only=True, map_location=model.device)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise RuntimeError(f"{folder} does not match its config: missing {missing}, unexpected {unexpected}")
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.embed.weight
-    model = model.to(resolve_dtype(dtype or meta["dtype"])).eval().requires_grad_(False)
-    model.saved_info = meta["info"]
-    from minillm.gguf.tokenizer import Tokenizer
-
-    return model, Tokenizer.from_gguf_metadata(read_gguf_metadata(gguf_path(meta["base"])))

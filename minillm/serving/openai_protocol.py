@@ -3,11 +3,8 @@ OpenAI-style errors (`ApiError`); lesson 12.
 
 Types are validated strictly (no "5" for 5) and values against OpenAI's ranges, a 400 naming the field. Unknown
 top-level fields are ignored with a log line (vLLM's behaviour), but those that would change what an answer is
-(`logit_bias`, `tools`, ...) are refused: ignoring them would be silently wrong. Honoured: temperature, top_p, n,
-seed, stop, max_tokens, presence/frequency penalties, logprobs (completions: an int, the legacy shape; chat: a bool
-and top_logprobs, per-token content), stream and stream_options; and vLLM's extras (the openai client's
-`extra_body`): top_k, min_tokens, repetition_penalty and ignore_eos (exactly max_tokens tokens, for benchmarks).
-See server.py for the endpoints.
+(`logit_bias`, `tools`, ...) are refused: ignoring them would be silently wrong (`REFUSED_FIELDS`). The fields
+honoured: `_Common`. See server.py for the endpoints.
 """
 
 from __future__ import annotations
@@ -69,7 +66,13 @@ REFUSED_FIELDS = {
 
 
 class _Common(_Strict):
-    """The sampling fields completions and chat share."""
+    """The sampling fields completions and chat share.
+
+    Honoured: temperature, top_p, n, seed, stop, max_tokens, presence/frequency penalties, logprobs (completions: an
+    int, the legacy shape; chat: a bool and top_logprobs, per-token content), stream and stream_options; and vLLM's
+    extras (the openai client's `extra_body`): top_k, min_tokens, repetition_penalty and ignore_eos (exactly
+    max_tokens tokens, for benchmarks).
+    """
 
     model_config = ConfigDict(extra="allow", strict=True)
 

@@ -5,9 +5,7 @@
 
 POST /v1/completions and /v1/chat/completions (Server-Sent Events with `stream: true`), GET /v1/models, /health
 and /metrics (Prometheus text), POST /tokenize; the wire format is openai_protocol.py; who may call, access.py.
-vLLM's shape: one `EngineThread` (engine_thread.py) owns the engine and steps it, the asyncio loop parses and
-streams. A full queue gets 429, a client that leaves aborts, shutdown drains. `n` choices are n engine sequences
-sharing the prompt (LLM.add_samples); logprobs come with the engine's events (LogprobsWriter).
+vLLM's shape (a thread steps the engine, the asyncio loop parses and streams; 429, aborts, draining): `Service`.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from minillm.engine.llm import sample_ids
+from minillm.engine.output import sample_ids
 from minillm.sampling import SamplingParams
 from minillm.serving.access import AccessGuard, AccessPolicy
 from minillm.serving.engine_thread import AsyncSink, EngineThread, QueueFull
@@ -89,7 +87,12 @@ class _EventStream(StreamingResponse):
 
 
 class Service:
-    """What the endpoints do: validate, submit to the engine thread, turn its events into OpenAI responses."""
+    """What the endpoints do: validate, submit to the engine thread, turn its events into OpenAI responses.
+
+    vLLM's shape: one `EngineThread` (engine_thread.py) owns the engine and steps it, the asyncio loop parses and
+    streams. A full queue gets 429, a client that leaves aborts, shutdown drains. `n` choices are n engine sequences
+    sharing the prompt (LLM.add_samples); logprobs come with the engine's events (LogprobsWriter).
+    """
 
     def __init__(self, llm, model_name: str, max_waiting: int):
         self.llm, self.model_name = llm, model_name

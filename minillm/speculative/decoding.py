@@ -18,7 +18,7 @@ from torch import Tensor
 
 from minillm.request import Request
 from minillm.sampling import SamplingParams, logits_to_probs, sample
-from minillm.speculative.drafters import ModelDrafter, NgramDrafter
+from minillm.speculative.drafters import Drafter, ModelDrafter, NgramDrafter
 
 METHODS = ("ngram", "draft", "early_exit", "learned")
 
@@ -57,7 +57,7 @@ class SpeculativeConfig:
                              f"{self.max_batch!r}")
 
 
-def make_drafter(config: SpeculativeConfig, target, num_blocks: int = 1024, block_size: int = 16):
+def make_drafter(config: SpeculativeConfig, target, num_blocks: int = 1024, block_size: int = 16) -> Drafter:
     """The drafter a config names, checked against the target (vocabulary, device)."""
     if config.method == "ngram":
         return NgramDrafter(config.ngram_max, config.ngram_min)
@@ -176,7 +176,8 @@ def check_budget(k: int, prompt_len: int, max_seq_len: int) -> None:
 
 
 @torch.inference_mode()
-def generate_speculative(model, req: Request, drafter, k: int, kv, stats: SpecStats | None = None) -> Iterator[int]:
+def generate_speculative(model, req: Request, drafter: Drafter, k: int, kv,
+                         stats: SpecStats | None = None) -> Iterator[int]:
     """Yield the new token ids of one request, several per target forward, over `kv` (an empty cache with room for
     prompt + max_tokens + k): the same tokens as target-only greedy decoding, the target's distribution when
     sampling."""
@@ -185,11 +186,9 @@ def generate_speculative(model, req: Request, drafter, k: int, kv, stats: SpecSt
     params, ids = req.params, list(req.prompt_ids)
     max_len = model.config.max_seq_len
     check_budget(k, len(ids), max_len)
-    # a learned drafter reads the target's features of each forward (the engine asks the same in LLM.step)
-    observe = drafter.observe if getattr(drafter, "wants_features", False) else None
+    # after each target forward the drafter is told which logits rows are whose (as in LLM.step)
     logits = model(torch.tensor([ids], device=model.device), kv_cache=kv, last_only=True)[0]  # prefill
-    if observe is not None:
-        observe([(req.request_id, len(ids) - 1, 1)])
+    drafter.observe([(req.request_id, len(ids) - 1, 1)])
     new = verify(logits, [], None, params, req.generator)  # no drafts yet: one ordinary sample
     n_out = 0
     while True:
@@ -204,8 +203,7 @@ def generate_speculative(model, req: Request, drafter, k: int, kv, stats: SpecSt
         draft, q = drafter.propose([(req.request_id, ids, n)], [params], [req.generator])[0] if n > 0 else ([], None)
         cached = len(ids) - 1
         logits = model(torch.tensor([ids[-1:] + draft], device=model.device), kv_cache=kv)[0]
-        if observe is not None:
-            observe([(req.request_id, cached, 1 + len(draft))])
+        drafter.observe([(req.request_id, cached, 1 + len(draft))])
         new = verify(logits, draft, q, params, req.generator)
         kv.truncate(cached + len(new))  # keep the last token + the accepted drafts; the rejected ones vanish
         if stats is not None:

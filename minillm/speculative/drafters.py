@@ -1,15 +1,15 @@
-"""Where speculative decoding's guesses come from (lesson 10): drafters behind one `propose` call.
+"""Where speculative decoding's guesses come from (lesson 10): every drafter is a `Drafter`, one interface.
 
   NgramDrafter  prompt lookup: what followed the latest earlier occurrence of the last n tokens (no model);
   ModelDrafter  a small model decoding k tokens ahead (lesson 09's distilled student, or early_exit_model:
                 the target's first n blocks + head), on its own paged cache, cut back to what was accepted.
-
-    drafter.propose([("req-0", ids, 4)], [params], [generator]) -> [(draft_ids, q)]
-q (len(draft_ids), vocab): the distribution each draft was drawn from, or None (n-gram: a one-hot guess).
+  (LearnedDrafter, learned.py: a head that drafts from the target's own features.)
+A cheap guess saves a target step when accepted, so the engine asks all of them the same way, in one batch.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
@@ -17,11 +17,36 @@ from torch import Tensor
 
 from minillm.cache.block_allocator import BlockTable, OutOfBlocksError
 from minillm.cache.paged import Chunk, PackedForward, PagedKVCache
-from minillm.compress.distill import check_same_vocabulary
+from minillm.gguf.vocabulary import check_same_vocabulary
 from minillm.model import Transformer
 from minillm.sampling import SamplingParams, logits_to_probs, sample
 
-Proposal = tuple[list[int], Tensor | None]
+Proposal = tuple[list[int], Tensor | None]  # (draft ids, q: (len(draft ids), vocab), or None for one-hot guesses)
+
+
+class Drafter(ABC):
+    """What the engine (LLM.step) and generate_speculative call on every drafter, unconditionally.
+
+        drafter.propose([("req-0", ids, 4)], [params], [generator]) -> [(draft_ids, q)]
+    q (len(draft_ids), vocab): the distribution each draft was drawn from, or None (a one-hot guess).
+    After each target forward the caller passes observe() which logits row is whose; a drafter that reads the
+    target's features (wants_features: the learned one) keeps them, the others ignore it."""
+
+    wants_features: bool = False
+
+    @abstractmethod
+    def propose(self, batch: list[tuple[str, list[int], int]], params: list[SamplingParams],
+                generators: list) -> list[Proposal]:
+        """Up to k drafts for each (key, token ids so far, k), with the distributions they were drawn from."""
+
+    def observe(self, rows: list[tuple[str, int, int]]) -> None:
+        """rows: (key, position of its first logits row, number of rows), in the last target forward's row order."""
+
+    def release(self, key: str) -> None:
+        """The sequence `key` ended: drop what is kept for it."""
+
+    def check_target(self, target) -> None:
+        """Refuse a target this drafter cannot draft for (raises ValueError)."""
 
 
 def propose_ngram(ids: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
@@ -37,7 +62,7 @@ def propose_ngram(ids: list[int], k: int, max_n: int = 3, min_n: int = 1) -> lis
     return []
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup decoding (propose_ngram): no model, no state."""
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
@@ -48,9 +73,6 @@ class NgramDrafter:
     def propose(self, batch: list[tuple[str, list[int], int]], params: list[SamplingParams] | None = None,
                 generators: list | None = None) -> list[Proposal]:
         return [(propose_ngram(ids, k, self.max_n, self.min_n), None) for _, ids, k in batch]
-
-    def release(self, key: str) -> None:
-        pass
 
 
 def early_exit_model(target: Transformer, n_layers: int) -> Transformer:
@@ -73,7 +95,7 @@ class _DraftState:
     cached: list[int] = field(default_factory=list)  # the tokens whose keys/values the draft cache holds
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """A draft language model (or the first `n_layers` blocks of one: early_exit_model) decoding k tokens
     ahead, batched: one PackedForward over every drafting sequence's new tokens per draft step.
 
@@ -162,5 +184,5 @@ class ModelDrafter:
         return self.forward(chunks).float()
 
 
-__all__ = ["ModelDrafter", "NgramDrafter", "OutOfBlocksError", "Proposal", "early_exit_model",
+__all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "OutOfBlocksError", "Proposal", "early_exit_model",
            "propose_ngram"]

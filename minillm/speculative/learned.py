@@ -3,28 +3,13 @@
 A draft model pays a full forward of its own per guess, so it must be much smaller than the target *and* agree
 with it; a pruned student is at best ~1.7x cheaper. EAGLE (Li et al. 2024) drafts from what the target already
 computed: its last hidden state f_t (the feature its LM head turns into token t+1) already says what comes next.
-`DraftHead` maps (f_t, token t+1) to a predicted feature f_{t+1} (one linear layer and one SwiGLU MLP, no attention:
-the feature carries the context) and scores only `vocab_ids`, the few thousand tokens the target actually writes,
-with the target's own LM-head rows: a guess costs ~4% of a target step. Guesses chain on predicted features.
-
-`LearnedDrafter` reads f from the target's final norm (a forward hook): after each target forward the engine (or
-generate_speculative) calls `observe` with which sequence and position each logits row is; `propose` then drafts
-from the feature of the position that produced the last token. Greedy output stays the target's (verification
-keeps only agreeing drafts) and sampling stays exact: q is the head's distribution, zero outside vocab_ids.
-
-Draft length adapts (EAGLE-2's insight: the head knows when it is guessing): with `min_confidence` > 0 a chain stops
-before guess i once the product of the head's top probabilities up to i falls below it. A rejected guess costs
-verify width for nothing, and on a CPU each extra verified row is far from free (lesson 10 measures v); a step with
-no confident guess is a plain decode. The rule reads q_i before x_i is drawn, so x_i ~ q_i still holds whenever it
-is drafted and rejection sampling stays exact.
-Training: `train_draft_head` (features of the teacher's answers; minillm/compress/ability.py makes the data).
+`DraftHead` turns it into guesses for ~4% of a target step; `LearnedDrafter` drafts with it, exactly (sampling
+stays the target's distribution). Training: train_drafter.py (features of the teacher's answers).
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import weakref
 from pathlib import Path
 
@@ -32,15 +17,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from minillm.gguf.weights import read_verified, write_with_digest
 from minillm.model import RMSNorm
 from minillm.sampling import SamplingParams, logits_to_probs, sample
+from minillm.speculative.drafters import Drafter
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DRAFTER = "smollm2-135m-drafter"  # the shipped head, trained for SmolLM2-135M-Instruct
 
 
 class DraftHead(nn.Module):
-    """(feature f_t, token x_{t+1}) -> (predicted feature f_{t+1}, logits over vocab_ids)."""
+    """(feature f_t, token x_{t+1}) -> (predicted feature f_{t+1}, logits over vocab_ids).
+
+    One linear layer and one SwiGLU MLP, no attention (the feature carries the context); it scores only
+    `vocab_ids`, the few thousand tokens the target actually writes, with the target's own LM-head rows: a guess
+    costs ~4% of a target step. Guesses chain on predicted features."""
 
     def __init__(self, dim: int, hidden: int, vocab_ids: Tensor, eps: float = 1e-5):
         super().__init__()
@@ -84,10 +75,22 @@ class DraftHead(nn.Module):
 # --------------------------------------------------------------------------------------------------- the drafter
 
 
-class LearnedDrafter:
-    """Drafts with a DraftHead from the target's features. observe() after every target forward, then propose()."""
+class LearnedDrafter(Drafter):
+    """Drafts with a DraftHead from the target's features. observe() after every target forward, then propose().
 
-    wants_features = True
+    It reads f from the target's final norm (a forward hook): after each target forward the engine (or
+    generate_speculative) calls `observe` with which sequence and position each logits row is; `propose` then
+    drafts from the feature of the position that produced the last token. Greedy output stays the target's
+    (verification keeps only agreeing drafts) and sampling stays exact: q is the head's distribution, zero outside
+    vocab_ids.
+
+    Draft length adapts (EAGLE-2's insight: the head knows when it is guessing): with `min_confidence` > 0 a chain
+    stops before guess i once the product of the head's top probabilities up to i falls below it. A rejected guess
+    costs verify width for nothing, and on a CPU each extra verified row is far from free (lesson 10 measures v); a
+    step with no confident guess is a plain decode. The rule reads q_i before x_i is drawn, so x_i ~ q_i still
+    holds whenever it is drafted and rejection sampling stays exact."""
+
+    wants_features = True  # observe() keeps the features it reads
 
     def __init__(self, target, head: DraftHead, min_confidence: float = 0.0):
         if not 0.0 <= min_confidence < 1.0:
@@ -193,12 +196,7 @@ def save_draft_head(head: DraftHead, path: Path, info: dict) -> str:
     sd = {k: (v.half() if v.is_floating_point() else v).cpu() for k, v in head.state_dict().items()}
     buf = io.BytesIO()
     torch.save({"state": sd, "dim": head.fc.out_features, "hidden": head.gate.out_features, "info": info}, buf)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(buf.getvalue())
-    digest = hashlib.sha256(buf.getvalue()).hexdigest()
-    Path(str(path) + ".json").write_text(json.dumps({"sha256": digest, **info}, indent=1) + "\n")
-    return digest
+    return write_with_digest(Path(path), buf.getvalue(), info)
 
 
 def load_draft_head(name_or_path: str | Path = DRAFTER) -> DraftHead:
@@ -208,13 +206,9 @@ def load_draft_head(name_or_path: str | Path = DRAFTER) -> DraftHead:
         path = ASSETS / f"{name_or_path}.pt"
     meta_path = Path(str(path) + ".json")
     if not path.exists() or not meta_path.exists():
-        raise FileNotFoundError(f"no draft head at {path}: train one with `python -m minillm.bench.small_model "
+        raise FileNotFoundError(f"no draft head at {path}: train one with `python -m minillm.recipes.small_model "
                                 f"drafter` (~25 min on 2 CPU cores)")
-    raw = path.read_bytes()
-    meta = json.loads(meta_path.read_text())
-    if hashlib.sha256(raw).hexdigest() != meta["sha256"]:
-        raise RuntimeError(f"{path} does not match the sha256 in {meta_path.name} (corrupted or replaced): "
-                           f"restore it from git (`git checkout -- {path.name}`) or retrain it")
+    raw, meta = read_verified(path, meta_path, f"restore it from git (`git checkout -- {path.name}`) or retrain it")
     blob = torch.load(io.BytesIO(raw), weights_only=True)
     head = DraftHead(blob["dim"], blob["hidden"], blob["state"]["vocab_ids"])
     head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in blob["state"].items()})

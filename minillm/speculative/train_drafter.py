@@ -1,17 +1,10 @@
 """Train lesson 10's learned drafter (learned.py's DraftHead) on the teacher's own answers.
 
-    python -m minillm.bench.small_model drafter          # ~25 min on 2 CPU cores; writes minillm/assets/
+    python -m minillm.recipes.small_model drafter          # ~25 min on 2 CPU cores; writes minillm/assets/
 
-Data: the training split of chat_data's prompts with the teacher's greedy answers (cached; the held-out prompts
-never enter). The target runs once over every sequence and gives, per position t, its feature f_t (the output of its
-final norm) and its choice a_t = argmax of its logits. The head learns, from (f_t, x_{t+1}), to predict f_{t+1}
-(smooth-L1) and a_{t+1} (cross-entropy over its vocabulary); unrolled `unroll` steps on its *own* predicted features,
-as it will draft at inference, so the second and third guesses are trained on the errors the first one makes.
-
-A 3.3M-weight head memorises ~100k answer tokens (first recipe: chained top-1 0.85 on its training answers, 0.54 on
-held-out ones), so training carries EAGLE's regularisers: noise on the input features (`noise`, relative to their
-RMS), weight decay, more and plainer data (pydoc windows labelled with the target's own choices: `concat`), and
-early stopping on held-out features, scored as the tokens a verify step would keep (`expected_tokens`).
+The target runs once over every training sequence (its features and greedy choices); the head learns to predict
+the next feature and choice, unrolled on its own predictions as it drafts, with EAGLE's regularisers against
+memorising a small data set (train_draft_head says which).
 """
 
 from __future__ import annotations
@@ -95,7 +88,17 @@ def train_draft_head(head: DraftHead, data: dict[str, Tensor], steps: int = 600,
                      weight_decay: float = 0.0, eval_data: dict[str, Tensor] | None = None,
                      eval_every: int = 50) -> list[dict]:
     """AdamW with warm-up and cosine decay over random start positions whose next `unroll` tokens share a sequence.
-    With `eval_data`, every `eval_every` steps scores held-out features and keeps the best head (early stopping)."""
+    With `eval_data`, every `eval_every` steps scores held-out features and keeps the best head (early stopping).
+
+    Data: the training split of chat_data's prompts with the teacher's greedy answers (the held-out prompts never
+    enter). Per position t the target gives its feature f_t (the output of its final norm) and its choice a_t (the
+    argmax of its logits); the head learns, from (f_t, x_{t+1}), to predict f_{t+1} (smooth-L1) and a_{t+1}
+    (cross-entropy over its vocabulary), unrolled `unroll` steps on its *own* predicted features, so the second and
+    third guesses are trained on the errors the first one makes. A 3.3M-weight head memorises ~100k answer tokens
+    (first recipe: chained top-1 0.85 on its training answers, 0.54 on held-out ones), hence EAGLE's regularisers:
+    noise on the input features (`noise`, relative to their RMS), weight decay, more and plainer data (pydoc windows
+    labelled with the target's own choices: `concat`), and early stopping on held-out features, scored as the tokens
+    a verify step would keep (`expected_tokens`)."""
     tokens, feats, choice = data["tokens"], data["features"], data["choice"]
     index = torch.full((head.embed.shape[0],), -100, dtype=torch.long)
     index[head.vocab_ids] = torch.arange(head.vocab_ids.numel())

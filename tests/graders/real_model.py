@@ -88,7 +88,7 @@ def same_tokens(got: list[int], want: list[int], tok, what: str) -> None:
 
 def workload(tok, n: int = 6, seed: int = 0):
     """A small seeded workload of real text: prompts of 6-20 tokens, 4-14 greedy tokens each (ignore_eos)."""
-    from minillm.bench.workload import make_workload
+    from minillm.measure.workload import make_workload
 
     return make_workload(tok, n, prompt_len=(6, 20), output_len=(4, 14), output_dist="uniform", seed=seed)
 
@@ -125,7 +125,7 @@ def reference_serve(model, tok, requests, **kw) -> tuple[list[list[int]], list[d
 def check_attention_backend(model, tok, impl, what: str) -> None:
     """The learner's attention (swapped in by check_on_ladder) gives the reference's chat-prompt logits within 1e-3
     and generate()'s greedy tokens; the references are taken before anything is swapped in."""
-    from minillm.course.ladder import check_on_ladder
+    from minillm.course.seams import check_on_ladder
 
     want, want_logits = reference_greedy(model, tok), reference_logits(model, tok)
 

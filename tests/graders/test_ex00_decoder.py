@@ -448,9 +448,9 @@ def test_sampler_grader_rejects_wrong_answers(wrong):
 def test_your_decoder_runs_smollm2(real_model):
     """Your rms_norm, apply_rope, naive_attention (as the model's attention backend) and sample_from_logits inside
     SmolLM2-135M (float32): the chat prompt's logits within 1e-3 of the reference's, one piece at a time and all
-    together, then `minillm.chat` answers "The capital of France is Paris." (minillm.course.ladder.use_exercises)."""
+    together, then `minillm.chat` answers "The capital of France is Paris." (minillm.course.seams.use_exercises)."""
     import minillm
-    from minillm.course.ladder import use_exercises
+    from minillm.course.seams import use_exercises
     from tests.graders.real_model import ANSWER, PROMPT, chat_ids, one_thread, reference_logits
 
     model, tok = real_model

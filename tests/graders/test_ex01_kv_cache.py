@@ -277,7 +277,7 @@ def test_your_cache_decodes_smollm2(real_model):
     decode_attention, its unwritten slots full of NaN: the same greedy tokens as the reference. Stands on exercise
     00: your rms_norm / apply_rope / naive_attention / sampler run underneath where you wrote them (else minillm's)."""
     import minillm.kv_cache
-    from minillm.course.ladder import check_on_ladder
+    from minillm.course.seams import check_on_ladder
     from tests.graders.real_model import greedy_ids, reference_greedy, same_tokens
 
     model, tok = real_model

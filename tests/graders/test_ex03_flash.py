@@ -377,7 +377,7 @@ def check_flash_speed(fn) -> None:
     noisy machine slows both halves of a pair): the median ratio must be within SPEED_TOLERANCE, and the timed
     output right (a fast wrong answer does not pass)."""
     from minillm.attention.flash import flash_attention as reference
-    from minillm.bench.harness import paired_ratio
+    from minillm.measure.harness import paired_ratio
 
     q, k, v = _qkv(*SPEED_SHAPE, seed=11)
     torch.testing.assert_close(fn(q, k, v, causal=True, block_q=64, block_k=64), oracle(q, k, v, True),

@@ -421,7 +421,7 @@ def test_your_paged_cache_runs_smollm2(real_model):
     read their context from (StepPlan.build): `minillm.generate(cache="paged")` and the engine (minillm.LLM, 6
     requests on a 6-block pool, with preemptions) give SmolLM2-135M's reference greedy tokens. Stands on exercises
     00, 02 and 03 (norm, RoPE, sampler; the attention: the latest you wrote, else minillm's)."""
-    from minillm.course.ladder import check_on_ladder
+    from minillm.course.seams import check_on_ladder
     from tests.graders.real_model import (
         greedy_ids,
         reference_greedy,

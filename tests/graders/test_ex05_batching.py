@@ -297,7 +297,7 @@ def test_your_scheduler_serves_smollm2(real_model):
     workload of 6 real-text requests on a 6-block pool (the reference preempts 3 times) comes out token for token as
     the reference engine serves it. Stands on exercises 00, 02, 03 and 04 (norm, RoPE, attention, block allocator,
     paged decode: yours where you wrote them, else minillm's)."""
-    from minillm.course.ladder import check_on_ladder
+    from minillm.course.seams import check_on_ladder
     from tests.graders.real_model import reference_serve, same_tokens, serve, workload
 
     model, tok = real_model

@@ -1,6 +1,6 @@
 """Grader for exercise 13: the KV-block transfer of disaggregated serving, and routing requests across replicas.
 
-Everything is compared with oracles written here, not with minillm.cache.kv_transfer or minillm.serving.router. pack
+Everything is compared with oracles written here, not with minillm.cache.kv_transfer or minillm.cluster.router. pack
 and unpack: `oracle_pack` copies one pool block at a time (a Python loop over the table) and the receiver's expected
 state is built the same way; crafted pools (several layers, scattered and reversed tables, a partial last block, an
 int8 pool with its float16 scales, a receiver with other contents in every other block) say which rule a wrong
@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 import minillm
 from minillm.cache.kv_pool import KVBlockPool, KVCacheSpec
 from minillm.cache.prefix_cache import block_hashes
-from minillm.serving.router import ReplicaState, RequestLoad
+from minillm.cluster.router import ReplicaState, RequestLoad
 from minillm.sampling import SamplingParams
 from tests.graders.conftest import forbid_calls, load_impl
 from tests.graders.real_model import one_thread, same_tokens
@@ -315,7 +315,7 @@ def test_least_loaded_crafted():
 
 def router(**kw):
     cls = impl.PrefixAffinityRouter
-    assert importlib.import_module("minillm.serving.router").PrefixAffinityRouter not in cls.__mro__, (
+    assert importlib.import_module("minillm.cluster.router").PrefixAffinityRouter not in cls.__mro__, (
         "your PrefixAffinityRouter subclasses minillm's: write the methods yourself")
     for m in ("matched_blocks", "is_imbalanced", "choose", "on_dispatch"):
         assert m in vars(cls), f"PrefixAffinityRouter.{m} must be written in your class"
@@ -669,7 +669,7 @@ def test_your_transfer_and_router_serve_smollm2(real_model, monkeypatch):
     prefix-caching engines: minillm's router's choices and prefix hits."""
     model, tok = real_model
     kv_transfer = importlib.import_module("minillm.cache.kv_transfer")
-    router_module = importlib.import_module("minillm.serving.router")
+    router_module = importlib.import_module("minillm.cluster.router")
     want = {dt: reference(("single", id(model), dt), lambda dt=dt: single_engine(model, tok, dt))
             for dt in (None, "int8")}
     ref_route = reference(("route", id(model)), lambda: route_stream(model, tok, router_module.PrefixAffinityRouter))

@@ -25,7 +25,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.bench.harness import paired_ratio
+from minillm.measure.harness import paired_ratio
 from minillm.cache.block_allocator import blocks_needed
 from minillm.cache.kv_pool import KVBlockPool, KVCacheSpec
 from minillm.config import ModelConfig

@@ -1,16 +1,8 @@
 """Disaggregated prefill/decode (lesson 13): one process prefills, another decodes, the KV moves between them.
 
-`DisaggregatedLLM` is the coordinator, with LLM's API and result shapes: generate (RequestOutputs) / stream
-(StreamEvents) / submit + result / abort / serve / stats, prompts as text or ids (chat=True: the chat template),
-one SamplingParams or one per prompt. It drives a serving/workers.py WorkerPool of a prefill and a decode worker,
-each with its own LLM and KV pool (`prefill=` and `decode=` take their engine arguments; disagg_worker.py is the
-wire and both loops). The KV crosses over gloo (CPU) or NCCL (GPU), tokens come back from the decode worker:
-TTFT = queue + prefill + transfer (`stats()` splits it).
-
-A failure ends only the requests it strands, each with finish_reason "error" and metrics["error"] saying why,
-never a hang: a dead decode worker strands every unfinished request; a dead prefill worker only those whose KV
-had not reached the decode worker (the decode worker reports each handoff as it arrives, then the lost link), the
-others decode to the end.
+A long prefill in the decoding engine stalls every decode behind it; apart, each side is sized for its own work,
+at the price of moving the KV: TTFT = queue + prefill + transfer (`stats()` splits it). `DisaggregatedLLM` is the
+coordinator, with LLM's API; disagg_worker.py is the wire and both workers' loops.
 """
 
 from __future__ import annotations
@@ -21,12 +13,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from minillm.engine.llm import StreamEvent
+from minillm.engine.output import StreamEvent
 from minillm.request import RequestOutput, params_per_prompt, prompt_to_ids
 from minillm.sampling import SamplingParams
-from minillm.serving.disagg_worker import (DECODE, ENGINE_KWARGS, PREFILL, _worker_main, recv_handoff,
+from minillm.cluster.disagg_worker import (DECODE, ENGINE_KWARGS, PREFILL, _worker_main, recv_handoff,
                                            send_handoff)
-from minillm.serving.workers import WorkerPool, raise_if_failed, require_same_weights
+from minillm.cluster.workers import PoolFrontEnd, raise_if_failed
 
 SIDES = ("prefill", "decode")  # by rank (disagg_worker.PREFILL = 0, DECODE = 1), also their index in the pool
 _LINK_GRACE_S = 5.0  # a dead prefill worker: how long to wait for the decode side's "link lost" (normally ms)
@@ -59,9 +51,16 @@ class _Tracked:
         return "".join(self.token_texts)
 
 
-class DisaggregatedLLM:
+class DisaggregatedLLM(PoolFrontEnd):
     """A prefill worker and a decode worker (two spawned processes, each with its own minillm LLM and KV pool)
-    behind LLM's API: generate / stream / submit + result / abort / serve / stats / close."""
+    behind LLM's API and result shapes: generate (RequestOutputs) / stream (StreamEvents) / submit + result /
+    abort / serve / stats / close, prompts as text or ids (chat=True: the chat template), one SamplingParams or one
+    per prompt. The KV crosses over gloo (CPU) or NCCL (GPU); tokens come back from the decode worker.
+
+    A failure ends only the requests it strands, each with finish_reason "error" and metrics["error"] saying why,
+    never a hang: a dead decode worker strands every unfinished request; a dead prefill worker only those whose KV
+    had not reached the decode worker (the decode worker reports each handoff as it arrives, then the lost link),
+    the others decode to the end."""
 
     def __init__(self, model="smollm2-135m", dtype: str = "float32", threads: int = 1,
                  prefill: dict | None = None, decode: dict | None = None, timeout_s: float = 120.0,
@@ -99,28 +98,22 @@ class DisaggregatedLLM:
         self._stats: list[dict] = []
         port = free_port()
         specs = {"prefill": model, "decode": model if decode_model is None else decode_model}
-        self._closed = False
         args = [(rank, specs[side], dtype, threads, sides[side], port, device, _fault)
                 for rank, side in enumerate(SIDES)]
-        self._workers = WorkerPool(_worker_main, args, [f"the {side} worker" for side in SIDES])
+        ready = self._start_workers(_worker_main, args, [f"the {side} worker" for side in SIDES], self.timeout_s,
+                                    "the prefill and decode workers", check=self._check_layouts)
         self.processes = dict(zip(SIDES, self._workers.processes))
-        try:
-            self.info = self._wait_ready()
-        except BaseException:
-            self.close()
-            raise
+        self.info = dict(zip(SIDES, ready))
+        self.decode_free_blocks = self.info["decode"]["num_blocks"]
 
-    def _wait_ready(self) -> dict:
-        ready = dict(zip(SIDES, (info for (info,) in self._workers.expect("ready", self.timeout_s))))
-        p, d = ready["prefill"], ready["decode"]
-        require_same_weights("the prefill and decode workers", [p["checksum"], d["checksum"]])
+    @staticmethod
+    def _check_layouts(ready: list[dict]) -> None:
+        p, d = ready
         for key in ("block_size", "kv_dtype", "layers", "kv_heads", "head_dim"):
             if p[key] != d[key]:
                 raise ValueError(f"prefill and decode KV layouts differ in {key}: {p[key]} vs {d[key]}; the "
                                  f"KV blocks must fit both pools (same block_size and kv_cache_dtype on both "
                                  f"sides)")
-        self.decode_free_blocks = d["num_blocks"]
-        return ready
 
     # ----------------------------------------------------------------------------------------- requests
 
@@ -149,8 +142,7 @@ class DisaggregatedLLM:
         return self._send(prompt, params, chat)
 
     def _check_alive(self) -> None:
-        if self._closed:
-            raise RuntimeError("this DisaggregatedLLM is closed")
+        self._check_open()
         dead = self._dead()
         if dead:
             raise RuntimeError(f"no {' and no '.join(dead)} worker alive: start a new DisaggregatedLLM")
@@ -324,7 +316,7 @@ class DisaggregatedLLM:
                     self._output(rid)
 
     def serve(self, requests) -> tuple[list[RequestOutput], float]:
-        """Feed minillm.bench.workload Requests at their arrival times (like workload.serve); (outputs, wall
+        """Feed minillm.measure.workload Requests at their arrival times (like workload.serve); (outputs, wall
         seconds)."""
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time)
         ids: dict[int, str] = {}
@@ -343,28 +335,6 @@ class DisaggregatedLLM:
         """Per finished request: prompt tokens, TTFT, KV bytes moved, transfer seconds and share of TTFT."""
         return {"requests": list(self._stats), "decode_free_blocks": self.decode_free_blocks,
                 "workers": {s: p.is_alive() for s, p in self.processes.items()}}
-
-    # -------------------------------------------------------------------------------------------- close
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop both workers (politely, then terminate/kill); safe to call twice."""
-        if getattr(self, "_closed", True):
-            return
-        self._closed = True
-        if getattr(self, "_workers", None) is not None:
-            self._workers.close(timeout_s)
-
-    def __enter__(self) -> DisaggregatedLLM:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close(timeout_s=1.0)
-        except Exception:
-            pass
 
 
 __all__ = ["DisaggregatedLLM", "recv_handoff", "send_handoff"]

@@ -1,12 +1,8 @@
-"""One worker-process lifecycle for serving (lesson 13): `WorkerPool`, under DisaggregatedLLM and ReplicaPool.
+"""One worker-process lifecycle (lesson 13): `WorkerPool` and `PoolFrontEnd`, under DisaggregatedLLM and ReplicaPool.
 
-  start     spawned (the caller's script not run again), a command pipe in and an event pipe out each;
-  ready     `expect("ready", timeout)`: each one's ("ready", info); failing or exiting first is an error;
-  liveness  `poll` hands over what they sent, `dead` names those that exited: their requests are the caller's
-            to fail (DisaggregatedLLM) or retry elsewhere (ReplicaPool);
-  close     ask each to stop, join, then terminate, then kill: no worker outlives its pool.
-`raise_if_failed` is the one error their front ends raise for requests that ended with finish_reason "error".
-Inside a worker, `WorkerLink` is its end of the pipes; the pool gone reads as a "stop".
+Serving from several processes costs a lifecycle per front end: spawn, wait until ready, notice deaths, shut down
+without orphans. It is written once here; the front ends keep only their own protocol. Inside a worker,
+`WorkerLink` is its end of the pipes.
 """
 
 from __future__ import annotations
@@ -84,7 +80,13 @@ def _worker_entry(target: Callable, commands, events, args: tuple) -> None:
 
 class WorkerPool:
     """Spawned worker processes, one per `args` tuple, each running target(link, *args); `labels` name them in
-    errors ("the decode worker", "replica 0"). Messages are tuples whose first item says what they are."""
+    errors ("the decode worker", "replica 0"). Messages are tuples whose first item says what they are.
+
+      start     spawned (the caller's script not run again), a command pipe in and an event pipe out each;
+      ready     `expect("ready", timeout)`: each one's ("ready", info); failing or exiting first is an error;
+      liveness  `poll` hands over what they sent, `dead` names those that exited: their requests are the
+                caller's to fail (DisaggregatedLLM) or retry elsewhere (ReplicaPool);
+      close     ask each to stop, join, then terminate, then kill: no worker outlives its pool."""
 
     def __init__(self, target: Callable, args: list[tuple], labels: list[str]):
         import torch.multiprocessing as mp
@@ -195,6 +197,54 @@ class WorkerPool:
             conn.close()
 
 
+class PoolFrontEnd:
+    """The lifecycle every front end over a WorkerPool shares: start the workers and wait until each is ready on
+    the same weights, refuse calls once closed, close (by `with`, by hand, or when collected)."""
+
+    _workers: WorkerPool | None = None
+    _closed = True  # until _start_workers: an __init__ that failed before it has nothing to close
+
+    def _start_workers(self, target: Callable, args: list[tuple], labels: list[str], timeout_s: float,
+                       what: str, check: Callable[[list[dict]], None] | None = None) -> list[dict]:
+        """Spawn the workers and return each one's ready info (a dict with its "checksum"), after refusing
+        different weights (`what` names the workers) and whatever `check` refuses. A failure closes every worker
+        before it propagates: a front end that failed to start leaves no process behind."""
+        self._closed = False
+        self._workers = WorkerPool(target, args, labels)
+        try:
+            ready = [info for (info,) in self._workers.expect("ready", timeout_s)]
+            require_same_weights(what, [r["checksum"] for r in ready])
+            if check is not None:
+                check(ready)
+        except BaseException:
+            self.close()
+            raise
+        return ready
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"this {type(self).__name__} is closed: make a new one")
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop every worker (politely, then terminate/kill) and wait for it; safe to call twice (the pool's close
+        is)."""
+        self._closed = True
+        if self._workers is not None:
+            self._workers.close(timeout_s)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:  # at interpreter exit too: a short grace, then terminate, never an error from a finalizer
+            self.close(timeout_s=1.0)
+        except Exception:
+            pass
+
+
 def require_same_weights(what: str, checksums: list[float]) -> None:
     """Refuse workers that loaded different weights (distributed.weights_checksum of each): another file or
     dtype would give silently different answers from one request to the next."""
@@ -216,4 +266,5 @@ def raise_if_failed(outputs: list) -> None:
             f"request{'s' * (len(ids) > 1)} {', '.join(ids)}: {why}" for why, ids in by_why.items()))
 
 
-__all__ = ["WorkerError", "WorkerLink", "WorkerPool", "WorkerTimeout", "raise_if_failed", "require_same_weights"]
+__all__ = ["PoolFrontEnd", "WorkerError", "WorkerLink", "WorkerPool", "WorkerTimeout", "raise_if_failed",
+           "require_same_weights"]

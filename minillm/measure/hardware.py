@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from minillm.bench.metrics import timer
+from minillm.measure.metrics import timer
 
 # ------------------------------------------------------------------------------------------------ the machine
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from minillm.compress.distill import check_same_vocabulary
+from minillm.gguf.vocabulary import check_same_vocabulary
 from minillm.sampling import SamplingParams
 from minillm.speculative.drafters import early_exit_model
 

@@ -1,8 +1,8 @@
 """The small model's parts that need the batching engine (lessons 09, 10, 13): the teacher's answers to the chat
 prompts, the student's retained ability measured on held-out ones, and the command that trains the learned drafter.
 
-    python -m minillm.bench.small_model drafter    # lesson 10's draft head: ~25 min on 2 CPU cores -> minillm/assets/
-    minillm bench distill                          # lesson 09's student (size sweep, comparisons, the shipped recipe)
+    python -m minillm.recipes.small_model drafter  # lesson 10's draft head: ~25 min on 2 CPU cores -> minillm/assets/
+    minillm bench distill                          # lesson 09's student: the sweep, then recipes/student.py ships it
 
 Both read the same cached answers (answers_path()): the teacher answers every prompt of compress/chat_data.py once.
 """
@@ -122,12 +122,17 @@ def train_drafter(size: int = 4096, hidden: int = 1536, steps: int = 800, seed: 
             "heldout_prompts": {"early_stopping": len(rest) // 2, "reported": len(held) - len(rest) // 2},
             "heldout_chained_top1": acc, "heldout_tokens_per_step": expected_tokens(acc),
             "train_chained_top1": acc_train, "final_loss": next(h["loss"] for h in reversed(hist) if "loss" in h),
-            "command": "python -m minillm.bench.small_model drafter"}
+            "command": "python -m minillm.recipes.small_model drafter"}
     digest = save_draft_head(head, ASSETS / f"{DRAFTER}.pt", info)
     print(f"saved {ASSETS / f'{DRAFTER}.pt'} (sha256 {digest[:12]}...)")
 
 
+USAGE = "usage: python -m minillm.recipes.small_model drafter   (the student: minillm bench distill)"
+
 if __name__ == "__main__":
-    if sys.argv[1:] != ["drafter"]:
-        sys.exit("usage: python -m minillm.bench.small_model drafter   (the student: minillm bench distill)")
-    train_drafter()
+    if sys.argv[1:] in (["-h"], ["--help"]):
+        print(USAGE)
+    elif sys.argv[1:] != ["drafter"]:
+        sys.exit(USAGE)
+    else:
+        train_drafter()

@@ -3,16 +3,9 @@
     CPU:  seconds ~= max(bytes / bandwidth, FLOPs / FLOP/s) + ops x seconds per op
     GPU:  seconds ~= max(bytes / bandwidth, FLOPs / FLOP/s, ops x seconds per launch)
 
-The max of the first two terms is lesson 00's roofline: a step waits for its bytes or for its arithmetic, whichever
-takes longer. The third is what a small model meets first: every op costs a fixed time whatever its size (Python
-and torch's dispatcher on a CPU, a kernel launch on a GPU). On a CPU the same core dispatches and computes, so the
-op cost adds; a GPU runs kernels while the CPU queues the next launches, so the slower of the two sets the pace.
-
-Three numbers describe a machine. `this_cpu()` measures them here: hardware_info's copy bandwidth and matmul FLOP/s
-(lesson 00), and `probe_op_seconds`, the time of an op too small to do any work. `H100_SXM` states datasheet figures,
-so whatever is computed for it is a model, not a measurement: real kernels reach a fraction of each roof (lesson 06
-measures how much of it torch reaches here). The model is for the *sign* and rough size of a change: which term
-dominates decides what an optimisation can buy. Lessons 01 and 05-08 and 12 use it in their "roofline model" cells.
+The first two terms are lesson 00's roofline; the third, a fixed cost per op, is what a small model meets first. The
+model is for the *sign* and rough size of a change: which term dominates decides what an optimisation can buy.
+Lessons 01 and 05-08 and 12 use it in their "roofline model" cells; the terms and their sources: `Machine`.
 """
 
 from __future__ import annotations
@@ -21,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.bench.metrics import model_flops_per_token
+from minillm.measure.metrics import model_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -35,7 +28,17 @@ class Step:
 
 @dataclass(frozen=True)
 class Machine:
-    """A machine as the model sees it: three roofs and where they come from."""
+    """A machine as the model sees it: three roofs and where they come from.
+
+    The max of the memory and compute terms is lesson 00's roofline: a step waits for its bytes or for its arithmetic,
+    whichever takes longer. The ops term is what a small model meets first: every op costs a fixed time whatever its
+    size (Python and torch's dispatcher on a CPU, a kernel launch on a GPU). On a CPU the same core dispatches and
+    computes, so the op cost adds; a GPU runs kernels while the CPU queues the next launches, so the slower of the
+    two sets the pace (`overlaps_ops`).
+
+    `this_cpu()` measures the three numbers here: hardware_info's copy bandwidth and matmul FLOP/s (lesson 00), and
+    `probe_op_seconds`, the time of an op too small to do any work. `H100_SXM` states datasheet figures instead.
+    """
 
     name: str
     bandwidth: float  # bytes/s
@@ -63,7 +66,9 @@ class Machine:
 
 
 # datasheet figures: NVIDIA H100 SXM5, dense bf16 tensor-core FLOP/s (the sparse figure is twice that, lesson 08);
-# the launch cost is a typical figure for a kernel launched from eager PyTorch, not a datasheet one
+# the launch cost is a typical figure for a kernel launched from eager PyTorch, not a datasheet one. Whatever is
+# computed for it is a model, not a measurement: real kernels reach a fraction of each roof (lesson 06 measures how
+# much of it torch reaches here).
 H100_SXM = Machine(name="H100 SXM (model)", bandwidth=3.35e12, flops=989e12, op_seconds=5e-6, bytes_per_weight=2,
                    overlaps_ops=True,
                    source="datasheet: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16; ~5 us per kernel launch; bf16 weights")
@@ -72,7 +77,7 @@ H100_SXM = Machine(name="H100 SXM (model)", bandwidth=3.35e12, flops=989e12, op_
 def probe_op_seconds(device: str = "cpu", calls: int = 500, rounds: int = 5) -> float:
     """Seconds of one op that does almost no work (a multiply of two 576-wide rows, as a decode step has hundreds
     of): the fixed cost every eager op pays, Python call included. Best of `rounds`, a few ms in all."""
-    from minillm.bench.metrics import timer
+    from minillm.measure.metrics import timer
 
     a, b = torch.randn(1, 576, device=device), torch.randn(1, 576, device=device)
     best = float("inf")
@@ -97,7 +102,7 @@ def eager_ops(model) -> int:
 
 def this_cpu(dtype: torch.dtype = torch.float32) -> Machine:
     """This CPU, measured: hardware_info's copy bandwidth and matmul FLOP/s in `dtype`, and the per-op cost."""
-    from minillm.bench.hardware import hardware_info
+    from minillm.measure.hardware import hardware_info
 
     info = hardware_info("cpu")
     name = str(dtype).replace("torch.", "")

@@ -4,7 +4,7 @@ A workload is a list of requests with a prompt (real English text from CPython's
 token length), an output length (requests run with ignore_eos so they generate exactly that many tokens) and
 an arrival time (all at t=0, or a Poisson process). Output lengths in real chat traffic are long-tailed: most
 answers are short, a few very long. That tail is what makes static batching idle: a batch lasts as long as its
-longest answer (`occupancy_timeline`). What a run achieved: minillm.bench.metrics.summarize.
+longest answer (`occupancy_timeline`). What a run achieved: minillm.measure.metrics.summarize.
 """
 
 from __future__ import annotations

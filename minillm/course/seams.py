@@ -1,4 +1,4 @@
-"""The checkpoint ladder: run SmolLM2-135M on the learner's own exercise code (`minillm grade 00` to `05`).
+"""The seams the course patches: SmolLM2-135M run on the learner's own exercise code (`minillm grade 00` to `05`).
 
 `use_exercises(model, exercises.ex00_decoder, ...)` plugs each piece into a seam the engine has (`SEAMS`):
   ex00  rms_norm, apply_rope -> minillm.model; naive_attention -> registry; sample_from_logits -> generate
@@ -125,7 +125,7 @@ def use_exercises(model, *modules: ModuleType, skip_stubs: bool = False, only: s
             stack.callback(setattr, owner, name, old)
 
         def attention_backend(name: str, fn: Callable, kind: str = "dense") -> None:
-            attention.register_attention(name, fn, kind=kind, doc="the learner's exercise (minillm.course.ladder)")
+            attention.register_attention(name, fn, kind=kind, doc="the learner's exercise (minillm.course.seams)")
             stack.callback(attention._REGISTRY.pop, name, None)
             if kind == "dense":
                 old = model.attn_backend

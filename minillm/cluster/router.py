@@ -4,7 +4,7 @@ Load is a replica's outstanding tokens (prompt not yet prefilled + output still 
 count. Prefix affinity (SGLang's cache-aware router) remembers per replica the block hashes of the prompts
 sent there (the engine's chain, LRU-bounded) and picks the longest match, or the least loaded replica when the
 load gap is too large. It never sees the caches: a wrong guess costs a prefill, never a wrong answer. Pure
-logic (serving/replicas.py runs the replicas). Exercise 13 asks for `least_loaded` and four
+logic (cluster/replicas.py runs the replicas). Exercise 13 asks for `least_loaded` and four
 PrefixAffinityRouter methods.
 """
 

@@ -1,13 +1,8 @@
 """Inside the two worker processes of disaggregated serving (lesson 13): the wire and the two loops.
 
-`_worker_main` (one per worker of disagg.py's WorkerPool) loads the model, builds its own LLM and KV pool,
-joins a two-rank torch.distributed group (gloo / NCCL) and loops:
-  prefill (rank 0)  requests -> LLM.add_prefill -> step -> each KVHandoff: its first token to the coordinator,
-                    the handoff to rank 1 (`send_handoff`: a length, a pickled header, the KV tensors);
-  decode (rank 1)   a receiver thread takes handoffs off the wire (`recv_handoff`) and tells the coordinator
-                    each one "arrived" (from then on the request no longer needs the prefill worker), or that the
-                    link is lost (after every handoff that came before); each joins the engine
-                    (LLM.add_prefilled) once the pool has room, and its tokens stream back to the coordinator.
+Each side runs its own engine and KV pool; what crosses between them is one request's KV blocks, once, over a
+two-rank torch.distributed group (gloo / NCCL): `send_handoff` / `recv_handoff` are that wire, `_worker_main` the
+prefill (rank 0) and decode (rank 1) loops.
 """
 
 from __future__ import annotations
@@ -63,7 +58,15 @@ def recv_handoff(src: int, device) -> KVHandoff | None:
 
 def _worker_main(link, rank: int, spec, dtype: str, threads: int, engine_kwargs: dict, port: int, device: str,
                  fault: tuple[str, int] | None) -> None:
-    """One worker (serving/workers.py runs it; an exception is sent to the coordinator as "fatal")."""
+    """One worker (cluster/workers.py runs it; an exception is sent to the coordinator as "fatal"): loads the model,
+    builds its own LLM and KV pool, joins the two-rank group and loops.
+
+      prefill (rank 0)  requests -> LLM.add_prefill -> step -> each KVHandoff: its first token to the coordinator,
+                        the handoff to rank 1 (`send_handoff`: a length, a pickled header, the KV tensors);
+      decode (rank 1)   a receiver thread takes handoffs off the wire (`recv_handoff`) and tells the coordinator
+                        each one "arrived" (from then on the request no longer needs the prefill worker), or that
+                        the link is lost (after every handoff that came before); each joins the engine
+                        (LLM.add_prefilled) once the pool has room, and its tokens stream back to the coordinator."""
     from minillm.engine import LLM
     from minillm.gguf.loader import load_spec
     from minillm.parallel.distributed import init_group, weights_checksum

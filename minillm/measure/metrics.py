@@ -4,7 +4,7 @@ interpolation), a serving run's summary (`summarize`); bytes and FLOPs a step mo
 
 MBU (model bandwidth utilisation) = bytes the step must read / time / measured bandwidth: decode's figure of
 merit. MFU (model FLOP/s utilisation) = FLOPs / time / measured peak: prefill's. Lesson 00 derives both (the
-roofs come from minillm.bench.hardware); lesson 05 the serving metrics (TTFT, TPOT, ITL, goodput).
+roofs come from minillm.measure.hardware); lesson 05 the serving metrics (TTFT, TPOT, ITL, goodput).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """A pool of engine replicas behind a router (lesson 13): N processes, each its own LLM with prefix caching.
 
-`ReplicaPool` is a serving/workers.py WorkerPool running replica_worker.py; router.py picks each request's
-replica. `generate(prompts, params, chat=..., arrival_times=...)` returns LLM's RequestOutputs and `stream(...)`
-yields LLM's StreamEvents, prompts as text or ids, one SamplingParams or one per prompt; each request is timed on
-the pool's clock from its arrival (what a client sees) and its metrics say where it ran ("replica", "attempts",
-"prefix_cache"); `stats()` has each replica's prefix-cache counters. Replicas with different weights are refused
-at startup; a slow one delays, never drops; a dead one's requests continue on a live replica where they stopped
-(prompt + the tokens already out, prefilled again; at most `max_attempts` replicas each). A request never
-vanishes: it ends with its output or with finish_reason "error" and metrics["error"] saying why (no live
-replica left, a timeout, a refusal); generate raises one RuntimeError naming them unless raise_on_error=False.
+One engine saturates its cores; N replicas serve N times the load, and a router that sends a prompt where its prefix
+is already cached keeps the prefix cache's saving across them. `ReplicaPool` is a cluster/workers.py front end
+running replica_worker.py; router.py picks each request's replica.
 """
 
 from __future__ import annotations
@@ -22,12 +16,12 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from minillm.cache.block_allocator import blocks_needed
-from minillm.engine.llm import StreamEvent
+from minillm.engine.output import StreamEvent
 from minillm.request import RequestOutput, make_request, params_per_prompt, prompt_to_ids
 from minillm.sampling import SamplingParams
-from minillm.serving.replica_worker import Fault, _replica_main
-from minillm.serving.router import ReplicaState, Router, make_router
-from minillm.serving.workers import WorkerPool, raise_if_failed, require_same_weights
+from minillm.cluster.replica_worker import Fault, _replica_main
+from minillm.cluster.router import ReplicaState, Router, make_router
+from minillm.cluster.workers import PoolFrontEnd, raise_if_failed
 
 # ------------------------------------------------------------------------------------------------ the pool
 
@@ -48,11 +42,18 @@ class _Job:
     errors: list[str] = field(default_factory=list)
 
 
-class ReplicaPool:
+class ReplicaPool(PoolFrontEnd):
     """N engine replicas (processes) behind a router. `model`: a name or a load_spec spec (or a list, one per
     replica); `policy`: "round_robin" | "least_tokens" | "prefix_affinity" | a Router; `engine_kwargs`: for
     LLM.from_model (num_blocks, block_size, max_num_seqs, ...); `timeout`: seconds a request may take from
-    arrival (also the startup limit); `faults`: {replica: Fault} for tests. One generate or stream at a time."""
+    arrival (also the startup limit); `faults`: {replica: Fault} for tests. One generate or stream at a time.
+
+    Each request is timed on the pool's clock from its arrival (what a client sees) and its metrics say where it
+    ran ("replica", "attempts", "prefix_cache"); `stats()` has each replica's prefix-cache counters. Replicas with
+    different weights are refused at startup; a slow one delays, never drops; a dead one's requests continue on a
+    live replica where they stopped (prompt + the tokens already out, prefilled again; at most `max_attempts`
+    replicas each). A request never vanishes: it ends with its output or with finish_reason "error" and
+    metrics["error"] saying why (no live replica left, a timeout, a refusal)."""
 
     def __init__(self, model="smollm2-135m", n_replicas: int = 2, policy: str | Router = "prefix_affinity",
                  engine_kwargs: dict | None = None, threads: int = 1, timeout: float = 300.0,
@@ -71,19 +72,13 @@ class ReplicaPool:
         self.replicas = [ReplicaState(i) for i in range(n_replicas)]
         self._spec = specs[0]  # all hold the same weights (checked below): its tokenizer is theirs
         self._tokenizer = None
-        self._closed = self._busy = False
+        self._busy = False
         self._exit_why: dict[int, str] = {}
         self._call, self._active = 0, {}
-        self._workers = WorkerPool(_replica_main, [(i, spec, dtype, dict(engine_kwargs or {}), threads,
-                                                    (faults or {}).get(i)) for i, spec in enumerate(specs)],
-                                   [f"replica {i}" for i in range(n_replicas)])
+        ready = self._start_workers(_replica_main, [(i, spec, dtype, dict(engine_kwargs or {}), threads,
+                                                     (faults or {}).get(i)) for i, spec in enumerate(specs)],
+                                    [f"replica {i}" for i in range(n_replicas)], timeout, "replicas")
         self._procs = self._workers.processes
-        try:
-            ready = [info for (info,) in self._workers.expect("ready", timeout)]
-            require_same_weights("replicas", [r["checksum"] for r in ready])
-        except BaseException:
-            self.close()
-            raise
         self.num_blocks, self.block_size = ready[0]["num_blocks"], ready[0]["block_size"]
         self._config = SimpleNamespace(vocab_size=ready[0]["vocab_size"], max_seq_len=ready[0]["max_seq_len"])
         self.router = make_router(policy, self.block_size, self.num_blocks)
@@ -144,8 +139,7 @@ class ReplicaPool:
     def _jobs(self, prompts, params, chat: bool, arrival_times) -> list[_Job]:
         """Check every request here, with the engine's own checks, so a bad one fails the call before anything
         is sent; text becomes ids here (the router hashes ids)."""
-        if self._closed:
-            raise RuntimeError("this ReplicaPool is closed: make a new one")
+        self._check_open()
         params = params_per_prompt(prompts, params)
         arrival_times = [0.0] * len(prompts) if arrival_times is None else list(arrival_times)
         if len(arrival_times) != len(prompts):
@@ -292,7 +286,7 @@ class ReplicaPool:
         self._results[job.index] = RequestOutput(str(job.index), job.prompt_ids, list(job.tokens),
                                                  "".join(job.text), reason, metrics, rel)
 
-    # ----------------------------------------------------------------------------------------- stats, close
+    # ------------------------------------------------------------------------------------------------ stats
 
     def stats(self) -> list[dict]:
         """Per replica since the last reset: alive, requests finished, output tokens, prefix-cache hit
@@ -301,24 +295,6 @@ class ReplicaPool:
                  "tokens": self._tokens[r.id],
                  "hit_rate": (self._cache_stats[r.id] or {}).get("hit_rate", 0.0),
                  "prefix_cache": self._cache_stats[r.id]} for r in self.replicas]
-
-    def close(self) -> None:
-        """Stop every replica (politely, then by force) and wait for it: no process outlives the pool."""
-        if self._closed:
-            return
-        self._closed = True
-        if getattr(self, "_workers", None) is not None:
-            self._workers.close(10.0)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            self.close()
 
 
 __all__ = ["Fault", "ReplicaPool"]

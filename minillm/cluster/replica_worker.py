@@ -1,6 +1,6 @@
 """Inside one replica process of a ReplicaPool (lesson 13): load the model, build the engine, serve commands.
 
-replicas.py runs `_replica_main` in each worker of a serving/workers.py WorkerPool. It loads the model (a name
+replicas.py runs `_replica_main` in each worker of a cluster/workers.py WorkerPool. It loads the model (a name
 or a minillm.gguf.loader.load_spec spec), reports its weights' checksum, builds LLM.from_model(...,
 enable_prefix_caching=True) and runs server.py's EngineThread, which steps the engine while requests are
 unfinished. Commands come in (add, abort, reset, stop); events go out, one per token (a request's last carries

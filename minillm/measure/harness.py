@@ -1,8 +1,8 @@
 """The benchmark harness: time a function, report a table of results with ratios vs targets (every bench).
 
 Every technique is judged the same way: the previous step and the next measured side by side in one run (a
-noisy machine slows both), the claim a ratio compared with a target. The roofs: minillm.bench.hardware; MBU,
-MFU and the timer: minillm.bench.metrics.
+noisy machine slows both), the claim a ratio compared with a target. The roofs: minillm.measure.hardware; MBU,
+MFU and the timer: minillm.measure.metrics.
 
     t = time_fn(lambda: model(ids), warmup=1, repeat=5)      # Timing: median/min/max seconds
     BenchResult(name="x", rows=[...], ratios={"speedup": 3.1}, targets={"speedup": (">=", 2.0)}).print_table()
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from minillm.bench.hardware import hardware_info, hardware_summary, load_average, threads_line
-from minillm.bench.metrics import timer
+from minillm.measure.hardware import hardware_info, hardware_summary, load_average, threads_line
+from minillm.measure.metrics import timer
 
 # --------------------------------------------------------------------------------------------------------- timing
 
