@@ -39,7 +39,8 @@ import torch
 from gguf import GGUFReader
 
 import minillm
-from minillm.measure import roofline, run_entry
+from minillm.bench import run_entry
+from minillm.measure import roofline
 from minillm.measure.hardware import bf16_status
 from minillm.config import LLAMA2_7B, SMOLLM2_135M
 from minillm.course.lesson import QUICK, hardware_line, pick

@@ -41,7 +41,8 @@ import matplotlib.pyplot as plt
 import torch
 
 import minillm
-from minillm.measure import roofline, run_entry
+from minillm.bench import run_entry
+from minillm.measure import roofline
 from minillm.bench.prefix_cache import shared_prefix_prompts, simulate_hit_rate
 from minillm.course.lesson import QUICK, hardware_line, pick
 from minillm.cache.prefix_cache import block_hashes

@@ -43,7 +43,8 @@ import matplotlib.pyplot as plt
 import torch
 
 import minillm
-from minillm.measure import roofline, run_entry
+from minillm.bench import run_entry
+from minillm.measure import roofline
 from minillm.course.lesson import QUICK, hardware_line, pick
 
 torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours

@@ -37,6 +37,7 @@ ENTRIES: dict[str, str] = {
     "disagg": "minillm.bench.disagg:run",
     "ladder": "minillm.bench.ladder:run",
     "edge": "minillm.bench.edge:run",
+    "breakdown": "minillm.bench.breakdown:run",
 }
 
 __all__ = ["ENTRIES", "BenchResult", "Timing", "hardware_info", "load_entry", "run_entry", "time_fn"]

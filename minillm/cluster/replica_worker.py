@@ -64,7 +64,7 @@ def _replica_main(link, replica_id: int, spec, dtype: str, engine_kwargs: dict, 
                   fault: Fault | None) -> None:
     from minillm.gguf.loader import load_spec
     from minillm.parallel.distributed import weights_checksum
-    from minillm.serving.server import EngineThread
+    from minillm.serving.engine_thread import EngineThread
 
     torch.set_num_threads(threads)
     model, tok = load_spec(spec, dtype)  # a failure here is the worker's "fatal": the pool raises it

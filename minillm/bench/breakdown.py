@@ -1,0 +1,95 @@
+"""`minillm bench breakdown`: where one step of SmolLM2-135M spends its time, against its byte and compute floors.
+
+Rows: a batch-1 decode step, a speculative verify step (k=4 drafts), and batched decode steps of 8 and 16
+sequences, each split by minillm.measure.breakdown into weight matmuls, attention, elementwise ops, sampling and
+Python/dispatch ("else"), in float32 (and bfloat16 where the CPU computes it natively). The later lessons that
+build a native CPU step read it to see which term they are removing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minillm.measure.breakdown import TERMS, Breakdown, step_breakdown
+from minillm.measure.hardware import bandwidth, hardware_info, native_bf16, peak_flops
+from minillm.measure.harness import BenchResult
+
+K = 4
+
+
+def steps(quick: bool) -> list[tuple[str, int]]:
+    """(kind, batch) of each row; quick leaves batch 16 out."""
+    return [("decode", 1), ("verify", 1), ("batch", 8)] + ([] if quick else [("batch", 16)])
+
+
+def run(quick: bool = False) -> BenchResult:
+    from minillm.api import load_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    context, repeat = (64, 3) if quick else (512, 7)
+    info = hardware_info(device)  # measured once, here: the floors divide by the same roofs the header prints
+    bw = bandwidth(device)
+    fp32, _ = load_model("smollm2-135m", dtype="float32", device=device)
+    dtypes = ["float32"] + (["bfloat16"] if native_bf16(device) else [])
+    rows, by = [], {}
+    for dtype in dtypes:
+        model = fp32 if dtype == "float32" else _cast(fp32, dtype)
+        for kind, batch in steps(quick) if dtype == "float32" or not quick else steps(quick)[:1]:
+            bd = step_breakdown(model, kind, batch=batch, k=K, context=context, repeat=repeat, bandwidth=bw,
+                                flops_per_s=peak_flops(model.dtype, device))
+            by[dtype, kind, batch] = bd
+            rows.append({"dtype": dtype, **bd.as_row(), "largest": bd.largest()})
+            print("  " + bd.line(), flush=True)
+        del model
+    decode, verify, b8 = by["float32", "decode", 1], by["float32", "verify", 1], by["float32", "batch", 8]
+    ratios = {f"decode_{t}_share": decode.shares[t] for t in TERMS}
+    ratios |= {
+        "decode_wall_over_floor": decode.wall_ms / decode.floor_ms,
+        "verify_vs_decode_wall": verify.wall_ms / decode.wall_ms,
+        "batch8_vs_decode_wall": b8.wall_ms / decode.wall_ms,
+        "batch8_matmul_share": b8.shares["matmul"],
+    }
+    return BenchResult(name="breakdown", rows=rows, ratios=ratios, notes=_notes(by, dtypes, context),
+                       settings={"device": device, "model": "smollm2-135m", "context": context, "k": K,
+                                 "repeat": repeat, "dtypes": dtypes, "threads": torch.get_num_threads(),
+                                 "copy_GBps": round(bw / 1e9, 2)},
+                       hardware=info)
+
+
+def _cast(model, dtype: str):
+    import copy
+
+    # a copy: the float32 rows keep their model (load_model's dtype= would re-read the GGUF)
+    return copy.deepcopy(model).to(getattr(torch, dtype))
+
+
+def _notes(by: dict[tuple, Breakdown], dtypes: list[str], context: int) -> list[str]:
+    """Sentences computed from the measured breakdowns."""
+    decode, verify = by["float32", "decode", 1], by["float32", "verify", 1]
+    per_op_us = decode.terms["else"] / max(decode.n_ops, 1) * 1e3
+    notes = [(f"float32 decode b=1 after {context} tokens: {decode.wall_ms:.1f} ms, largest term {decode.largest()} "
+              f"({decode.shares[decode.largest()]:.0%}); the byte floor is {decode.byte_floor_ms:.1f} ms, so the step "
+              f"runs at {decode.wall_ms / decode.byte_floor_ms:.1f}x it; Python/dispatch ('else') is "
+              f"{decode.terms['else']:.1f} ms over {decode.n_ops} ops ({per_op_us:.1f} us per op)"),
+             (f"verify k={K} scores {K + 1} tokens for {verify.wall_ms / decode.wall_ms:.2f}x a decode step's time "
+              f"(matmul {verify.terms['matmul']:.1f} vs {decode.terms['matmul']:.1f} ms)")]
+    for (dtype, kind, batch), bd in by.items():
+        if dtype == "float32" and kind == "batch":
+            speedup = batch * decode.wall_ms / bd.wall_ms
+            notes.append(f"batch {batch}: {batch} tokens for {bd.wall_ms / decode.wall_ms:.2f}x a decode step "
+                         f"({speedup:.1f}x the tokens/s); attention {bd.shares['attention']:.0%} "
+                         f"({bd.terms['attention']:.1f} ms; {decode.shares['attention']:.0%} at b=1); compute floor "
+                         f"{bd.compute_floor_ms:.1f} ms vs byte floor {bd.byte_floor_ms:.1f} ms")
+    if "bfloat16" in dtypes:
+        bf = by["bfloat16", "decode", 1]
+        notes.append(f"bfloat16 decode b=1: {bf.wall_ms:.1f} ms ({decode.wall_ms / bf.wall_ms:.2f}x float32's speed), "
+                     f"matmul {bf.terms['matmul']:.1f} ms vs {decode.terms['matmul']:.1f} ms")
+    overhead = [bd.profiled_wall_ms / bd.wall_ms - 1 for bd in by.values()]
+    notes.append(f"under the profiler steps took {min(overhead):+.0%} to {max(overhead):+.0%} of their un-profiled "
+                 "wall; each row keeps the profiled step's proportions, scaled to the un-profiled median wall, and "
+                 "'else' is the profiled step's time outside any op")
+    noisy = [bd.label for bd in by.values() if not 0.5 < bd.profiled_wall_ms / bd.wall_ms < 2]
+    if noisy:
+        notes.append(f"{', '.join(noisy)}: profiled and un-profiled steps differ by 2x or more, more than the "
+                     "profiler adds: the machine was busy, so those splits are unreliable (rerun with fewer --threads)")
+    return notes
