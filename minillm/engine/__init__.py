@@ -5,7 +5,7 @@
     model_runner.py  schedule -> packed tensors -> model -> per-request sampling
     llm.py           LLM: add_request / step / generate / stream / abort
     output.py        tokens out (StreamEvents, outputs)       handoff.py  a request's KV to another engine (13)
-    static.py        the static-batching baseline it is measured against
+    speculation.py   draft slots, drafts, acceptance (10)    static.py   the static-batching baseline
 """
 
 from minillm.engine.config import EngineConfig

@@ -5,7 +5,7 @@
 
 Each step(): schedule -> propose drafts (lesson 10) -> one packed forward -> postprocess -> emit. A finished request
 frees its KV blocks at once and a waiting one takes its slot, so no batch idles behind its longest request.
-Knobs: config.py; tokens out: output.py; the KV handoff between engines (lesson 13): handoff.py.
+Knobs: config.py; tokens out: output.py; drafts (lesson 10): speculation.py; KV to another engine (13): handoff.py.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from minillm.engine.handoff import PrefillHandoff
 from minillm.engine.model_runner import ModelRunner
 from minillm.engine.output import OutputCollector, StreamEvent, follow, sample_ids
 from minillm.engine.scheduler import Schedule, Scheduler
+from minillm.engine.speculation import EngineSpeculation
 from minillm.engine.sequence import Sequence
 from minillm.request import Request, RequestOutput, make_request, params_per_prompt
 from minillm.sampling import SamplingParams
-from minillm.speculative.decoding import SpecStats, SpeculativeConfig, make_drafter
+from minillm.speculative.decoding import SpecStats, SpeculativeConfig
 
 
 class LLM:
@@ -78,9 +79,10 @@ class LLM:
         self.block_manager = BlockManager(allocator, prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache, config.max_num_batched_tokens)
-        spec = config.speculative  # the draft model's own paged cache holds as many tokens as the target's
-        self.drafter = make_drafter(spec, model, num_blocks, block_size) if spec is not None else None
-        self.spec_stats = SpecStats()
+        self.speculation = (EngineSpeculation(config.speculative, model, num_blocks, block_size)
+                            if config.speculative is not None else None)
+        self.drafter = self.speculation.drafter if self.speculation else None
+        self.spec_stats = self.speculation.stats if self.speculation else SpecStats()
         self.max_model_len = model.config.max_seq_len
         self.outputs = OutputCollector(tokenizer)
         self.handoff = PrefillHandoff(self.cache, self.block_manager, self.scheduler, self.max_model_len)
@@ -190,8 +192,7 @@ class LLM:
     def _schedule(self) -> tuple[Schedule, float]:
         """The scheduler's plan for this step, and when it was made. With speculation (lesson 10) each decode also
         gets KV slots for k drafts, while the batch is small enough for verifying them to be nearly free."""
-        spec = self.config.speculative
-        k = spec.k if spec is not None and len(self.scheduler.running) <= spec.max_batch else 0
+        k = self.speculation.lookahead(len(self.scheduler.running)) if self.speculation else 0
         schedule = self.scheduler.schedule(k)
         t0 = time.perf_counter()
         for item in schedule.scheduled:
@@ -200,35 +201,22 @@ class LLM:
         return schedule, t0
 
     def _propose(self, schedule: Schedule) -> list:
-        """Drafts for every decode that got lookahead slots (one batched call); their distributions, per item."""
-        items = [i for i, item in enumerate(schedule.scheduled) if item.num_lookahead]
-        probs: list = [None] * len(schedule.scheduled)
-        if not items:
-            return probs
-        seqs = [schedule.scheduled[i].seq for i in items]
-        proposals = self.drafter.propose([(s.request_id, s.all_ids, schedule.scheduled[i].num_lookahead)
-                                          for i, s in zip(items, seqs)],
-                                         [s.params for s in seqs], [s.generator for s in seqs])
-        for i, (draft, q) in zip(items, proposals):
-            schedule.scheduled[i].draft_ids = draft
-            probs[i] = q
-        return probs
+        """Drafts for every decode that got lookahead slots; their distributions, per item (speculation.py)."""
+        return self.speculation.propose(schedule) if self.speculation else [None] * len(schedule.scheduled)
 
     def _postprocess(self, schedule: Schedule, sampled: list[list[int]], t0: float
                      ) -> tuple[list[tuple[Sequence, list[int]]], list[Sequence]]:
         """Hand the sampled tokens to the scheduler, which appends them and retires finished sequences (their
         blocks are freed at once: a prefill-only request's KV is packed into its handoff first, lesson 13).
         Returns each scheduled sequence's new tokens (a stop drops those after it) and the finished ones."""
-        if self.drafter is not None:  # right after the forward: which logits row is whose (the learned drafter's)
-            self.drafter.observe([(c.seq.request_id, c.start + c.num_new_tokens + len(c.draft_ids) - n, n)
-                                  for c in schedule.scheduled for n in [1 + len(c.draft_ids) if c.samples else 0]])
+        if self.speculation:
+            self.speculation.observe(schedule)
         now = time.perf_counter()
         self.handoff.pack(schedule, sampled, now)
         n_before = [item.seq.num_output_tokens for item in schedule.scheduled]
         finished = self.scheduler.postprocess(schedule, sampled, now)
-        for item, tokens in zip(schedule.scheduled, sampled):
-            if item.num_lookahead:
-                self.spec_stats.record(len(item.draft_ids), len(tokens) - 1, len(tokens))
+        if self.speculation:
+            self.speculation.record(schedule, sampled)
         self.step_log.append({
             "t_start": t0, "t_end": now, "num_seqs": len(schedule.scheduled), "num_decodes": schedule.num_decodes,
             "num_prefill_tokens": schedule.num_prefill_tokens, "num_tokens": schedule.num_batched_tokens,
@@ -249,8 +237,8 @@ class LLM:
 
     def _retire(self, seq: Sequence) -> None:
         """A finished or aborted sequence leaves the engine; its output waits for pop_output."""
-        if self.drafter is not None:
-            self.drafter.release(seq.request_id)
+        if self.speculation:
+            self.speculation.release(seq.request_id)
         self.handoff.forget(seq.request_id)
         self._seqs.pop(seq.request_id, None)
         self.outputs.finish(seq)
