@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("cluster", ["minillm.cluster"]),  # many engines (lesson 13) over the one-engine server (lesson 12)
     ("benches", ["minillm.bench"]),
     ("course", ["minillm.course"]),
-    ("entry points", ["minillm", "minillm.__main__", "minillm.cli", "minillm.cli_commands", "minillm.cli_generate"]),
+    ("entry points", ["minillm", "minillm.__main__", "minillm.cli"]),
 ]
 CORE_MAX_LINES = 1200
 CORE = [rung_name for rung_name, _ in LAYERS].index("core")

@@ -361,7 +361,7 @@ def test_api_key_and_allowed_origins(real_model):
 
 def test_serve_flags_make_the_policy(monkeypatch):
     from minillm.cli import build_parser
-    from minillm.cli_commands import access_policy
+    from minillm.cli.commands import access_policy
 
     args = build_parser().parse_args(["serve", "--host", "10.0.0.5", "--allowed-hosts", "Box.lan, proxy",
                                       "--allowed-origins", "https://app.example/"])

@@ -1,7 +1,7 @@
 """The bodies of `minillm bench`, `serve`, `grade`, `hint` and `info`, and what every command shares.
 
 cli.py parses and dispatches; these do the work. A user mistake raises UsageError (one line, exit status 2); a
-setup problem returns EXIT_SETUP with one line that says what to do. `generate` has its own module, cli_generate.py.
+setup problem returns EXIT_SETUP with one line that says what to do. `generate` has its own module, generate.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import math
 import sys
 import time
 
-from minillm.cli_commands import UsageError, use_threads
+from minillm.cli.commands import UsageError, use_threads
 
 
 def apply_profile(args) -> dict | None:

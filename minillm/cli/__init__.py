@@ -4,7 +4,7 @@
     minillm bench decode --quick    minillm bench --list    minillm grade 00 [--solutions]    minillm info
     minillm serve --port 8000       (an OpenAI-compatible server; needs pip install 'minillm[serve]')
 
-Here: the parser and the dispatch (the commands' bodies: cli_generate.py, cli_commands.py). A bad argument is one
+Here: the parser and the dispatch (the commands' bodies: generate.py, commands.py). A bad argument is one
 line and exit status 2; a setup problem, one line that says what to do and status 1. No tracebacks.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minillm.cli_commands import EXIT_SETUP, EXIT_USAGE, UsageError, cmd_bench, cmd_grade, cmd_hint, cmd_info, cmd_serve
-from minillm.cli_generate import cmd_generate
+from minillm.cli.commands import EXIT_SETUP, EXIT_USAGE, UsageError, cmd_bench, cmd_grade, cmd_hint, cmd_info, cmd_serve
+from minillm.cli.generate import cmd_generate
 
 THREADS_HELP = ("torch threads (default: torch's choice, one per core). Each measurement prints the thread count and "
                 "the load average; on a busy machine use no more threads than free cores (more make bf16 matmuls "
