@@ -35,6 +35,7 @@ import torch
 
 import minillm
 from minillm.measure import roofline
+from minillm.measure.breakdown import step_breakdown
 from minillm.measure.hardware import hardware_info, hardware_summary, peak_flops
 from minillm.measure.metrics import decode_bytes_per_token, model_flops_per_token, weight_bytes
 from minillm.config import LLAMA2_7B, LLAMA2_70B, SMOLLM2_135M
@@ -223,12 +224,19 @@ print(f"time if bandwidth-bound: {bytes_tok / bw * 1e3:.1f} ms; if compute-bound
       f"measured (median step): {measured_s * 1e3:.1f} ms")
 print(f"MBU = achieved {bytes_tok / measured_s / 1e9:.1f} GB/s / peak {bw / 1e9:.1f} GB/s = "
       f"{bytes_tok / measured_s / bw:.0%}; MFU = {flops_tok / measured_s / peak:.1%} of the measured matmul FLOP/s")
+# what fills the gap, measured: one decode step at the same context, timed and then profiled op by op
+step = step_breakdown(model, "decode", context=ctx, bandwidth=bw, repeat=pick(7, 3))
+print(step.gap_line())
+print(f"(its {step.n_ops} ops: {step.terms['else'] / step.n_ops * 1e3:.1f} us of Python/dispatch per op)")
 
 # %% [markdown]
 # The bandwidth-bound time is several times the compute-bound time: whatever the implementation, a batch-1 decode step
 # cannot beat the time it takes to stream the weights from memory, and the FLOPs are nearly free. The measured step is
-# slower than that roof; the ratio is the MBU. The gap is per-operation overhead (hundreds of small kernels per step,
-# each launched from Python) and, on a shared machine, other processes competing for the same cores and memory bus.
+# slower than that roof; the ratio is the MBU. What fills the gap is measured, not assumed: the last lines time one
+# decode step again, profile it op by op (`minillm.measure.breakdown`), and split its distance from the byte floor
+# into the matmuls' own time past the floor, attention, norms/RoPE/elementwise ops, sampling, and everything else
+# (Python and dispatch: the ~2,000 ops a step issues), naming the largest. Other processes on a shared machine
+# compete for the same cores and memory bus and lengthen every term.
 # That decode is memory-bound is why the next lessons attack *bytes*: fewer KV heads (lesson 02), no wasted cache slots
 # (lesson 04), more sequences sharing each weight read (batching, lesson 05). The cache itself also trades compute
 # for memory: it removes the recomputation, and in exchange every sequence holds its K/V for its whole life.

@@ -190,6 +190,34 @@ def test_printing():
     assert "floor" not in Breakdown(label="s", wall_ms=1.0, n_ops=0, terms={"else": 1.0}).line()
 
 
+def test_the_profilers_native_trace_lines_are_kept_out_of_the_output(capfd):
+    """Only what is written to fd 2 while the profiler starts and stops is dropped; stderr works again after."""
+    import os
+
+    from minillm.measure.breakdown import _no_native_stderr
+
+    with _no_native_stderr():
+        os.write(2, b"USDT: profiler_start\n")
+    os.write(2, b"after\n")
+    breakdown_of(lambda: torch.ones(8) * 2, repeat=1)
+    assert capfd.readouterr().err == "after\n"
+
+
+def test_the_gap_over_the_byte_floor_is_split_by_term():
+    """The gap (wall - byte floor) is the matmuls' time past the floor plus every other term; the largest is named,
+    and an overhead-light step names the matmuls, not 'else' (the line cannot say a cause the terms do not show)."""
+    bd = Breakdown(label="decode b=1", wall_ms=10.5, n_ops=100, byte_floor_ms=4.0,
+                   terms={"matmul": 6.0, "attention": 1.0, "elementwise": 1.0, "sampling": 0.0, "else": 2.5})
+    gap = bd.gap()
+    assert sum(gap.values()) == pytest.approx(10.5 - 4.0) and gap["matmul"] == pytest.approx(2.0)
+    assert "6.5 ms gap" in bd.gap_line() and bd.gap_line().endswith("largest: else")
+    matmul_bound = Breakdown(label="s", wall_ms=10.0, n_ops=10, byte_floor_ms=2.0,
+                             terms={"matmul": 9.0, "attention": 0.2, "elementwise": 0.3, "sampling": 0.0, "else": 0.5})
+    assert matmul_bound.gap_line().endswith("largest: matmul")
+    with pytest.raises(ValueError, match="no byte floor"):
+        Breakdown(label="s", wall_ms=1.0, n_ops=0, terms={"else": 1.0}).gap()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"kind": "prefill"}, "unknown step kind 'prefill'; choose one of decode, verify, batch"),
     ({"kind": "batch", "batch": 0}, "batch >= 1"),

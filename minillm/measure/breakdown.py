@@ -11,7 +11,9 @@ for any step a caller builds (an engine step, a fused model); mark its sampling 
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,6 +108,21 @@ class Breakdown:
         """The term that took the most time."""
         return max(self.terms, key=self.terms.get)
 
+    def gap(self) -> dict[str, float]:
+        """The time above the byte floor, by term (ms): the matmuls' time past the floor (they stream the weights,
+        most of the bytes) and every other term whole; the values sum to wall - byte floor."""
+        if self.byte_floor_ms is None:
+            raise ValueError(f"{self.label} has no byte floor: pass bytes_read and bandwidth")
+        return {k: v - self.byte_floor_ms if k == "matmul" else v for k, v in self.terms.items()}
+
+    def gap_line(self) -> str:
+        """One sentence that explains the step's distance from its byte floor with this run's own terms."""
+        gap, total = self.gap(), self.wall_ms - self.byte_floor_ms
+        parts = ", ".join(f"{'matmul above the floor' if k == 'matmul' else k} {v:.1f} ms ({v / total:.0%})"
+                          for k, v in sorted(gap.items(), key=lambda kv: -kv[1]))
+        return (f"{self.label}: {self.wall_ms:.1f} ms vs a byte floor of {self.byte_floor_ms:.1f} ms; the "
+                f"{total:.1f} ms gap is {parts}; largest: {max(gap, key=gap.get)}")
+
     def line(self) -> str:
         """One line: the wall, each term in ms and share, the op count, the floors (bytes, compute)."""
         parts = ", ".join(f"{k} {v:.2f} ms ({self.shares[k]:.0%})" for k, v in self.terms.items())
@@ -197,7 +214,7 @@ def breakdown_of(step: Callable[[], Any], reset: Callable[[], Any] | None = None
         reset()
     wall = statistics.median(walls)
     n = profile_repeat if profile_repeat is not None else min(repeat, 3)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with _no_native_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(n):
             with record_function(_STEP):
                 step()
@@ -215,6 +232,20 @@ def breakdown_of(step: Callable[[], Any], reset: Callable[[], Any] | None = None
                      compute_floor_ms=_floor_ms(flops, flops_per_s),
                      profiled_wall_ms=profiled, op_counts={k: round(v / n) for k, v in counts.items()},
                      settings=dict(settings or {}))
+
+
+@contextlib.contextmanager
+def _no_native_stderr() -> Iterator[None]:
+    """torch's CPU build writes two trace lines (USDT profiler_start / profiler_stop) to file descriptor 2 around
+    every profile: noise in a lesson's output. fd 2 points at /dev/null while the profiler starts and stops."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved), os.close(devnull)
 
 
 _MATMUL_RATE: dict[tuple[str, torch.dtype], float | None] = {}
