@@ -17,9 +17,10 @@
 # fastest a step can be is *bytes per token / memory bandwidth*. That is a roof, not a promise. A decode step of
 # SmolLM2-135M is also about **two thousand small ops**: 30 blocks × (three q/k/v matmuls, two gate/up matmuls, two
 # RMSNorms of ~8 elementwise ops each, RoPE on q and on k, reshapes, the cache write, attention...). Each op costs a
-# dispatch (a few microseconds of Python and C++ on a CPU; a kernel launch on a GPU) *whatever its size*. When the
-# weights are small, that overhead is a large part of the step, and reading fewer bytes (quantization, lesson 07)
-# would barely show.
+# dispatch (a few microseconds of Python and C++ on a CPU; a kernel launch on a GPU) *whatever its size*. How much of
+# a step that per-op cost is, is a measurement, not a given: section 1 splits one step into its matmuls, attention,
+# elementwise ops, sampling and Python/dispatch, and the answer says which lever is longer here — fewer ops (this
+# lesson) or fewer bytes (quantization, lesson 07).
 #
 # Two ways to remove ops without changing the math:
 # - **Operator fusion** (`minillm/compile/fusion.py`): transformations of a loaded model. The q, k and v projections
@@ -45,6 +46,7 @@ import torch
 
 import minillm
 from minillm.measure import roofline
+from minillm.measure.breakdown import step_breakdown
 from minillm.bench.fusion import first_divergence, ladder
 from minillm.measure.hardware import bf16_status
 from minillm.compile.fusion import count_ops, fuse
@@ -85,11 +87,22 @@ n_events = sum(e.count for e in events if e.key.startswith("aten::"))
 print(f"one eager decode step: {total_us / 1e3:.1f} ms of CPU time, {n_events} aten profiler events (an op that "
       f"calls others, like linear -> matmul -> mm, is counted at every level; section 2 counts dispatched ops)")
 print(events.table(sort_by="self_cpu_time_total", row_limit=8))
+# the same kind of step, split by term (minillm.measure.breakdown): which lever is longer on this machine
+split = step_breakdown(model, "decode", context=len(prompt_ids), repeat=pick(7, 3))
+print(split.table())
+per_op = split.terms["else"] + split.terms["elementwise"]
+print(f"per-op work (Python/dispatch {split.terms['else']:.1f} ms + small elementwise ops "
+      f"{split.terms['elementwise']:.1f} ms) is {per_op / split.wall_ms:.0%} of the step, the weight matmuls "
+      f"{split.shares['matmul']:.0%}: "
+      + ("removing ops is the longer lever here" if per_op > split.terms["matmul"] else
+         f"reading fewer bytes (lesson 07) is the longer lever here; removing every op could win at most "
+         f"{split.wall_ms / (split.wall_ms - per_op):.2f}x"))
 
 # %% [markdown]
 # The matmuls (`aten::addmm`/`aten::mm`/`aten::linear`) read the weights; everything else is the overhead this lesson
-# attacks. The table's "# of Calls" column is the count that matters: hundreds of RMSNorm pieces (`pow`, `mean`,
-# `rsqrt`, `mul`, `to`), RoPE pieces (`cat`, `neg`, `mul`, `add`), and reshapes.
+# attacks, and the last line says how large a share of this machine's step it is. The table's "# of Calls" column
+# is the count that matters: hundreds of RMSNorm pieces (`pow`, `mean`, `rsqrt`, `mul`, `to`), RoPE pieces (`cat`,
+# `neg`, `mul`, `add`), and reshapes.
 
 # %% [markdown]
 # ## 2. Fusion: fewer ops, the same logits
@@ -249,9 +262,10 @@ print(f"predicted fused/eager {predicted[cpu.name]['fused']:.2f}x on this CPU, m
       f"either sign")
 if "compiled" in measured:
     print(f"predicted compiled/eager at most {predicted[cpu.name]['compiled']:.2f}x on this CPU, measured "
-          f"{measured['compiled']:.2f}x, because removing every op's cost wins at most that much, "
-          + ("and generated matvecs a little slower than eager's give it back" if measured["compiled"] < 1 else
-             "and the generated code kept the rest"))
+          f"{measured['compiled']:.2f}x: removing every op's cost wins at most that much, "
+          + (f"and here the generated step was {1 - measured['compiled']:.0%} slower than eager's; where that time "
+             f"goes is not measured in this cell (the removed ops were worth ~{removed_ms:.1f} ms per step, fused)"
+             if measured["compiled"] < 1 else "and the generated code kept the rest"))
 lost = [k for k, v in measured.items() if v < 1]
 print(f"on the H100 model: fused {predicted[h100.name]['fused']:.2f}x, "
       f"compiled {predicted[h100.name]['compiled']:.0f}x, because its eager step is launch-bound "
