@@ -193,11 +193,12 @@ plt.show()
 #
 # `minillm bench parallel` runs one process (1 and 2 threads) and tp = 2, tp = 3, tp = 3 + SP, pp = 2 and pp = 3 on
 # the same prompt, one thread per rank. On this 2-core CPU the ranks share the two cores a single process could use
-# on its own, so no split can win here: the bench shows by how much each loses and how much of its time is spent
-# inside collectives. (On a shared machine even the single process's second thread can lose to its first: an
-# OpenMP thread that waits for a core held by someone else stalls the whole matmul. Both rows are printed.) The full
-# run takes several minutes, so this lesson reads the run recorded in `results/parallel.json` (set `RERUN = True` to
-# measure your machine).
+# on its own: a pipeline's stages take turns on one sequence, and tensor-parallel ranks add collectives, so no split
+# adds compute to one sequence's step. The line under the table names the best split, its ratio to the best single
+# process and its share of time inside collectives. (On a shared machine even the single process's second thread can
+# lose to its first: an OpenMP thread that waits for a core held by someone else stalls the whole matmul. Both rows
+# are printed.) The full run takes several minutes, so this lesson reads the run recorded in `results/parallel.json`
+# (set `RERUN = True` to measure your machine).
 
 # %%
 RERUN = False
@@ -220,6 +221,14 @@ print(f"\nThe best parallel configuration decoded at {ra['best_parallel_vs_best_
       f"the best single-process run (1 or 2 threads); every configuration produced the single process's tokens: "
       f"{bool(ra['tokens_identical'])}; collective bytes equal the formula: "
       f"{bool(ra['collective_bytes_equal_formula'])}.")
+best = max((r for r in rows if r["ranks"] > 1), key=lambda r: r["decode_tok_s"])
+single = max((r for r in rows if r["ranks"] == 1), key=lambda r: r["decode_tok_s"])
+edge = best["decode_tok_s"] / single["decode_tok_s"]
+print(f"best split: {best['config']} at {edge:.2f}x {single['config']}, with {best['comm_share']:.0%} of its time "
+      f"inside collectives (waiting for the other ranks)"
+      + (f"; its ranks computed for {1 - best['comm_share']:.0%} of the step each, in turns, so this {edge - 1:.0%} "
+         f"edge comes from one recorded run with no spread: rerun (RERUN = True) before reading it as a win"
+         if edge > 1 else ""))
 
 # %%
 bubbles = result["series"]["bubbles"]
