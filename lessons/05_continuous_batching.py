@@ -212,6 +212,36 @@ same = sum(a.token_ids == b.token_ids for a, b in zip(cont_out, static_out))
 print(f"identical greedy tokens, continuous vs static: {same}/{n_req} requests")
 
 # %% [markdown]
+# What continuous batching traded for its throughput, in this run's own numbers: its per-token latency (TPOT) beside
+# the cost and width of its steps, and goodput — the requests per second that met *both* latency bounds — split by
+# which bound each engine's requests missed.
+
+# %%
+def weighted_ms(steps, rows):  # mean step time as a decoding row sees it: each step weighted by its decode rows
+    return 1e3 * sum((s["t_end"] - s["t_start"]) * rows(s) for s in steps) / max(sum(rows(s) for s in steps), 1)
+
+
+pure = [[s for s in log if s["num_tokens"] == s["num_seqs"]] for log in (llm.step_log, static_engine.step_log)]
+c_ms, s_ms = (weighted_ms(p, lambda s: s["num_seqs"]) for p in pure)
+mixed = [s for s in llm.step_log if s["num_prefill_tokens"] and s["num_decodes"]]
+mixed_rows = sum(s["num_decodes"] for s in mixed) / max(sum(s["num_decodes"] for s in llm.step_log), 1)
+tpot_ratio = cont["tpot_p50"] / static["tpot_p50"]
+print(f"TPOT p50: continuous {cont['tpot_p50'] * 1e3:.0f} ms vs static {static['tpot_p50'] * 1e3:.0f} ms "
+      f"({tpot_ratio:.2f}x); pure decode steps as a row sees them: {c_ms:.0f} ms vs {s_ms:.0f} ms ({c_ms / s_ms:.2f}x: "
+      f"{sum(s['num_seqs'] for s in pure[0]) / len(pure[0]):.1f} vs "
+      f"{sum(s['num_seqs'] for s in pure[1]) / len(pure[1]):.1f} rows per step)")
+mixed_ms = weighted_ms(mixed, lambda s: s["num_decodes"])
+print(f"in continuous batching {mixed_rows:.0%} of decode rows shared a step with newcomers' prefills, and those "
+      f"steps took {mixed_ms:.0f} ms (pure decode: {c_ms:.0f} ms); static batching never mixes them")
+print(f"predicted continuous TPOT from that mix: {(1 - mixed_rows) * c_ms + mixed_rows * mixed_ms:.0f} ms, "
+      f"measured p50 {cont['tpot_p50'] * 1e3:.0f} ms")
+for name, out, summary in (("continuous", cont_out, cont), ("static", static_out, static)):
+    late = sum(o.metrics["ttft"] > slo["slo_ttft_s"] for o in out)
+    slow = sum(o.metrics["tpot"] > slo["slo_tpot_s"] for o in out)
+    print(f"{name}: goodput {summary['goodput_req_per_s']:.3f} req/s; of {len(out)} requests {late} missed "
+          f"TTFT <= {slo['slo_ttft_s']} s and {slow} missed TPOT <= {slo['slo_tpot_s']} s")
+
+# %% [markdown]
 # ## 5. The bubbles: batch occupancy over time
 #
 # Each point is one step: running sequences / max batch. Static batching's occupancy decays inside every batch as
@@ -259,8 +289,9 @@ print("free blocks after the run:", tight.num_free_blocks(), "of", tight.block_m
 #   there are many more of them, at low occupancy, and the requests of later batches wait for every earlier batch
 #   (see its TTFT percentiles).
 # * **Continuous batching** keeps occupancy high while there is work, so the same weight reads produce more tokens.
-#   Its TPOT can be a bit higher (fuller, costlier steps, and prefills of newcomers share steps with decodes: the
-#   ITL tail), which is the usual throughput/latency trade; chunked prefill (`max_num_batched_tokens`) bounds it.
+#   The price is per-token latency: each step carries more rows, so it costs more, and the printed TPOT and step
+#   ratios show how much of that cost each request sees, and which latency bound (TTFT or TPOT) decides each
+#   engine's goodput on this machine. Chunked prefill (`max_num_batched_tokens`) bounds the prefill part of it.
 # * **On this CPU** the step time grows with the batch sooner than on a GPU (section 1's model: a few cores reach
 #   their FLOP/s limit at a small batch), so the measured throughput ratio is below the step-count ratio of
 #   section 2. Numbers come from a noisy shared machine: the ratios, measured side by side in one run, are what to
