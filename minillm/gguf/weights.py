@@ -82,8 +82,7 @@ def write_with_digest(path: Path, data: bytes, meta: dict, meta_path: Path | Non
     meta_path = Path(meta_path or f"{path}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256(data).hexdigest()
-    meta = {"sha256": digest, **meta}
-    meta["sha256"] = digest  # a stale digest passed in `meta` must not survive
+    meta = {"sha256": digest} | {k: v for k, v in meta.items() if k != "sha256"}  # never a stale digest
     for target, content in ((path, data), (meta_path, (json.dumps(meta, indent=1) + "\n").encode())):
         tmp = target.with_name(f"{target.name}.tmp")
         tmp.write_bytes(content)

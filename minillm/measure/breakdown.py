@@ -248,19 +248,6 @@ def _no_native_stderr() -> Iterator[None]:
         os.close(saved), os.close(devnull)
 
 
-_MATMUL_RATE: dict[tuple[str, torch.dtype], float | None] = {}
-
-
-def matmul_rate(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> float | None:
-    """FLOP/s of a large matmul here (hardware.probe_matmul with a short budget), measured once per process."""
-    from minillm.measure.hardware import probe_matmul
-
-    key = (torch.device(device).type, dtype)
-    if key not in _MATMUL_RATE:
-        _MATMUL_RATE[key] = probe_matmul(device, dtype, budget_s=0.5)
-    return _MATMUL_RATE[key]
-
-
 def step_breakdown(model: torch.nn.Module, kind: str = "decode", batch: int = 1, k: int = 4, context: int = 128,
                    repeat: int = 5, warmup: int = 1, profile_repeat: int | None = None,
                    bandwidth: float | None = None, flops_per_s: float | None = None) -> Breakdown:
@@ -273,7 +260,7 @@ def step_breakdown(model: torch.nn.Module, kind: str = "decode", batch: int = 1,
     The cache holds `context` random keys and values per sequence (a step's cost depends on how many, not on what
     they are) and is rolled back after each step. Floors: the weights plus the K/V the step reads over `bandwidth`
     (default: hardware.bandwidth, a copy rate counting read and written bytes, as MBU does), and the forward's
-    FLOPs over `flops_per_s` (default: `matmul_rate`)."""
+    FLOPs over `flops_per_s` (default: hardware.peak_flops, the matmul rate every lesson divides by)."""
     from minillm.kv_cache import KVCache, kv_bytes
     from minillm.model import model_bytes
 
@@ -302,7 +289,10 @@ def step_breakdown(model: torch.nn.Module, kind: str = "decode", batch: int = 1,
         from minillm.measure.hardware import bandwidth as measured_bandwidth
 
         bandwidth = measured_bandwidth(device)
-    flops_per_s = flops_per_s if flops_per_s is not None else matmul_rate(device, model.dtype)
+    if flops_per_s is None:
+        from minillm.measure.hardware import peak_flops
+
+        flops_per_s = peak_flops(model.dtype, device)
     n_layers = len(model.layers)
     bytes_read = model_bytes(model) + kv_bytes(cfg, context + n_new, batch, model.dtype) * n_layers // cfg.n_layers
     flops = batch * sum(model_flops_per_token(cfg, context + i + 1) for i in range(n_new))
