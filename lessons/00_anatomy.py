@@ -36,7 +36,9 @@ import torch
 from gguf import GGUFReader
 
 import minillm
+from minillm.bench import time_fn
 from minillm.bench.decode import cast_model, measure_decode, measure_prefill
+from minillm.measure.breakdown import step_breakdown
 from minillm.measure.hardware import bf16_status, hardware_info, hardware_summary, native_bf16
 from minillm.measure.metrics import decode_bytes_per_token, model_flops_per_token, prefill_flops, weight_bytes
 from minillm.config import LLAMA2_7B
@@ -145,6 +147,20 @@ fp32_decode = by["float32", "decode", new_tokens]
 bf16_decode = by["bfloat16", "decode", new_tokens]
 print(f"\nper token, prefill ({prefill_sizes[-1]} tokens) is "
       f"{fp32_prefill['tokens_per_s'] / fp32_decode['tokens_per_s']:.0f}x faster than decode (float32)")
+# the prediction from the roofline alone: each phase runs at max(bytes / bandwidth, FLOPs / peak) per step
+n_pre, bw_Bps = prefill_sizes[-1], hw["bandwidth_GBps"] * 1e9
+roof_prefill_s = max((weight_bytes(model) + kv_bytes(cfg, n_pre, dtype=model.dtype)) / bw_Bps,
+                     prefill_flops(cfg, n_pre, logits_for=1) / hw["flops_float32"]) / n_pre
+roof_decode_s = max(decode_bytes_per_token(model, fp32_decode["context"]) / bw_Bps,
+                    model_flops_per_token(cfg, fp32_decode["context"]) / hw["flops_float32"])
+reach_pre = roof_prefill_s / (fp32_prefill["ms"] / 1e3 / n_pre)  # share of its roof each phase reached
+reach_dec = roof_decode_s / (fp32_decode["ms"] / 1e3)
+print(f"predicted {roof_decode_s / roof_prefill_s:.0f}x from the roofline (prefill at the FLOP roof, decode at the "
+      f"byte roof), measured {fp32_prefill['tokens_per_s'] / fp32_decode['tokens_per_s']:.0f}x, because prefill "
+      f"reached {reach_pre:.0%} of its roof and decode {reach_dec:.0%} of its (measured / predicted = "
+      f"{reach_pre / reach_dec:.2f} = the ratio of the two)")
+decode_split = step_breakdown(model, "decode", context=fp32_decode["context"], bandwidth=bw_Bps, repeat=pick(5, 2))
+print("where the decode step's time goes:", decode_split.gap_line())
 print(f"bfloat16 decode vs float32 decode: {bf16_decode['tokens_per_s'] / fp32_decode['tokens_per_s']:.2f}x "
       f"(bytes per token: {decode_bytes_per_token(model_bf16, prompt_len) / 2**20:.0f} vs "
       f"{decode_bytes_per_token(model, prompt_len) / 2**20:.0f} MiB)")
@@ -175,6 +191,14 @@ print(f"ridge point: {peak['float32'] / bandwidth_Bps:.1f} FLOP/byte (fp32)"
       + (f", {peak['bfloat16'] / bandwidth_Bps:.1f} (bf16)" if bf16_gemm else "; no bf16 compute roof (emulated)"))
 for name, intensity, attained in points:
     print(f"{name:24s} intensity {intensity:8.2f} FLOP/byte, attained {attained / 1e9:8.1f} GFLOP/s")
+# the model's own matmul shape (the MLP's up projection over the prompt) against the square matmul that set the peak
+a, w = torch.randn(prefill_sizes[-1], cfg.dim), torch.randn(cfg.ffn_dim, cfg.dim)
+shape_s = time_fn(lambda: a @ w.T, repeat=pick(7, 2)).median
+shape_rate = 2 * a.shape[0] * cfg.dim * cfg.ffn_dim / shape_s
+fp32_rate = prefill_flops(cfg, prefill_sizes[-1], logits_for=1) / (fp32_prefill["ms"] / 1e3)
+print(f"a [{a.shape[0]} x {cfg.dim}] x [{cfg.dim} x {cfg.ffn_dim}] matmul alone reaches {shape_rate / 1e9:.0f} GFLOP/s "
+      f"({shape_rate / peak['float32']:.0%} of the fp32 peak); the whole float32 prefill {fp32_rate / 1e9:.0f} GFLOP/s "
+      f"({fp32_rate / shape_rate:.0%} of that shape's rate: the rest of the forward's ops)")
 
 fig, ax = plt.subplots(figsize=(7, 4.5))
 xs = [2.0**e for e in range(-4, 13)]
@@ -196,9 +220,9 @@ plt.show()
 # **Reading the plot.** Decode's intensity is about 0.5 FLOP/byte in float32 (2 FLOPs per 4-byte weight): far left
 # of the ridge, so its speed is set by bytes/second, and the way to speed it up is to move fewer bytes: bfloat16
 # (half the bytes), quantization, or serving many sequences per weight read (batching, lesson 05). Prefill's
-# intensity grows with the prompt length, so it runs against the compute roof; its MFU is below 100% partly because
-# the model's matrices (576 wide) are smaller than the square matmul that measured the peak. On a shared CPU the
-# measurements are noisy: compare the ratios, not the absolute numbers.
+# intensity grows with the prompt length, so it runs against the compute roof; the last printed line splits its MFU
+# below 100% into the model's matrix shape (576 wide, smaller than the square matmul that measured the peak) and the
+# forward's other ops. On a shared CPU the measurements are noisy: compare the ratios, not the absolute numbers.
 
 # %% [markdown]
 # ## 5. The KV cache: what remembering costs
@@ -282,7 +306,12 @@ with torch.inference_mode():
     logits = model(torch.tensor([ids]))[0, -1:].float()
 for t in (0.7, 1.5):
     kept = int((logits_to_probs(logits, temperature=t, top_p=0.9) > 0).sum())
-    print(f"temperature {t}: top-p 0.9 keeps {kept} of {logits.shape[-1]:,} tokens")
+    p = logits_to_probs(logits, temperature=t).flatten()
+    effective = float(torch.exp(-(p * p.clamp_min(1e-30).log()).sum()))  # exp(entropy): the "effective" choices
+    head = float(p.sort(descending=True).values[:max(1, round(effective))].sum())
+    print(f"temperature {t}: top-p 0.9 keeps {kept} of {logits.shape[-1]:,} tokens; predicted from the entropy "
+          f"~{effective:.1f} tokens, measured {kept}, because those {max(1, round(effective))} most likely tokens "
+          f"hold {head:.0%} of the probability and top-p stops at the first count that reaches 90%")
 
 block0 = model.layers[0]
 seen = {}
@@ -330,8 +359,9 @@ if QUICK:
     print("[QUICK mode: small sizes; run without MINILLM_QUICK for the numbers the text discusses]")
 
 # %% [markdown]
-# **Summary.** Decode at batch 1 is memory-bound: its speed is the bytes per token divided by the bandwidth, which
-# is why MBU, not MFU, is its figure of merit. Prefill is compute-bound. The KV cache trades memory for not
+# **Summary.** Decode at batch 1 is memory-bound by the roofline: its floor is the bytes per token divided by the
+# bandwidth, which is why MBU, not MFU, is its figure of merit; section 3 printed how far this CPU's step is from
+# that floor and which term holds it there. Prefill is compute-bound. The KV cache trades memory for not
 # recomputing the past; its size per token follows directly from the config. Next, lesson 01 measures what that
 # cache buys over the no-cache baseline (`minillm bench kv-cache`); exercise 00 has you write the decoder's
 # pieces: `minillm grade 00` (its last task runs SmolLM2 on them), hints with `minillm hint 00`.

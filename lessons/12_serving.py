@@ -43,8 +43,11 @@ import torch
 import minillm
 from minillm.bench import run_entry
 from minillm.measure import roofline
+from minillm.measure.breakdown import breakdown_of
+from minillm.measure.metrics import weight_bytes
+from minillm.sampling import SamplingParams
 from minillm.bench.prefix_cache import shared_prefix_prompts, simulate_hit_rate
-from minillm.course.lesson import QUICK, hardware_line, pick
+from minillm.course.lesson import QUICK, hardware_line, pick, spread_line
 from minillm.cache.prefix_cache import block_hashes
 from minillm.measure.workload import corpus_ids
 
@@ -251,10 +254,17 @@ pc = recorded("prefix-cache")
 for r in pc["rows"]:
     print(f"{r['engine']:<18} {r['pattern']:<18} mean TTFT {r['mean_ttft_s']:7.3f} s   prefill tokens "
           f"{r['prefill_tokens']:>6}   {r['output_tok_per_s']:6.2f} output tok/s")
-for k, v in pc["ratios"].items():
-    print(f"{k} = {v:.3f}")
+for k in pc["ratios"]:
+    print(spread_line(pc, k))
 for note in pc["notes"]:
     print("note:", note)
+for pattern in dict.fromkeys(r["pattern"] for r in pc["rows"]):
+    off, on = (next(r for r in pc["rows"] if r["pattern"] == pattern and r["engine"].startswith(e))
+               for e in ("no", "prefix"))
+    print(f"{pattern}: {off['prefill_tokens'] / on['prefill_tokens']:.1f}x fewer prompt tokens prefilled, mean TTFT "
+          f"{off['mean_ttft_s'] / on['mean_ttft_s']:.1f}x shorter: TTFT falls less than the prefill work, by "
+          f"{on['mean_ttft_s'] - off['mean_ttft_s'] * on['prefill_tokens'] / off['prefill_tokens']:.2f} s per request "
+          f"(what a TTFT holds besides prefill tokens: steps' fixed cost, the first token's sampling, the queue)")
 
 # %%
 fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
@@ -285,10 +295,18 @@ print(f"{'budget':>7}{'chunked':>9}{'ITL p50 s':>11}{'ITL p99 s':>11}{'max step 
 for r in cp["rows"]:
     print(f"{r['budget']:>7}{str(r['chunked']):>9}{r['decode_itl_p50_s']:>11.3f}{r['decode_itl_p99_s']:>11.3f}"
           f"{r['max_step_s']:>12.3f}{r['long_ttft_mean_s']:>13.2f}{r['output_tok_per_s']:>8.2f}")
-for k, v in cp["ratios"].items():
-    print(f"{k} = {v:.3f}")
+for k in cp["ratios"]:
+    print(spread_line(cp, k))
 for note in cp["notes"]:
     print("note:", note)
+slowest = min(cp["rows"], key=lambda r: r["output_tok_per_s"])
+fewest = min(cp["rows"], key=lambda r: r["steps"])
+print(f"the price of a small budget, from this table: budget {slowest['budget']} had the lowest throughput "
+      f"({slowest['output_tok_per_s']:.1f} tok/s, {slowest['steps']} steps, {slowest['wall_s']:.1f} s), budget "
+      f"{fewest['budget']} the fewest steps ({fewest['steps']}, {fewest['output_tok_per_s']:.1f} tok/s); throughput "
+      + ("falls" if all(a["output_tok_per_s"] >= b["output_tok_per_s"] for a, b in zip(cp["rows"], cp["rows"][1:]))
+         else "does not fall steadily")
+      + " as the budget shrinks: " + ", ".join(f"{r['budget']}: {r['output_tok_per_s']:.1f}" for r in cp["rows"]))
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -306,9 +324,8 @@ plt.show()
 # %% [markdown]
 # The budget moves latency between two kinds of request: a large one gives the long prompt its first token sooner
 # and stalls everyone decoding; a small one keeps decode steps short and makes the long prompt wait for its last
-# chunk. On a GPU a step of a few hundred tokens costs barely more than a step of one (decode is memory bound), so
-# vLLM and SGLang default to budgets in the thousands; on this CPU every token in a step costs time, and the best
-# budget is much smaller.
+# chunk. vLLM and SGLang default to budgets in the thousands; on this CPU the table's best budget is much smaller.
+# The model below says why the two machines differ: which term sets a step's time on each.
 #
 # **A roofline model** of that difference (`minillm/measure/roofline.py`: a model, not a measurement). A step's time
 # is max(weight bytes / bandwidth, FLOPs / FLOP/s) plus a fixed cost per op (on a GPU, kernel launches overlap the
@@ -333,13 +350,31 @@ print(f"  ({cpu.source}, {cpu.op_seconds * 1e6:.1f} us per op, {ops} ops per ste
 plain = next(r for r in cp["rows"] if not r["chunked"])
 measured = plain["max_step_s"] / plain["decode_itl_p50_s"]
 model_says = growth[cpu.name][-1]
+alone_s = cpu.seconds(roofline.forward_step(model.config, cpu, tokens=decodes, context=ctx, ops=ops))
+long_s = alone_s * model_says
+# the step the ratio divides by, measured now: the engine's own decode step for the bench's decodes, term by term
+engine = LLM.from_model(model, tok, max_num_seqs=16)
+for i in range(decodes):
+    engine.add_request(corpus[i * 500:i * 500 + 32], SamplingParams(max_tokens=pick(64, 16), ignore_eos=True))
+engine.step()  # the prompts' prefill; every later step decodes the four
+live = breakdown_of(engine.step, repeat=pick(7, 3), label=f"engine step, {decodes} decodes")
 print(f"predicted {model_says:.0f}x for a step that carries a whole {long_len}-token prompt on this CPU, measured "
-      f"{measured:.0f}x (the bench's longest unchunked step over its median decode gap), because "
-      + ("the engine's own per-step work (scheduling, the paged-cache gather), which the model leaves out, "
-         "lengthens every step alike and so shrinks the ratio" if measured < model_says / 1.5 else
-         "a prompt in the step costs its FLOPs, which the model counts") +
-      f"; on the H100 the same step costs {growth[roofline.H100_SXM.name][-1]:.1f}x: launches, not tokens, set its "
-      f"time, which is why GPU engines take budgets in the thousands.")
+      f"{measured:.0f}x (the bench's longest unchunked step over its median decode gap), because the step it divides "
+      f"by took {plain['decode_itl_p50_s'] * 1e3:.0f} ms in that run, {plain['decode_itl_p50_s'] / alone_s:.1f}x the "
+      f"model's {alone_s * 1e3:.0f} ms, while the step with the prompt took {plain['max_step_s']:.2f} s, "
+      f"{plain['max_step_s'] / long_s:.1f}x the model's {long_s:.2f} s: the model misses most of a short step")
+modelled = cpu.terms(roofline.forward_step(model.config, cpu, tokens=decodes, context=ctx, ops=ops))
+print(f"that short step measured now: {live.line()}")
+print(f"  its largest term is {live.largest()} ({live.terms[live.largest()]:.0f} ms); the model counts "
+      + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in modelled.items())
+      + f": the weight matmuls streamed {weight_bytes(model) / live.terms['matmul'] / 1e6:.1f} GB/s, "
+        f"{weight_bytes(model) / live.terms['matmul'] * 1e3 / cpu.bandwidth:.0%} of the copy bandwidth the model "
+        f"assumes for them")
+h100 = roofline.H100_SXM.terms(roofline.forward_step(model.config, roofline.H100_SXM, tokens=decodes + long_len,
+                                                       context=ctx + long_len // 2, ops=ops))
+print(f"on the H100 model the same step costs {growth[roofline.H100_SXM.name][-1]:.1f}x a decode step: its largest "
+      f"term is {max(h100, key=h100.get)} ({', '.join(f'{k} {v * 1e3:.2f} ms' for k, v in h100.items())}), which is "
+      f"why GPU engines take budgets in the thousands.")
 
 # %% [markdown]
 # ## 6. Reading a serving benchmark
@@ -377,8 +412,8 @@ for r in sv["rows"]:
     if isinstance(r["rate"], str):
         print(f"{r['workload']:<36} {r['output_tok_per_s']:6.2f} tok/s, TPOT {r['tpot_mean'] * 1000:6.1f} ms, "
               f"E2E {r['e2e_mean']:.2f} s")
-for k, v in sv["ratios"].items():
-    print(f"{k} = {v:.3f}")
+for k in sv["ratios"]:
+    print(spread_line(sv, k))
 for note in sv["notes"]:
     print("note:", note)
 sweep = [r for r in sv["rows"] if r["workload"] == "short-chat" and not isinstance(r["rate"], str)]

@@ -45,6 +45,7 @@ import torch
 import minillm
 from minillm.bench import run_entry
 from minillm.measure import roofline
+from minillm.measure.breakdown import step_breakdown
 from minillm.course.lesson import QUICK, hardware_line, pick
 
 torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
@@ -140,9 +141,22 @@ print(f"\nmeasured: the largest step is rung {best} ({rows[best]['technique']}),
       f"below; all on: x{rows[order[-1]]['gain_vs_rung0']:.0f} over rung 0 and "
       f"x{rows[order[-1]]['tok_per_s'] / rows['1']['tok_per_s']:.1f} over the KV-cache loop")
 w_before, w_after = rows["3"]["weights_MiB"], rows["4"]["weights_MiB"]
+# the same batched decode step with float32 and with q4 weights, measured now term by term (unfused both, one
+# thread, the ladder's batch): which terms the 4-bit weights shrank and which they left
+width = round((ladder["series"].get("interference", {}).get("speculation_x_batching", {}).get("rows_per_step") or
+               {}).get("batch", ladder["settings"]["max_num_seqs"]))
+split = {}
+for weights in ("dequantized", "q4"):
+    m, _ = minillm.load_model(weights=weights)
+    split[weights] = step_breakdown(m, "batch", batch=width, context=256, repeat=pick(5, 2))
+    del m
+f32, q4 = split["dequantized"], split["q4"]
 print(f"predicted for rung 4 from its weight bytes alone: at most x{w_before / w_after:.1f} ({w_before:.0f} -> "
-      f"{w_after:.0f} MiB of weights per step); measured x{rows['4']['gain_vs_prev']:.2f}, because a batched step "
-      f"also reads the KV of every sequence in it and computes for each of them, and neither shrinks (section 3)")
+      f"{w_after:.0f} MiB of weights per step); measured x{rows['4']['gain_vs_prev']:.2f} in the ladder, because "
+      f"a {width}-sequence step measured now goes {f32.wall_ms:.0f} -> {q4.wall_ms:.0f} ms (x"
+      f"{f32.wall_ms / q4.wall_ms:.2f}): its matmuls {f32.terms['matmul']:.0f} -> {q4.terms['matmul']:.0f} ms (x"
+      f"{f32.terms['matmul'] / q4.terms['matmul']:.2f} where the bytes shrank x{w_before / w_after:.1f}), the other "
+      f"terms " + ", ".join(f"{k} {f32.terms[k]:.0f} -> {q4.terms[k]:.0f} ms" for k in f32.terms if k != "matmul"))
 for note in ladder["notes"][:2]:
     print("-", note)
 
@@ -186,12 +200,13 @@ for name, p in pairs.items():
           f"{p['gain_ab']:.2f}; ratio {p['interference']:.2f}\n    {p['why']}")
 
 # %% [markdown]
-# The roofline says why speculation and batching interfere. Verifying k drafts turns a step of B rows into one of
-# B·(k+1) rows. While the step is memory-bound (it waits for the weights), the extra rows ride on the same bytes and
-# cost little; once B·(k+1) rows push the step past the ridge point, every draft is paid in arithmetic, and a
-# rejected one is pure loss. The model below (lesson 06's: bytes / bandwidth, FLOPs / FLOP/s and a fixed cost per
-# op; this CPU measured, the H100 from its datasheet and labelled as a model) prices a verify step of k+1 = 4 tokens
-# against a plain decode step, at growing batch sizes.
+# A roofline model of why speculation and batching can interfere. Verifying k drafts for every sequence turns a step
+# of B rows into one of B·(k+1) rows. While the step is memory-bound (it waits for the weights), the extra rows ride
+# on the same bytes and cost little; once the rows push the step past the ridge point, every draft is paid in
+# arithmetic, and a rejected one is pure loss. The model below (lesson 06's: bytes / bandwidth, FLOPs / FLOP/s and a
+# fixed cost per op; this CPU measured, the H100 from its datasheet and labelled as a model) prices a verify step of
+# k+1 = 4 tokens against a plain decode step, at growing batch sizes. The cell after it checks the model against
+# the steps the ladder really ran: how many rows speculation added, and what such a step costs here, measured.
 
 # %%
 cfg = minillm.config.ModelConfig()
@@ -206,12 +221,46 @@ for machine in (cpu, roofline.H100_SXM):
               f"bound -> {machine.bound(verify)}-bound); with 1.5 tokens accepted per step it pays if x < 1.5: "
               f"{'yes' if cost < 1.5 else 'no'}")
 
+# %%
+# the steps the ladder really ran, priced by measurement: the float32 model the pairs were served with, at the
+# ladder's thread count, one plain step and one as wide as speculation made it (every row costs the same matmul)
+spec = pairs.get("speculation_x_batching", {})
+widths = spec.get("rows_per_step") or {"alone": 1.0, "alone + speculation": 1.0 + ladder["settings"]["spec_k"],
+                                       "batch": float(ladder["settings"]["max_num_seqs"]),
+                                       "batch + speculation": float(ladder["settings"]["max_num_seqs"])
+                                       * (1 + ladder["settings"]["spec_k"])}
+if not spec.get("rows_per_step"):
+    print("(this run recorded no rows per step: pricing the model's case, every sequence verifying k drafts)")
+m32, _ = minillm.load_model(dtype="float32")
+ctx = 256  # about the ladder's mean context
+for where in ("alone", "batch"):
+    b0, b1 = max(1, round(widths[where])), max(1, round(widths[f"{where} + speculation"]))
+    plain = step_breakdown(m32, "batch", batch=b0, context=ctx, repeat=pick(5, 2))
+    wide = step_breakdown(m32, "batch", batch=b1, context=ctx, repeat=pick(5, 2))
+    cost = wide.wall_ms / plain.wall_ms
+    model_cost = cpu.seconds(roofline.forward_step(cfg, cpu, tokens=1, context=ctx, batch=b1)) / cpu.seconds(
+        roofline.forward_step(cfg, cpu, tokens=1, context=ctx, batch=b0))
+    extra = {k: wide.terms[k] - plain.terms[k] for k in wide.terms}
+    grew = max(extra, key=extra.get)
+    print(f"{where}: speculation widened the decode step from {widths[where]:.1f} to "
+          f"{widths[f'{where} + speculation']:.1f} rows; a {b1}-row step costs x{cost:.2f} a {b0}-row step here "
+          f"(the model: x{model_cost:.2f}); {wide.wall_ms - plain.wall_ms:.1f} ms more, most of it {grew} "
+          f"(+{extra[grew]:.1f} ms)")
+    if spec.get("tokens_per_verify"):
+        tpv = spec["tokens_per_verify"][where]
+        measured = spec["gain_b"] if where == "alone" else spec["gain_ab"] / spec["gain_a"]
+        print(f"  predicted x{tpv / cost:.2f} from {tpv:.2f} tokens per verify over that cost, measured "
+              f"x{measured:.2f} in the ladder's pair, because the rest of a served step (scheduling, drafting, "
+              f"prefill mixed in) was not priced: measured / predicted = {measured / (tpv / cost):.2f}")
+del m32
+
 # %% [markdown]
 # ## 4. What each technique costs in quality
 #
-# Exact techniques (the KV cache, batching, paging, prefix caching, chunking, speculation) change how tokens are
-# computed, not which; weight-changing ones (4-bit, 2:4) and the int8 KV cache change the numbers. The table prices
-# each rung against rung 1's float32 greedy tokens (`agree`) and by the perplexity of its weights.
+# In exact arithmetic the KV cache, batching, paging, prefix caching, chunking and greedy speculation change how
+# tokens are computed, not which; weight-changing ones (4-bit, 2:4) and the int8 KV cache change the numbers. Real
+# arithmetic rounds, so the table checks both: each rung against rung 1's float32 greedy tokens (`agree fp32`), the
+# q4 rungs also against the same q4 weights run one at a time (`agree q4 serial`), and the perplexity of its weights.
 
 # %%
 print(f"{'rung':<5}{'technique':<34}{'agree fp32':>11}{'agree q4 serial':>16}{'ppl':>8}")
@@ -220,6 +269,13 @@ for k in order:
     q4s = r.get("agree_q4_serial")
     print(f"{k:<5}{r['technique'][:33]:<34}{r['agree_fp32']:>11.3f}"
           f"{(q4s if q4s is not None else float('nan')):>16.3f}{(r.get('ppl') or float('nan')):>8.2f}")
+fp32_exact = [rows[k]["agree_fp32"] for k in ("1", "2", "3") if k in rows]
+q4_exact = [rows[k]["agree_q4_serial"] for k in ("6", "7", "8") if rows.get(k, {}).get("agree_q4_serial") is not None]
+print(f"\nexact rungs over float32 weights (1-3): agreement {min(fp32_exact):.3f}..{max(fp32_exact):.3f}"
+      + (f"; exact rungs over the q4 weights (6-8) against q4 run one at a time: {min(q4_exact):.3f}.."
+         f"{max(q4_exact):.3f}" + (f": with the 4-bit kernel they changed which tokens came out at up to "
+                                   f"{1 - min(q4_exact):.0%} of positions (next cells: why)" if min(q4_exact) < 1
+                                   else ": the same tokens in this run") if q4_exact else ""))
 
 # %% [markdown]
 # One finding the column `agree q4 serial` carries: with the file's 4-bit weights, rungs 4-8 do not reproduce the

@@ -570,3 +570,23 @@ def test_ladder_and_edge_quick_on_the_real_model(tmp_path):
     rows = {r["profile"]: r for r in edge.rows}
     assert rows["edge"]["weights_MiB"] < rows["fp32 default"]["weights_MiB"] / 4
     assert rows["edge"]["peak_rss_MiB"] < rows["fp32 default"]["peak_rss_MiB"]
+
+
+def test_median_run_keeps_the_median_headline_and_the_spread_of_every_ratio():
+    from minillm.bench import median_run
+
+    runs = [BenchResult(name="x", rows=[{"run": i}], ratios={"speedup": s, "other": o},
+                        targets={"speedup": (">=", 1.0)})
+            for i, (s, o) in enumerate([(1.5, 9.0), (1.1, float("nan")), (1.3, 7.0)])]
+    chosen = median_run(runs)
+    assert chosen.rows == [{"run": 2}]  # the median of 1.5, 1.1, 1.3 is the third run
+    assert chosen.spread["speedup"] == {"min": 1.1, "median": 1.3, "max": 1.5, "runs": [1.5, 1.1, 1.3]}
+    assert chosen.spread["other"]["min"] == 7.0 and chosen.spread["other"]["max"] == 9.0  # NaN left out of the spread
+    assert "spread" in chosen.to_dict()
+
+
+def test_run_entry_refuses_zero_runs():
+    from minillm.bench import run_entry
+
+    with pytest.raises(ValueError, match="runs must be >= 1"):
+        run_entry("decode", runs=0)

@@ -177,3 +177,37 @@ def test_every_lesson_asks_for_a_prediction_the_next_cell_measures(lesson):
     for i in asks:
         assert i + 1 < len(cells) and cells[i + 1].cell_type == "code", (
             f"{lesson.name}: the prediction question in cell {i} must be followed by the code cell that measures it")
+
+
+def _output_text(cell: dict) -> str:
+    text = []
+    for out in cell.get("outputs", []):
+        t = out.get("text") or out.get("data", {}).get("text/plain") or ""
+        text.append("".join(t) if isinstance(t, list) else t)
+    return "\n".join(text)
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=[p.stem for p in LESSONS])
+def test_every_prediction_closes_with_a_measured_line(lesson):
+    """Each predict cell is answered by the run: a code cell after it (before the next section or question) printed a
+    line with both 'predicted' and 'measured', from the executed notebook's own outputs."""
+    ipynb = lesson.with_suffix(".ipynb")
+    if not ipynb.exists():
+        pytest.skip("no executed notebook")
+    cells = json.loads(ipynb.read_text())["cells"]
+    src = ["".join(c["source"]) if isinstance(c["source"], list) else c["source"] for c in cells]
+    asks = [i for i, c in enumerate(cells)
+            if c["cell_type"] == "markdown" and "Predict before you run the next cell" in src[i]]
+    for i in asks:
+        answered = False
+        for j in range(i + 1, len(cells)):
+            if cells[j]["cell_type"] == "markdown" and (
+                    src[j].lstrip().startswith("## ") or "Predict before you run the next cell" in src[j]):
+                break
+            if cells[j]["cell_type"] == "code" and any(
+                    "predicted" in line.lower() and "measured" in line.lower()
+                    for line in _output_text(cells[j]).splitlines()):
+                answered = True
+                break
+        assert answered, (f"{ipynb.name}: the prediction asked in cell {i} is never closed: print 'predicted X, "
+                          f"measured Y, because <the computed term>' before the next section")

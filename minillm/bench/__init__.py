@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import statistics
 
 from minillm.measure.hardware import hardware_info
 from minillm.measure.harness import BenchResult, Timing, time_fn
@@ -59,15 +60,47 @@ def load_entry(name: str):
 
 
 def run_entry(name: str, quick: bool = False, save: bool = True, out: str | os.PathLike = "results",
-              **options) -> BenchResult:
+              runs: int = 1, **options) -> BenchResult:
     """Run benchmark `name`, print its table, and (with save) write <out>/<name>.json. Returns the result.
-    `options` go to the entry's run() as they are (e.g. bench serve's url and rate)."""
-    result = load_entry(name)(quick=quick, **options)
-    if not isinstance(result, BenchResult):
-        raise TypeError(f"benchmark {name!r} returned {type(result).__name__}, expected BenchResult")
+    `options` go to the entry's run() as they are (e.g. bench serve's url and rate). `runs` > 1 repeats the whole
+    benchmark: the result keeps the rows of the run whose headline (the first targeted ratio, else the first ratio)
+    is the median, and `spread` holds every ratio's min/median/max over the runs."""
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1, got {runs}")
+    results = []
+    for i in range(runs):
+        result = load_entry(name)(quick=quick, **options)
+        if not isinstance(result, BenchResult):
+            raise TypeError(f"benchmark {name!r} returned {type(result).__name__}, expected BenchResult")
+        if runs > 1:
+            print(f"[run {i + 1} of {runs}] " + ", ".join(f"{k} = {v:.3f}" for k, v in result.ratios.items()))
+        results.append(result)
+    if runs > 1:
+        result = median_run(results)
+        result.notes.append(f"{runs} whole runs of this benchmark one after another; the rows are those of the run "
+                            f"with the median {headline(result)}")
     result.quick = quick
     result.print_table()
     if save:
         path = result.save(out)
         print(f"saved {path}")
     return result
+
+
+def headline(result: BenchResult) -> str | None:
+    """The ratio a benchmark leads with: its first targeted ratio, else its first ratio (None: it has none)."""
+    return next(iter(result.targets), next(iter(result.ratios), None))
+
+
+def median_run(results: list[BenchResult]) -> BenchResult:
+    """The run whose headline ratio is the median of `results`, with `spread` filled from all of them."""
+    key = headline(results[0])
+    ordered = sorted(results, key=lambda r: r.ratios.get(key, float("nan"))) if key else results
+    chosen = ordered[(len(ordered) - 1) // 2]
+    for k in chosen.ratios:
+        vals = [float(r.ratios[k]) for r in results if k in r.ratios]
+        finite = sorted(v for v in vals if v == v and abs(v) != float("inf"))
+        if finite:
+            chosen.spread[k] = {"min": finite[0], "median": statistics.median(finite), "max": finite[-1],
+                                "runs": vals}
+    return chosen

@@ -78,10 +78,8 @@ def run(quick: bool = False, dtype: str = "float32") -> BenchResult:
          f"budget for decode ITL p99 here was {best['budget']} tokens."),
         (f"ITL is measured per decoding request between consecutive tokens (engine timestamps): "
          f"{n_decode * (decode_len - 1)} gaps per budget; max_step_s is the longest engine step."),
-        ("smaller budgets mean more steps, each reading all the weights again, and a long prompt's first token only "
-         "after its last chunk: long_ttft and throughput in the table are that price. On a GPU a step of 500 "
-         "tokens costs little more than a step of 1 (decode is memory bound), which is why GPU engines use "
-         "budgets in the thousands; on this CPU a step's cost grows with its tokens."),
+        ("steps and wall time per budget (output tok/s = output tokens / wall): "
+         + ", ".join(f"{r['budget']}: {r['steps']} steps, {r['wall_s']:.1f} s" for r in rows)),
     ]
     if math.isnan(ratios["best_itl_p99_vs_unchunked"]):
         notes.append("no ITL samples: decode_len must be >= 2")

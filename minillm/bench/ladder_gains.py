@@ -88,6 +88,10 @@ def interference_pairs(runs: dict, mean_ctx: float, kv_per_token_fp32: int, by: 
                 f"full batch x{p['gain_ab'] / p['gain_a']:.2f} (acceptance {full['spec'].acceptance_rate:.2f}, "
                 f"{full['spec'].tokens_per_step:.2f}); tokens per decode step: {width[names[0]]:.1f} -> "
                 f"{width[names[2]]:.1f} alone, {width['2']:.1f} -> {width[names[3]]:.1f} in the batch")
+    # the numbers a lesson prices the verify step with: rows per decode step, tokens emitted per sequence per step
+    p["rows_per_step"] = {"alone": width[names[0]], "alone + speculation": width[names[2]], "batch": width["2"],
+                          "batch + speculation": width[names[3]]}
+    p["tokens_per_verify"] = {"alone": alone["spec"].tokens_per_step, "batch": full["spec"].tokens_per_step}
     out["speculation_x_batching"] = p
     return out
 

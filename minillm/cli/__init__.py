@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tiny sizes, for CI; saved under <out>/quick/ so full results are never overwritten")
     bench.add_argument("--out", default="results", help="folder for <name>.json (default: results)")
     bench.add_argument("--no-save", action="store_true")
+    bench.add_argument("--runs", type=_positive_int, default=1,
+                       help="repeat the whole benchmark N times: the JSON keeps the median run's rows and every "
+                            "ratio's min/median/max (the spread the lessons print)")
     bench.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
     bench.add_argument("--url", default=None,
                        help="bench serve: load a running server at this URL (e.g. http://127.0.0.1:8000) instead "

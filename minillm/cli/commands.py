@@ -50,7 +50,7 @@ def cmd_bench(args) -> int:
     if refused := [k for k in extra if k not in inspect.signature(load_entry(args.name)).parameters]:
         raise UsageError(f"--{refused[0]} is not an option of benchmark {args.name!r}")
     print(f"minillm bench {args.name}: {use_threads(args.threads)} at start; {bf16_status()}")
-    run_entry(args.name, quick=args.quick, save=not args.no_save, out=args.out, **extra)
+    run_entry(args.name, quick=args.quick, save=not args.no_save, out=args.out, runs=args.runs, **extra)
     return 0
 
 

@@ -23,3 +23,14 @@ def hardware_line() -> str:
     """One line naming the hardware a lesson's numbers come from (minillm.measure.hardware names it), and quick
     mode when on; print it above every table."""
     return machine_line() + (" [QUICK mode]" if QUICK else "")
+
+
+def spread_line(result: dict, key: str) -> str:
+    """A recorded ratio with its spread over whole runs (`minillm bench NAME --runs 3` records it), or a plain
+    statement that the file holds one run."""
+    value, spread = result["ratios"][key], result.get("spread", {}).get(key)
+    if not spread:
+        return (f"{key} = {value:.3f} (one run, no spread: `minillm bench {result['name']} --runs 3` "
+                f"records one)")
+    return (f"{key} = {value:.3f}: min {spread['min']:.3f}, median {spread['median']:.3f}, max {spread['max']:.3f} "
+            f"over {len(spread['runs'])} runs")

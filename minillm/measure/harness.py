@@ -144,6 +144,8 @@ class BenchResult:
     series: dict = field(default_factory=dict)  # curves for plots (e.g. a loss per step): saved, not printed
     hardware: dict | None = None  # filled from hardware_info(settings.get("device", "cpu")) when first needed
     quick: bool = False
+    # ratio -> {"min", "median", "max", "runs": [...]} over whole repeated runs (run_entry(..., runs=N))
+    spread: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = set(self.targets) - set(self.ratios)
@@ -196,6 +198,9 @@ class BenchResult:
                 target = f"target {self.targets[k][0]} {_fmt(float(self.targets[k][1]))}" if k in self.targets \
                     else "no target"
                 print(f"  {k:<{width}s} = {_fmt(float(v)):>9s}   ({target})  {status[k]}")
+        for k, sp in self.spread.items():
+            print(f"  {k} over {len(sp['runs'])} runs: min {_fmt(sp['min'])}, median {_fmt(sp['median'])}, "
+                  f"max {_fmt(sp['max'])}")
         for note in self.notes:
             print(f"  note: {note}")
 
