@@ -5,8 +5,9 @@ Fill in each function, then grade your work:
     minillm grade 03
 
 The graders compare with torch's SDPA on random shapes (q_len and kv_len not multiples of the block size, GQA,
-decode, chunked prefill), check that flash_attention never builds a q_len x kv_len tensor and skips the key blocks
-above the causal diagonal, and reject answers that call SDPA, softmax or minillm's own attention.
+decode, chunked prefill) and return_lse's log-sum-exp with a float64 one, check that flash_attention never builds a
+q_len x kv_len tensor, never copies K/V per query head, skips the key blocks above the causal diagonal and refuses
+block sizes < 1, and reject answers that call SDPA, softmax or minillm's own attention.
 
 task_03_real_model makes your flash_attention (16 x 16 tiles: the 37-token chat prompt spans three key tiles)
 SmolLM2-135M's attention backend: prefill logits within 1e-3 of minillm's and the same greedy tokens. It stands on
@@ -52,16 +53,18 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, block_
     """Tiled attention with the online softmax; same result as naive_attention, O(block_q x block_k) temporaries.
 
     q (batch, n_heads, q_len, head_dim), k/v (batch, n_kv_heads, kv_len, head_dim); causal is bottom-right aligned
-    (query i sees keys j <= i + kv_len - q_len). Accumulates in float32, returns q's dtype. With return_lse, also
-    return each row's log-sum-exp of its scaled scores, (batch, n_heads, q_len) float32.
+    (query i sees keys j <= i + kv_len - q_len). Accumulates in float32, returns q's dtype. With return_lse, return
+    (out, lse): lse is each row's log-sum-exp over the keys it sees of its scaled scores s_j = q.k_j / sqrt(head_dim),
+    log(sum_j exp(s_j)), (batch, n_heads, q_len) float32, finite even where exp(s_j) alone over- or underflows.
 
     What must hold: equal to naive attention (within float32 rounding) for any q_len and kv_len, multiples of the
     block sizes or not, GQA (query head h reads KV head h // group), decode (q_len 1) and chunked prefill (q_len <
     kv_len); no temporary larger than a block_q x block_k tile of scores per head (never a q_len x kv_len one); key
-    blocks entirely above the causal diagonal are skipped, not computed and masked; K/V never copied per query head;
-    block sizes < 1 are a ValueError. Example: q_len = kv_len = 100, block_q = block_k = 64, causal: the first query
-    block (rows 0-63) reads only key block 0-63; the second reads keys 0-63 and 64-99, the latter masked on its
-    diagonal.
+    blocks entirely above the causal diagonal are skipped, not computed and masked; K/V never copied per query head
+    (a query head reads its KV head's tensors in place, also tile by tile); block_q < 1 or block_k < 1 is a
+    ValueError (1 is valid). Example: q_len = kv_len = 100, block_q = block_k = 64, causal: the first query block
+    (rows 0-63) reads only key block 0-63; the second reads keys 0-63 and 64-99, the latter masked on its diagonal.
+    A row whose visible scaled scores are [0, log 3] has lse = log 4.
     """
     raise NotImplementedError("task 03.flash: see the docstring; `minillm hint 03 flash` for hints")
 

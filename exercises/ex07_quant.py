@@ -1,7 +1,7 @@
 """Exercise 07: quantization (lesson 07, "fewer bytes per weight").
 
-Store SmolLM2's weights in 8 and 4 bits, and multiply int8 activations by int8 weights the LLM.int8() way. Fill in
-the eight functions, then grade your work:
+Store SmolLM2's weights in 8 and 4 bits, multiply int8 activations by int8 weights the LLM.int8() way, and make a
+decode step's matvec read the int8 weight as it is stored. Fill in the nine functions, then grade your work:
 
     minillm grade 07
 
@@ -10,6 +10,8 @@ the eight functions, then grade your work:
   GGUF's Q4_1 when group_size is 32 (the format SmolLM2's model file ships in), and two codes packed per byte.
 - 07.outliers: LLM.int8()'s matmul: the input columns holding a value above the threshold are multiplied in float,
   every other column as int8 x int8 with int32 accumulation.
+- 07.matvec: y ~= x @ dequantize_int8(q, scale).T for a few decode rows without building the float weight, timed
+  against dequantize-then-matmul on SmolLM2's shapes.
 
 The graders compare bit for bit with the formats' rules on adversarial values (constant groups, exact halves, rows
 of zeros, all 256 byte values), bound the rounding error, and finish by quantizing the real model with your
@@ -118,3 +120,28 @@ def int8_matmul_with_outliers(x: Tensor, q: Tensor, scale: Tensor, threshold: fl
     weights' column 1 in float, and a single huge value no longer shrinks every other value's int8 resolution.
     """
     raise NotImplementedError("task 07.outliers: see the docstring; `minillm hint 07 outliers` for hints")
+
+
+# task 07.matvec ---------------------------------------------------------------------------------------------
+
+
+def int8_matvec(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """x (rows, in) float @ dequantize_int8(q, scale).T -> float32 (rows, out), never building the float weight.
+
+    q int8 (out, in) and scale float32 (out,) as quantize_int8 returns them; x holds a few decode rows (1 to 8).
+    A decode step reads every weight once, so the time is the weight's bytes: read q as int8 (1 byte a weight), not
+    a float32 copy of it (4 bytes, written and read again on every call). torch multiplies int8 only by int8, so x
+    meets q as int8 too: each row of x with its own int8 scale (the rule of quantize_rows_int8), the int8 x int8
+    product accumulated in int32 (the given _int8_mm), and the scales of x's rows and q's rows applied to the
+    (rows, out) result, never to the (out, in) weight.
+
+    What must hold: y is float32 (rows, out), within half of row t's int8 step (max |x[t]| / 127) times sum_k
+    |w[n, k]| of the float product x @ w.T (w the dequantized weight), a row of zeros gives zeros; x not 2-D, a q
+    that is not int8 or whose width differs from x's, or a scale that is not (out,) is a ValueError. Timed on one
+    row through SmolLM2's weights (a layer's 576 -> 576, 192, 1536 and 1536 -> 576 projections, and the 576 -> 49152
+    LM head), one thread, in interleaved pairs: at most 0.35 of the time of x @ dequantize_int8(q, scale).T (a float
+    copy of q, even unscaled, is 4 bytes a weight again). Example: x = [[2., -1.]], q = [[127, 127]], scale
+    = [1/127] (w = [[1., 1.]]): x's codes [127, -64] with scale 2/127, integer product 127 * 127 - 64 * 127 = 8001,
+    y = [[8001 * 2/127 * 1/127]] = [[0.99213]], and x @ w.T = [[1.]]: 0.0079 away, within (1/127) * 2 = 0.0157.
+    """
+    raise NotImplementedError("task 07.matvec: see the docstring; `minillm hint 07 matvec` for hints")

@@ -10,14 +10,20 @@ the arithmetic every capacity plan starts from (how many KV blocks fit), then th
 
 - 14.budget: `kv_blocks_for_budget(model_config, memory_budget_bytes, weight_bytes, ...)` counts the KV blocks that
   fit in what the budget leaves after the weights, in the engine pool's exact layout (minillm/cache/kv_pool.py).
-- 14.slo: `choose_config(slo)` returns the keywords of load_model and LLM.from_model that meet an EdgeSLO.
+- 14.slo: `choose_config(slo, candidates)` returns the keywords of load_model and LLM.from_model that meet an
+  EdgeSLO, choosing among measured Candidates (minillm/course/capstone.py defines both types).
+- 14.real_model: nothing new to write; your choose_config picks for this machine's edge SLO on SmolLM2-135M.
 
 The graders check the block count against the bytes a real pool allocates (KVBlockPool's tensors, an LLM's
 cache.nbytes()) on crafted and random configurations (grouped-query heads, every KV dtype, block sizes, model
-dtypes), and the budget's refusals. Then SmolLM2-135M is loaded and served with your configuration: its weights plus
-its pool within the budget, the pool and max_num_seqs holding the sequences the SLO asks for, its greedy answers
-on a fixed chat set against the float32 engine's, and its throughput against the float32 plain engine's, timed in
-interleaved pairs. Calling KVCacheSpec, KVBlockPool or the engine's own sizing in your budget is rejected.
+dtypes), and the budget's refusals. choose_config is graded on several SLOs over tables of candidates (budgets,
+concurrency, quality and speed floors that different candidates meet, SLOs that none meets): what you return is
+checked against the candidate it names, the engine pool's bytes per block and every field of the SLO. The
+real-model task measures two candidates on SmolLM2-135M, then loads and serves your choice for this machine's
+edge SLO: its weights plus its pool within the budget, the pool and max_num_seqs holding the sequences the SLO asks
+for, its greedy answers on a fixed chat set against the float32 engine's, and its throughput against the float32
+plain engine's, timed in interleaved pairs. Calling KVCacheSpec, KVBlockPool or the engine's own sizing in your
+budget is rejected.
 """
 
 from __future__ import annotations
@@ -25,9 +31,8 @@ from __future__ import annotations
 import torch
 
 from minillm.cache.block_allocator import blocks_needed  # noqa: F401  given: ceil(n_tokens / block_size)
-from minillm.course.capstone import EdgeSLO, load_deployed  # noqa: F401  given: the SLO, and the models it serves
+from minillm.course.capstone import Candidate, EdgeSLO  # noqa: F401  given: a measured way to serve, and the SLO
 from minillm.engine.config import KV_DTYPES  # noqa: F401  given: the engine's kv_cache_dtype names -> storage dtypes
-from minillm.model import model_bytes  # noqa: F401  given: the bytes of a model's weights
 
 # task 14.budget -----------------------------------------------------------------------------------------------
 
@@ -54,25 +59,25 @@ def kv_blocks_for_budget(model_config, memory_budget_bytes: int, weight_bytes: i
 # task 14.slo --------------------------------------------------------------------------------------------------
 
 
-def choose_config(slo: EdgeSLO) -> dict:
-    """A deployment that meets `slo`: a dict of load_model's keywords (weights, fuse, sparsity) and LLM.from_model's
-    (num_blocks, block_size, max_num_seqs, max_num_batched_tokens, kv_cache_dtype, enable_prefix_caching,
-    speculative: "ngram", "learned" or None); a key left out takes its default, any other key is refused.
+def choose_config(slo: EdgeSLO, candidates: list[Candidate]) -> dict:
+    """A deployment that meets `slo`, built from one of `candidates`: a dict of load_model's keywords (weights, fuse,
+    sparsity: the candidate's) and LLM.from_model's (num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
+    kv_cache_dtype and speculative: the candidate's, enable_prefix_caching); a key left out takes its default
+    (weights "dequantized", fuse False, no pool size: the engine's default pool), any other key is refused.
 
-    The grader loads slo.model with your load keywords through load_deployed (size your pool on that same object:
-    its config, its dtype, model_bytes of it), builds LLM.from_model with the rest, and holds the result to every
-    field of the SLO: (1) the weights plus the pool (cache.nbytes(); a learned draft head's weights too) within
-    slo.memory_bytes; (2) max_num_seqs >= slo.min_seqs, and a pool that holds slo.min_seqs sequences of
-    slo.context_tokens tokens at once, which the speed run must reach; (3) agreement >= slo.min_quality: the
-    share of the float32 engine's greedy answer tokens on a fixed chat set that your engine reproduces, each
-    answer counted up to its first differing token; (4) throughput on a second chat set at least slo.min_speedup
-    times the float32 plain engine's (a median of interleaved pairs; a small allowance for a noisy machine).
-    The float32 defaults fail (1): 538 MB of weights and a 268 MB pool. Lossy choices can fail (3), and
-    speculating while many sequences decode can fail (4). If the budget cannot hold what the SLO asks for with the
-    cheapest choices, raise ValueError saying so.
-    Example: EdgeSLO(memory_bytes=240 MiB, min_quality=0.45, min_seqs=8, context_tokens=512, min_speedup=1.3):
-    8 x 512 tokens are 256 blocks of 16, 48.7 MB in int8 but 188.7 MB in float32; 4-bit weights are 97 MB on a CPU
-    where minillm's low-bit kernels load. So the pool is int8, the weights 4-bit, and the blocks are what the
-    budget leaves after those weights (815 here), serving up to 25 sequences of 512 tokens at once.
+    Each Candidate carries what it measured on the machine that serves it: its weights' bytes, the model's shape
+    and dtype, its quality (agreement with the float32 engine) and its speedup. Trust those numbers, not numbers you
+    remember: the same option measures differently on another CPU. What you return must hold, by those
+    measurements and the engine pool's layout (your kv_blocks_for_budget), every field of the SLO:
+    (1) the candidate's weights_bytes plus the pool (num_blocks blocks of block_size tokens in kv_cache_dtype)
+    within slo.memory_bytes; (2) max_num_seqs >= slo.min_seqs, max_num_batched_tokens >= slo.min_seqs, and a pool
+    that holds slo.min_seqs sequences of slo.context_tokens tokens at once; (3) quality >= slo.min_quality;
+    (4) speedup >= slo.min_speedup. Any candidate that meets all four is a right answer. When none does, raise
+    ValueError saying which floor or budget could not be met. Leave `candidates` as it was. The real-model task
+    serves your answer and measures (1)-(4) again.
+    Example: budget B, a candidate of W bytes of weights whose pool stores a block in P bytes: it can pay for
+    (B - W) // P blocks; with blocks of 16 tokens, 8 sequences of 512 tokens need 8 x 32 = 256 of them, so it
+    qualifies for memory only if (B - W) // P >= 256, and then it holds (B - W) // P // 32 such sequences at once.
+    A candidate whose measured quality is under the floor is out, however small its weights.
     """
     raise NotImplementedError("task 14.slo: see the docstring; `minillm hint 14 slo` for hints")

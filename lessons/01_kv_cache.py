@@ -237,9 +237,9 @@ print(f"(its {step.n_ops} ops: {step.terms['else'] / step.n_ops * 1e3:.1f} us of
 # into the matmuls' own time past the floor, attention, norms/RoPE/elementwise ops, sampling, and everything else
 # (Python and dispatch: the ~2,000 ops a step issues), naming the largest. Other processes on a shared machine
 # compete for the same cores and memory bus and lengthen every term.
-# That decode is memory-bound is why the next lessons attack *bytes*: fewer KV heads (lesson 02), no wasted cache slots
-# (lesson 04), more sequences sharing each weight read (batching, lesson 05). The cache itself also trades compute
-# for memory: it removes the recomputation, and in exchange every sequence holds its K/V for its whole life.
+# That a decode step's floor is its bytes is why the next lessons attack *bytes*: fewer KV heads (lesson 02), no wasted
+# cache slots (lesson 04), more sequences sharing each weight read (batching, lesson 05). The cache itself also trades
+# compute for memory: it removes the recomputation, and in exchange every sequence holds its K/V for its whole life.
 #
 # **On this machine** (a shared 2-core CPU; see the hardware line above) absolute times move with other processes'
 # load, so read ratios measured in the same run.

@@ -13,7 +13,8 @@
 # %% [markdown]
 # # Lesson 02 — MHA → MQA → GQA: share key/value heads
 #
-# Lesson 01 showed that decode is memory-bound and that the KV cache grows with every token of every sequence.
+# Lesson 01 showed that a decode step reads every weight and the whole KV cache, which grows with every token of every
+# sequence.
 # Attention has `n_heads` query heads; nothing forces each to have its *own* key/value head:
 #
 # - **MHA** (multi-head attention): one KV head per query head. The original Transformer, Llama-2-7B.
@@ -39,10 +40,12 @@ from minillm.attention import sdpa_attention
 from minillm.bench.gqa import decode_step_seconds
 from minillm.measure.hardware import bf16_status, hardware_info, hardware_summary, preferred_dtype
 from minillm.measure.harness import time_fn
+from minillm.measure.breakdown import step_breakdown
 from minillm.measure.metrics import decode_bytes_per_token
+from minillm.model import model_bytes
 from minillm.config import LLAMA2_7B, LLAMA2_70B
 from minillm.compress.gqa import grouped_attention, kv_heads_for, mean_pool_kv_heads, regroup, to_mha, to_mqa
-from minillm.kv_cache import kv_bytes_per_token, max_tokens_in_budget
+from minillm.kv_cache import KVCache, kv_bytes, kv_bytes_per_token, max_tokens_in_budget
 from minillm.course.lesson import hardware_line, pick
 from minillm.compress.quality import eval_ids, kl_to_reference, perplexity_of_ids
 
@@ -127,6 +130,17 @@ for name, c in (("Llama-2-7B (MHA, 32 KV heads)", LLAMA2_7B), ("Llama-2-70B (GQA
     n = max_tokens_in_budget(c, 80 * budget, dtype)
     print(f"{name:36s} {kv_bytes_per_token(c, dtype):10,d} " + " ".join(f"{n // x:15d}" for x in contexts)
           + "   (80 GiB of cache)")
+# the prediction is the formula (2 x layers x KV heads x head_dim x bytes per token); the measurement divides the
+# budget by what a real 2,048-token cache of each variant allocates
+c0 = contexts[0]
+for name, m in variants.items():
+    mc = m.config
+    formula_B = 2 * mc.n_layers * mc.n_kv_heads * mc.head_dim * dtype.itemsize
+    real_B = KVCache.for_model(m, 1, c0).nbytes() / c0
+    print(f"{name}: predicted {budget // (formula_B * c0)} sequences of {c0} tokens, "
+          f"measured {int(budget // (real_B * c0))}, because the allocated cache holds {real_B:,.0f} B per token = "
+          f"2 x {mc.n_layers} layers x "
+          f"{mc.n_kv_heads} KV heads x {mc.head_dim} x {dtype.itemsize} B ({formula_B:,d})")
 
 # %% [markdown]
 # Memory scales exactly with n_kv_heads: MHA needs 3x GQA-3's cache, MQA a third of it. For Llama-2-70B, GQA-8 is
@@ -158,10 +172,14 @@ print(f"\nat {long} tokens: GQA-3 vs MHA {tps[names[1]] / tps[names[0]]:.2f}x, M
 # %% [markdown]
 # Whether fewer KV heads pay off also depends on the kernel reading them *once*. Per layer, one decode step's
 # attention at the longest context: minillm's backend (group folded into the query length) against torch's own
-# `enable_gqa=True` path:
+# `enable_gqa=True` path. torch's CPU kernel walks the cache once per head of the call (its batch × heads), with that
+# head's queries as the rows of the walk; the table prints how many walks each call makes, the cost of one cached
+# token in one walk, and the rate at which the kernel streams the cache against this CPU's copy bandwidth:
 
 # %%
-print(f"{'KV heads':>8s} {'K+V MB/layer':>12s} {'minillm sdpa ms':>15s} {'torch enable_gqa ms':>19s}")
+print(f"{'KV heads':>8s} {'K+V MB/layer':>12s} {'minillm sdpa ms':>15s} {'walks':>5s} {'ns/token/walk':>13s} "
+      f"{'GB/s':>5s} {'torch enable_gqa ms':>19s} {'walks':>5s} {'ns/token/walk':>13s}")
+attn_ms = {}
 for n_kv in (9, 3, 1):
     q = torch.randn(1, cfg.n_heads, 1, cfg.head_dim, dtype=dtype)
     k, v = (torch.randn(1, n_kv, long, cfg.head_dim, dtype=dtype) for _ in range(2))
@@ -169,7 +187,50 @@ for n_kv in (9, 3, 1):
     grouped = n_kv != cfg.n_heads
     torchs = time_fn(lambda q=q, k=k, v=v, g=grouped: F.scaled_dot_product_attention(q, k, v, enable_gqa=g),
                      repeat=pick(20, 5)).median
-    print(f"{n_kv:8d} {2 * k.numel() * k.element_size() / 1e6:12.2f} {ours * 1e3:15.3f} {torchs * 1e3:19.3f}")
+    kv_MB = 2 * k.numel() * k.element_size() / 1e6
+    attn_ms[n_kv] = (ours * 1e3, torchs * 1e3)
+    # minillm folds the group into the query length: one walk per KV head; torch's path keeps one per query head
+    walks_ours, walks_torch = n_kv, cfg.n_heads
+    print(f"{n_kv:8d} {kv_MB:12.2f} {ours * 1e3:15.3f} {walks_ours:5d} {ours / (walks_ours * long) * 1e9:13.1f} "
+          f"{kv_MB / 1e3 / ours:5.1f} {torchs * 1e3:19.3f} {walks_torch:5d} "
+          f"{torchs / (walks_torch * long) * 1e9:13.1f}")
+print(f"torch's enable_gqa at 3 KV heads costs {attn_ms[3][1] / attn_ms[9][0]:.2f}x minillm's MHA call (9 walks "
+      f"each); minillm's fold at 3 KV heads costs {attn_ms[3][0] / attn_ms[9][0]:.2f}x it (3 walks, "
+      f"MHA's time / the fold's = {attn_ms[9][0] / attn_ms[3][0]:.1f}x for 3x the bytes); copy bandwidth "
+      f"{hw['bandwidth_GBps']:.1f} GB/s")
+
+# %% [markdown]
+# The speed table's ratios against the byte roofs' ratios: the roof counts every byte of the step (weights and cache)
+# at copy bandwidth. Where the measured ratio is larger, the step's time is not proportional to its bytes. The step
+# breakdown (`minillm.measure.breakdown`) splits one decode step at the longest context into its terms, so the gap
+# between two variants can be charged to the term it is made of:
+
+# %%
+bw = hw["bandwidth_GBps"] * 1e9
+split = {name: step_breakdown(m, "decode", context=long, bandwidth=bw, repeat=pick(5, 2))
+         for name, m in variants.items()}
+for name, b in split.items():
+    kv_GB, w_GB = kv_bytes(variants[name].config, long + 1, 1, dtype) / 1e9, model_bytes(variants[name]) / 1e9
+    print(f"{b.line().replace('decode b=1', name)}")
+    print(f"    the matmuls stream {w_GB * 1e3:.0f} MB of weights at {w_GB / b.terms['matmul'] * 1e3:.1f} GB/s, "
+          f"attention {kv_GB * 1e3:.0f} MB of cache at {kv_GB / b.terms['attention'] * 1e3:.1f} GB/s "
+          f"(copy bandwidth {bw / 1e9:.1f} GB/s)")
+for a, b in ((names[0], names[1]), (names[1], names[2])):
+    A, B, sa, sb = split[a], split[b], a.split(" (")[0], b.split(" (")[0]
+    saved = A.wall_ms - B.wall_ms
+    diff = {t: A.terms[t] - B.terms[t] for t in A.terms}
+    top = max(diff, key=diff.get)
+    line = (f"{sa} -> {sb}: step {A.wall_ms:.1f} -> {B.wall_ms:.1f} ms ({A.wall_ms / B.wall_ms:.2f}x; byte roofs "
+            f"{A.byte_floor_ms / B.byte_floor_ms:.2f}x, whose bytes at copy bandwidth are worth "
+            f"{A.byte_floor_ms - B.byte_floor_ms:.1f} ms); ")
+    if saved <= 0:
+        line += f"no time saved in this run ({saved:+.1f} ms); attention term {diff['attention']:+.1f} ms"
+    else:
+        share = diff["attention"] / saved
+        line += f"of the {saved:.1f} ms saved, the attention term is {diff['attention']:.1f} ms ({share:.0%})"
+        if share < 0.5:
+            line += f", under half: the largest term of the difference is {top} ({diff[top]:.1f} ms)"
+    print(line)
 
 # %% [markdown]
 # ## 5. Quality: what mean-pooling costs
@@ -220,19 +281,20 @@ plt.show()
 #
 # - **Memory** follows n_kv_heads exactly: 9 : 3 : 1. At a fixed cache budget GQA-3 fits 3x the batch × context of
 #   MHA, MQA 9x.
-# - **Speed**: decode is memory-bound, so fewer KV bytes per step means faster steps, *in proportion to the share of
-#   the step's bytes that the cache is*. For this 135M model at batch 1 the weights (~270 MB in bf16) dominate until
-#   the context reaches thousands of tokens, so the gains at 2048 are modest; they grow with context and batch (the
-#   weights are read once per step for the whole batch, the cache once per sequence), which is where serving lives.
-#   On a CPU, per-operation overhead also blurs small differences; compare each row with its bandwidth roof.
-#   (The roofs differ even at short context: MHA's k/v projections are 3x larger too, MQA's 3x smaller.)
+# - **Speed**: by the roofline, fewer KV bytes per step buy faster steps *in proportion to the share of the step's
+#   bytes that the cache is*; for this 135M model at batch 1 the weights (~270 MB in bf16) are most of the bytes
+#   until the context reaches thousands of tokens, so the byte roofs' ratios (the breakdown prints them) are far
+#   below the cache's 3x. The measured ratios are another matter: the breakdown above prints, for each pair, the step
+#   time saved, how much of it is the attention term, and what the saved bytes would be worth at copy bandwidth. Its
+#   second line per variant says why the two can differ: the matmuls and the attention kernel stream their bytes at
+#   the rates it prints, so a byte of cache need not cost what a byte of weights costs; the table before it shows the
+#   attention kernel's cost per cached token per walk and how many walks each head layout makes (torch's `enable_gqa`
+#   path keeps one walk per *query* head). The gains grow with context and batch (the weights are read once per step
+#   for the whole batch, the cache once per sequence), which is where serving lives.
 # - **Reading the speed table without over-reading it.** Each tok/s is a median of a few repeats on a shared CPU and
 #   the table prints no spread, so a difference of some 20% between neighbouring rows (a variant that seems to get
-#   *faster* as its context grows) is not evidence of anything. And where the ratio printed under the table between
-#   two variants is larger than the ratio of their roofs, bytes cannot be the explanation: multiply the per-layer times
-#   of the attention table by the 30 layers and compare that with the difference in step time. On a CPU the attention
-#   *kernel* (how it handles each head layout: torch's `enable_gqa` path, minillm's group folded into the query length,
-#   plain MHA) can account for more of the gap than the bandwidth does; a rerun of this notebook shows which it is.
+#   *faster* as its context grows) is not evidence of anything; the breakdown re-times the longest context on its own,
+#   and the two ratios it prints beside the table's show how far a rerun moves them.
 # - **Quality**: MHA by repetition is exact (KL 0, same perplexity): it is the same function, with 3x the cache.
 #   Going *down* is not free. SmolLM2's three KV heads learned different things; averaging them into one gives every
 #   query head a key that none of them was trained to read, in every one of the 30 layers, and the errors compound.

@@ -162,6 +162,18 @@ for n in lengths:
     scores = BATCH * N_HEADS * n * n * 4 / 2**20
     print(f"{n:6d} {peak['naive', n]:10.1f} {peak['flash', n]:10.2f} {peak['sdpa', n]:9.2f} {scores:11.1f} "
           f"{peak['naive', n] / peak['flash', n]:12.1f}")
+# the prediction from the shapes alone: naive holds the score matrix once plus the output; flash the output plus one
+# 64 x 64 score tile per query head (flash_attention's default blocks)
+n = lengths[-1]
+scores_mib, out_mib = BATCH * N_HEADS * n * n * 4 / 2**20, BATCH * N_HEADS * n * HEAD_DIM * 4 / 2**20
+tile_mib = BATCH * N_HEADS * 64 * 64 * 4 / 2**20
+pred_naive, pred_flash = scores_mib + out_mib, out_mib + tile_mib
+print(f"N = {n}: predicted naive {pred_naive:.0f} MiB (a {scores_mib:.0f} MiB score matrix + the {out_mib:.1f} MiB "
+      f"output), flash {pred_flash:.1f} MiB (output + one {tile_mib:.2f} MiB tile), {pred_naive / pred_flash:.0f}x "
+      f"lower; measured naive {peak['naive', n]:.0f} MiB, flash {peak['flash', n]:.1f} MiB, "
+      f"{peak['naive', n] / peak['flash', n]:.0f}x lower, because naive held "
+      f"{(peak['naive', n] - out_mib) / scores_mib:.2f} score matrices at once (scores, masked scores, probabilities) "
+      f"and flash {(peak['flash', n] - out_mib) / tile_mib:.1f} tiles' worth beyond its output")
 
 fig, ax = plt.subplots(figsize=(6.4, 4.0))
 for method in ("naive", "flash", "sdpa"):
@@ -231,6 +243,9 @@ for n in time_lengths:
     tiles = (n // 64) * (n // 64 + 1) // 2
     print(f"{n:6d} " + " ".join(f"{times[name, n]:10.1f}" for name in fns)
           + f" {times['flash', n] / times['naive', n]:12.2f} {tiles:6d}")
+nl = time_lengths[-1]
+print(f"N = {nl}: tile loop / sdpa time = {times['flash', nl] / times['sdpa', nl]:.2f}, naive / sdpa = "
+      f"{times['naive', nl] / times['sdpa', nl]:.2f}; fastest here: {min(fns, key=lambda name: times[name, nl])}")
 
 # %% [markdown]
 # The `flash/naive` column is the comparison of the two torch implementations in this run (below 1: the loop was
@@ -239,8 +254,9 @@ for n in time_lengths:
 # whole N×N score matrix in memory. Both costs grow with N² (so does the `tiles` column): the loop pays per tile, naive
 # per score written and read back. Which side wins depends on N and on the machine: read the column, not this
 # paragraph. The loop shows the *algorithm* and its memory behaviour; it is not how anyone runs it. The speed comes
-# from doing the whole loop inside **one kernel**: torch's `sdpa` on CPU is such a fused kernel (the fastest column
-# above), and on a GPU the Triton kernel below keeps each tile in SRAM and never sends the scores to HBM.
+# from doing the whole loop inside **one kernel**: torch's `sdpa` on CPU is such a fused kernel (the last line above
+# prints its time against both and names the fastest here), and on a GPU the Triton kernel below keeps each tile in
+# SRAM and never sends the scores to HBM.
 #
 # ## 6. The Triton kernel
 #
@@ -324,7 +340,7 @@ else:
 #   HBM traffic for the scores disappears; causal attention also skips the tiles above the diagonal.
 # * The result is the same attention, to float rounding — on random tensors and on the real model's logits and text.
 # * The speed is a property of the *kernel*, not of the algorithm written in Python: fused (torch SDPA on CPU, the
-#   Triton kernel on GPU) it is fast; as a Python loop it is slow.
+#   Triton kernel on GPU) against the same algorithm as a Python loop, section 5's last line prints the ratio here.
 #
 # Exercise 03 (`exercises/ex03_flash.py`, `minillm grade 03`, hints: `minillm hint 03`): write `merge_partials`,
 # `flash_attention`, and optionally the Triton kernel's inner step `attend_key_block`. Task 03.speed times your

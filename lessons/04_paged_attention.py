@@ -94,6 +94,16 @@ mem = bench.memory_rows(lengths, cfg)
 print(f"{'cache':18s} {'reserved MiB':>13s} {'used MiB':>10s} {'waste':>7s}")
 for r in mem:
     print(f"{r['cache']:18s} {r['reserved_MiB']:13.0f} {r['used_MiB']:10.0f} {r['waste_pct']:6.1f}%")
+# predicted from the histogram's mean alone: contiguous reserves max_len for each sequence; paged leaves on average
+# half of a block minus half a slot, (16 - 1) / 2 slots, empty in each sequence's last block
+mean_len = statistics.mean(lengths)
+contig, paged = mem
+empty_per_seq = (paged["slots_reserved"] - paged["tokens_used"]) / len(lengths)
+print(f"contiguous: predicted {1 - mean_len / bench.MAX_LEN:.1%} waste (1 - mean {mean_len:.0f} / {bench.MAX_LEN}), "
+      f"measured {contig['waste_pct']:.1f}%, because every sequence reserves {bench.MAX_LEN} slots and fills "
+      f"{contig['tokens_used'] / len(lengths):.0f} on average")
+print(f"paged: predicted {7.5 / (mean_len + 7.5):.1%} waste (7.5 empty slots per sequence), measured "
+      f"{paged['waste_pct']:.1f}%, because the last blocks left {empty_per_seq:.2f} slots empty per sequence")
 fig, ax = plt.subplots(figsize=(6.4, 3.2))
 names = [r["cache"] for r in mem]
 ax.bar(names, [r["reserved_MiB"] for r in mem], label="reserved")
@@ -240,11 +250,11 @@ for i, n in enumerate(lens):
     print(f"seq {i} (len {n}): max |paged - SDPA over its own keys| = {(out[i] - ref).abs().max().item():.2e}")
 
 # %% [markdown]
-# The gather *copies* every cached key and value before attending: for decode, which is memory-bound, that is
-# several times the memory traffic of attending in place. The Triton kernel (`kernels/paged_decode.py`) instead
-# computes addresses from the table inside the kernel — block ids loaded from the table are used as offsets — and
-# reads each key once. Its inner loop (one program per sequence, KV head and context split, all query heads of
-# the group as rows of one `tl.dot`, online softmax as in lesson 03):
+# The gather *copies* every cached key and value before attending: for decode attention, which does little arithmetic
+# per cached byte, that is several times the memory traffic of attending in place. The Triton kernel
+# (`kernels/paged_decode.py`) instead computes addresses from the table inside the kernel — block ids loaded from the
+# table are used as offsets — and reads each key once. Its inner loop (one program per sequence, KV head and context
+# split, all query heads of the group as rows of one `tl.dot`, online softmax as in lesson 03):
 
 # %%
 from minillm_kernels import paged_decode
@@ -319,17 +329,24 @@ attn_rows = bench.attention_step_rows(cfg, context, repeat=pick(20, 5))
 for r in attn_rows:
     print(f"one layer's decode attention at context {r['context']}: {r['attention']:22s} {r['us']:8.1f} us")
 print(f"paged gather / contiguous: {attn_rows[1]['us'] / attn_rows[0]['us']:.1f}x the time")
+added_ms = (attn_rows[1]["us"] - attn_rows[0]["us"]) * cfg.n_layers / 1e3
+step_ms = {r["cache"]: 1e3 / r["decode_tok_per_s"] for r in gen_rows}
+print(f"at context {context} the gather adds {added_ms:.2f} ms to a step over {cfg.n_layers} layers, "
+      f"{added_ms / step_ms['contiguous']:.0%} of a contiguous decode step of section 7 "
+      f"({step_ms['contiguous']:.1f} ms, at a context of the prompt + up to {new_tokens} tokens, "
+      f"where paged took {step_ms['paged']:.1f} ms)")
 fig, ax = plt.subplots(figsize=(6.4, 3.0))
 ax.barh([r["attention"] for r in attn_rows], [r["us"] for r in attn_rows])
 ax.set_xlabel(f"microseconds per layer (context {context}, batch 1)")
 plt.show()
 
 # %% [markdown]
-# **Reading the numbers.** On this CPU the paged path buys nothing for a *single* sequence and costs time in the
-# attention itself: the torch gather copies all of a sequence's cached keys and values into a fresh tensor every
-# step and every layer, then attends over the copy, and a CPU has no kernel that reads through a block table
-# in place. End to end, decode at batch 1 is dominated by reading the model's weights (lesson 00), so the slowdown
-# of the attention part is diluted; how much it shows depends on the context length. (Inside `PagedKVCache`, a
+# **Reading the numbers.** On this CPU the paged path buys nothing for a *single* sequence, and what it costs in
+# the attention itself is the ratio printed above: the torch gather copies all of a sequence's cached keys and
+# values into a fresh tensor every step and every layer, then attends over the copy, and a CPU has no kernel that
+# reads through a block table in place. End to end, a decode step at batch 1 also reads all the model's weights
+# (lesson 00), so the attention's extra time is a share of a longer step; the last line above prints that share at
+# the long context, and section 7's two decode rates show it at a short one. (Inside `PagedKVCache`, a
 # batch whose sequences all have one length gathers once and uses the model's own attention backend; ragged
 # batches use `paged_attention`; on CUDA the Triton kernel reads the blocks in place.)
 #

@@ -13,9 +13,9 @@
 # %% [markdown]
 # # Lesson 05 — Static → continuous batching
 #
-# Decode is **memory bound**: each step reads every weight once (513 MiB for SmolLM2-135M in float32) to produce one
-# token per sequence. Put 16 sequences in the batch and the same weight read produces 16 tokens; the extra matmul
-# work is small next to the read until the batch is large. So a server's throughput comes from keeping the batch
+# A decode step's floor is **memory**: each step reads every weight once (513 MiB for SmolLM2-135M in float32) to
+# produce one token per sequence. Put 16 sequences in the batch and the same weight read produces 16 tokens; the extra
+# matmul work is small next to the read until the batch is large. So a server's throughput comes from keeping the batch
 # full.
 #
 # **Static batching** takes requests `max_batch` at a time and runs the batch until its *longest* request is done.

@@ -13,13 +13,13 @@
 # %% [markdown]
 # # Lesson 07 — Quantization: fewer bytes per weight (int8, LLM.int8(), int4, AWQ) and an int8 KV cache
 #
-# A batch-1 decode step reads every weight once to produce one token: about 2 flops per bf16 weight byte, far below
-# what any chip computes per byte it loads, so the step is **memory-bound** and its best time is
-# *weight bytes / memory bandwidth*. Fewer bits per weight is therefore the first lever of inference at small
-# batch: int8 halves the bytes of bf16, int4 quarters them — **if the matmul kernel reads the small integers and
-# dequantizes in registers** (`minillm/compress/quant.py`; on a CPU `kernels/cpu/`, section 5; on a GPU
-# `kernels/quant_matmul.py` in Triton). The price is quality, which this lesson measures three ways against the
-# reference model:
+# A batch-1 decode step reads every weight once to produce one token: about 2 flops per bf16 weight byte, far below what
+# any chip computes per byte it loads, so its floor is **memory**: *weight bytes / memory bandwidth*. Where a step runs
+# near that floor, fewer bits per weight is the first lever of inference at small batch (section 4 measures how near
+# each kernel runs here, and what else the step spends): int8 halves the bytes of bf16, int4 quarters them — **if the
+# matmul kernel reads the small integers and dequantizes in registers** (`minillm/compress/quant.py`; on a CPU
+# `kernels/cpu/`, section 5; on a GPU `kernels/quant_matmul.py` in Triton). The price is quality, which this lesson
+# measures three ways against the reference model:
 # perplexity, KL divergence per token, and top-1 agreement.
 #
 # The same idea applies to the **KV cache**: at large batch and long context it, not the weights, fills memory
@@ -33,6 +33,8 @@
 # %%
 import collections
 import dataclasses
+import json
+import pathlib
 
 import matplotlib.pyplot as plt
 import torch
@@ -41,11 +43,14 @@ from gguf import GGUFReader
 import minillm
 from minillm.bench import run_entry
 from minillm.measure import roofline
+from minillm.measure.breakdown import step_breakdown
 from minillm.measure.hardware import bf16_status
+from minillm.model import model_bytes
 from minillm.config import LLAMA2_7B, SMOLLM2_135M
-from minillm.course.lesson import QUICK, hardware_line, pick
+from minillm.course.lesson import QUICK, hardware_line, pick, spread_line
 from minillm.compress.llm_int8 import outlier_profile
 from minillm.compress.quality import eval_ids
+from minillm.compress.quantize import quantize
 from minillm.compress.quant import Int4Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 from minillm.gguf.weights import gguf_path
 
@@ -134,7 +139,9 @@ for name, _, _, bpw in formats:
     print(f"{name:<18}{bpw:>12.2f}" + "".join(f"{e:>{n}.2%}" for e, n in zip(err[name], (11, 13, 17))))
 (p8, m8, _), (p64, m64, _), (p32, m32, f32) = err["int8 per channel"], err["int4 g64"], err["int4 g32"]
 print(f"predicted int4 g64 / int8 = {p64 / p8:.0f}x, measured {m64 / m8:.0f}x, because the error follows the rounding "
-      f"step: 16 levels across a group's range against 255 across a row's")
+      f"step (16 levels across a group's range against 255 across a row's: int4 g64's step/sqrt(12) is {p64 / p8:.1f}x "
+      f"int8's), and each format's measured error is {m64 / p64:.2f} (int4 g64) and {m8 / p8:.2f} (int8) of its "
+      f"step/sqrt(12): their quotient {m64 / p64 / (m8 / p8):.2f} is measured / predicted")
 if m32 < 0.1 * p32:
     print(f"int4 g32: predicted {p32:.1%}, measured {m32:.2%}, because this weight already is a 4-bit g32 weight: the "
           f"file stores it as Q4_1 codes in groups of 32 (section 1), round-to-nearest finds the same codes, and only "
@@ -185,7 +192,7 @@ print(f"the residual stream (q/k/v input) has {n_attn} outlier columns summed ov
 # %%
 ops = roofline.eager_ops(fp32_model)  # for section 4's roofline model
 del fp32_model
-result = run_entry("quant", quick=QUICK, save=True, out="../results")
+result = run_entry("quant", quick=QUICK, save=False)  # shown here; `minillm bench quant` records results/quant.json
 bench = [r for r in result.rows if "ppl" in r]
 
 # %%
@@ -283,11 +290,32 @@ print(f"prefill: predicted at most {best_prefill:.2f}x for every format, measure
          f"model (this CPU's float32 FLOP/s) does not know" if faster else ""))
 i8 = by["int8 weight-only"]
 mbu_base, mbu_i8 = (r["weight_MB"] * 1e6 * r["decode_tok_s"] / cpu.bandwidth for r in (base, i8))
+# the model puts every format on the bandwidth roof; whether the step waits for its bytes is measured: one decode
+# step of fp32, bf16 and int8 split into matmuls, attention, elementwise ops, sampling and Python/dispatch
+steps = {"fp32": minillm.load_model(dtype="float32")[0], "bf16": minillm.load_model(dtype="bfloat16")[0]}
+steps["int8"] = quantize(minillm.load_model(dtype="bfloat16")[0], "int8")
+split = {name: step_breakdown(m, "decode", context=64, bandwidth=cpu.bandwidth, repeat=pick(7, 2))
+         for name, m in steps.items()}
+mm_GBps = {name: model_bytes(steps[name]) / (b.terms["matmul"] / 1e3) / 1e9 for name, b in split.items()}
+for name, b in split.items():
+    print(f"{b.line().replace('decode b=1', name)}\n    matmuls: {model_bytes(steps[name]) / 1e6:.0f} MB of weights at "
+          f"{mm_GBps[name]:.1f} GB/s ({mm_GBps[name] * 1e9 / cpu.bandwidth:.0%} of copy bandwidth), "
+          f"{b.terms['matmul'] / b.op_counts['matmul'] * 1e3:.0f} us per matmul call")
+bb, b8, b32 = split["bf16"], split["int8"], split["fp32"]
+saved = bb.wall_ms - b8.wall_ms
+diff = {t: bb.terms[t] - b8.terms[t] for t in bb.terms}
 print(f"int8 decode: predicted {model_ratio(cpu, i8['weight_MB'], 1, base_mb=base['weight_MB']):.2f}x on this CPU, "
-      f"measured {i8['decode_tok_s'] / base['decode_tok_s']:.2f}x, because a batch-1 step waits for its bytes here and "
-      f"the model puts both on the bandwidth roof, where {base['variant']} reached {mbu_base:.0%} of it (MBU) and int8 "
-      f"{mbu_i8:.0%}; on the H100 model {model_ratio(h100, i8['weight_MB'], 1):.2f}x, because this small model's "
-      f"eager step waits for its ~{ops} launches there.")
+      f"measured {i8['decode_tok_s'] / base['decode_tok_s']:.2f}x over {base['variant']} (the breakdown's own steps, "
+      f"over bf16: {bb.wall_ms / b8.wall_ms:.2f}x), because the model puts both on the bandwidth roof and bf16's "
+      f"step is not there: its matmuls take {bb.terms['matmul']:.1f} ms ({bb.shares['matmul']:.0%} of its step) at "
+      f"{mm_GBps['bf16']:.1f} GB/s while fp32's, over twice the bytes, take {b32.terms['matmul']:.1f} ms "
+      f"(bf16/fp32 step time {bb.wall_ms / b32.wall_ms:.2f}x for half the bytes); of the {saved:.1f} ms int8 saves, "
+      f"the matmul term is {diff['matmul']:.1f} ms ({diff['matmul'] / saved:.0%})"
+      + ("" if diff["matmul"] >= 0.5 * saved else f", under half: the largest term is {max(diff, key=diff.get)} "
+         f"({max(diff.values()):.1f} ms)") + f". MBU: {base['variant']} {mbu_base:.0%}, int8 {mbu_i8:.0%}. On the "
+      f"H100 model {model_ratio(h100, i8['weight_MB'], 1):.2f}x, because this small model's eager step waits for its "
+      f"~{ops} launches there.")
+del steps
 # a bigger model with its launches gone (lesson 06's CUDA-graph model: ~2 kernels per matmul at ~1 us each)
 graph = dataclasses.replace(h100, name="H100 SXM, CUDA graph (model)", op_seconds=1e-6)
 llama_ops = 2 * (7 * LLAMA2_7B.n_layers + 1)  # q, k, v, o, gate, up, down per block, and the LM head
@@ -301,10 +329,11 @@ print(f"Llama-2-7B in one CUDA graph per step (H100 model): bound by {graph.boun
 # %% [markdown]
 # ## 5. A low-bit kernel for the CPU: fewer bytes become less time
 #
-# The first runs of section 4 (an AVX2-only EPYC, torch's own kernels) decoded int8 at 1.16x bf16 and the file's
-# Q4_1 at 1.19x: torch's CPU int4/int8 kernels widen every weight to a float (and round the activations to bf16)
-# before the multiply-add, so on a CPU without the right instructions the step is bound by that work, not by memory.
-# Fewer bytes only become less time if the kernel's work per byte stays below what memory delivers per byte.
+# torch's CPU int4/int8 kernels widen every weight to a float (and round the activations to bf16) before the
+# multiply-add, so how much of their fewer bytes becomes less time depends on that work per byte against what memory
+# delivers per byte; the benchmark above ran the file's Q4_1 on torch's int4 kernel too (its `q4 (torch int4 kernel)`
+# row), and the next cell prints what that kernel bought over bf16 in this run. Fewer bytes only become less time if
+# the kernel's work per byte stays below what memory delivers per byte.
 #
 # llama.cpp's answer, which `kernels/cpu/` implements in a few hundred readable lines: **quantize the activations
 # too**, per block of 32, to int8 (scale dx = max|x|/127). Then a block of the Q4_1 dot product is
@@ -333,6 +362,13 @@ integer_part = (codes_b * q).sum()  # what the SIMD instruction computes, in int
 via_int8 = d * dx * integer_part + m * dx * q.sum()
 print(f"float dot product {exact:.5f}; integer form {via_int8:.5f} (int32 sum {integer_part:.0f}); "
       f"error {abs(via_int8 - exact):.1e} = the rounding of x to int8, at most {dx / 2:.4f} per element")
+lowbit = {(r["variant"], r["threads"]): r for r in result.rows if "threads" in r and "decode_tok_s" in r}
+names_1t = ("bf16", "q4 (torch int4 kernel)", "q4 (minillm kernels)")
+if all((n, 1) in lowbit for n in names_1t):
+    b16, tq4, mq4 = (lowbit[n, 1] for n in names_1t)
+    print(f"this run, 1 thread, over bf16 ({b16['weight_MB']:.0f} MB/token): the file's Q4_1 on torch's int4 kernel "
+          f"({tq4['weight_MB']:.0f} MB/token) decodes at {tq4['decode_tok_s'] / b16['decode_tok_s']:.2f}x, on "
+          f"minillm's kernels ({mq4['weight_MB']:.0f} MB/token) at {mq4['decode_tok_s'] / b16['decode_tok_s']:.2f}x")
 
 # %% [markdown]
 # **The layout.** A dot product ends in a horizontal sum (add the lanes of a register together), which costs as
@@ -436,19 +472,38 @@ with torch.inference_mode():
         cache.truncate(pos)
 
     step = time_fn(one_step, warmup=2, repeat=pick(10, 3)).median
+q4_split = step_breakdown(q4_model, "decode", context=pos, bandwidth=cpu.bandwidth, repeat=pick(7, 2))
+rest = {t: v for t, v in q4_split.terms.items() if t != "matmul"}
 print(f"{len(layers_q)} quantized matmuls: {matmuls * 1e3:.2f} ms of a {step * 1e3:.2f} ms step "
-      f"({matmuls / step:.0%}); the rest is attention, RMSNorm, RoPE, residual adds and Python's per-op cost")
+      f"({matmuls / step:.0%}); the step's breakdown ({q4_split.wall_ms:.2f} ms, {q4_split.n_ops} ops): matmul "
+      f"{q4_split.terms['matmul']:.2f} ms, and the rest " + ", ".join(f"{t} {v:.2f} ms ({q4_split.shares[t]:.0%})"
+                                                                       for t, v in rest.items())
+      + f"; largest of the rest: {max(rest, key=rest.get)} (else = Python and dispatch between ops)")
 del q4_model
 
 # %% [markdown]
 # **Beyond batch 1.** A forward of q new tokens reads the weights once for all q rows: a speculative verify of q-1
-# drafts (lesson 10) or a step of a batch. Lesson 10's benchmark measured q = 5 at 1.66x a decode step with torch's
-# float32 matmuls on an AVX2-only machine; below, the q4 model on our kernels and bf16, from this run. Each extra row
-# costs integer multiply-adds: at a few rows they no longer hide under the time the weights take to arrive.
+# drafts (lesson 10) or a step of a batch. Below, the q4 model on our kernels and bf16, from this run, beside what
+# lesson 10's benchmark recorded for its q = 5 verify step (`results/speculative.json`, read with its hardware and
+# date). Each extra row costs integer multiply-adds: the layer table of section 5 printed how much, per row count.
 
 # %%
 for r in (r for r in result.rows if "forward_ms" in r):
     print(f"{r['variant']:<28}{r['forward_ms']:>8.2f} ms {r['vs_decode_step']:>6.2f}x a decode step")
+spec_path = pathlib.Path("../results/speculative.json")
+if spec_path.exists():
+    spec = json.loads(spec_path.read_text())
+    hw_s = spec["hardware"]
+    print(f"lesson 10's record ({hw_s['cpu']}, {hw_s['threads']} thread(s), torch {hw_s['torch']}, "
+          f"{spec.get('timestamp', 'no date')}): " + "; ".join(spread_line(spec, key) for key in
+                                                               ("verify_k4_vs_decode", "q4_verify_k4_vs_decode")
+                                                               if key in spec["ratios"]))
+fwd = {r["variant"]: r["vs_decode_step"] for r in result.rows if "forward_ms" in r}
+rows_cost = {n: ours / kernel_rows[0][1] for n, ours, _, _ in kernel_rows}
+if "q4 forward of 5 tokens" in fwd:
+    print(f"q = 5 in this run: q4 {fwd['q4 forward of 5 tokens']:.2f}x a decode step, bf16 "
+          f"{fwd.get('bf16 forward of 5 tokens', float('nan')):.2f}x; one q4 layer alone (section 5): "
+          + ", ".join(f"{n} rows {c:.2f}x one row" for n, c in rows_cost.items()))
 for r in (r for r in result.rows if r["variant"].startswith("continuous batching")):
     print(f"{r['variant']:<40}{r['engine_tok_s']:>8.1f} tok/s")
 

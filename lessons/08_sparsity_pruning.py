@@ -19,7 +19,7 @@
 #    2023) drops the smallest |W| × ‖X‖: the error of removing W[i, j] is W[i, j]·x_j, so a small weight on a loud
 #    input channel matters more than a big one on a quiet channel — and lesson 07 showed how loud some of SmolLM2's
 #    channels are (the input of `mlp.down`).
-# 2. **What the zeros buy.** A batch-1 decode step is memory-bound: its time is the bytes it reads. Zeros scattered
+# 2. **What the zeros buy.** A batch-1 decode step is memory-bound: its floor is the bytes it reads. Zeros scattered
 #    inside a dense matrix are still read and still multiplied — **unstructured sparsity speeds up nothing** on a
 #    dense kernel, and a sparse format that stores positions is no smaller until far past 50%. **2:4 sparsity** (two
 #    of every four consecutive weights are zero) is the hardware's compromise: NVIDIA's sparse tensor cores skip the
@@ -141,7 +141,7 @@ print(f"real layer: values {tuple(values.shape)} bf16 + metadata {tuple(meta.sha
 # variants are also timed: batch-1 decode (variants round-robin, best round) and a 128-token prefill.
 
 # %%
-result = run_entry("sparsity", quick=QUICK, save=True, out="../results")
+result = run_entry("sparsity", quick=QUICK, save=False)  # shown here; `minillm bench sparsity` records it
 curve = [r for r in result.rows if r["part"] == "masks"]
 structured = [r for r in result.rows if r["part"] == "structured"]
 dense = structured[0]

@@ -139,6 +139,17 @@ for op, stats in par.metrics["comm_decode"].items():
           + (f"  (formula {f / 1024:.2f} KiB: {'exact' if f == per_token else 'DIFFERENT'})" if f else ""))
 print(f"{par.metrics['comm_decode_s'] / par.metrics['decode_s']:.0%} of this decode's time was spent inside "
       f"collectives")
+p_tp, ar = plan.degree, par.metrics["comm_decode"]["all_reduce"]
+per_block = 2 if plan.split_attention else 1
+want_calls, want_ring = ref_model.config.n_layers * per_block + 1, 2 * (p_tp - 1) / p_tp * ref_model.config.dim * 4
+all_calls = sum(v["calls"] for v in par.metrics["comm_decode"].values())
+per_call_us = par.metrics["comm_decode_s"] / all_calls * 1e6
+print(f"predicted (ring formula, tp = {p_tp}): {want_ring / 1024:.2f} KiB sent per rank per all-reduce, "
+      f"{want_calls} all-reduces per token; measured {ar['ring_bytes'] / ar['calls'] / 1024:.2f} KiB and "
+      f"{ar['calls'] / steps:.0f} per token, because Comm charges each call the ring's 2(p-1)/p x its bytes; the "
+      f"time is another matter: {all_calls / steps:.0f} collectives per token at {per_call_us:.0f} us each on "
+      f"average, for {sum(v['ring_bytes'] for v in par.metrics['comm_decode'].values()) / all_calls / 1024:.1f} KiB "
+      f"each, are {par.metrics['comm_decode_s'] / par.metrics['decode_s']:.0%} of the decode")
 
 # %% [markdown]
 # ## 4. Sequence parallelism

@@ -299,14 +299,12 @@ for k in cp["ratios"]:
     print(spread_line(cp, k))
 for note in cp["notes"]:
     print("note:", note)
-slowest = min(cp["rows"], key=lambda r: r["output_tok_per_s"])
-fewest = min(cp["rows"], key=lambda r: r["steps"])
-print(f"the price of a small budget, from this table: budget {slowest['budget']} had the lowest throughput "
-      f"({slowest['output_tok_per_s']:.1f} tok/s, {slowest['steps']} steps, {slowest['wall_s']:.1f} s), budget "
-      f"{fewest['budget']} the fewest steps ({fewest['steps']}, {fewest['output_tok_per_s']:.1f} tok/s); throughput "
-      + ("falls" if all(a["output_tok_per_s"] >= b["output_tok_per_s"] for a, b in zip(cp["rows"], cp["rows"][1:]))
-         else "does not fall steadily")
-      + " as the budget shrinks: " + ", ".join(f"{r['budget']}: {r['output_tok_per_s']:.1f}" for r in cp["rows"]))
+tps, nsteps = [r["output_tok_per_s"] for r in cp["rows"]], [r["steps"] for r in cp["rows"]]
+ttft = {r["budget"]: r["long_ttft_mean_s"] for r in cp["rows"]}
+print(f"what a small budget cost in this run: throughput {min(tps):.1f}..{max(tps):.1f} tok/s across budgets "
+      f"({(max(tps) - min(tps)) / max(tps):.0%} apart) in {min(nsteps)}..{max(nsteps)} engine steps; the long "
+      f"prompts' mean TTFT {ttft[cp['rows'][0]['budget']]:.2f} s unchunked, {ttft[cp['rows'][-1]['budget']]:.2f} s "
+      f"at budget {cp['rows'][-1]['budget']}")
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -362,7 +360,9 @@ print(f"predicted {model_says:.0f}x for a step that carries a whole {long_len}-t
       f"{measured:.0f}x (the bench's longest unchunked step over its median decode gap), because the step it divides "
       f"by took {plain['decode_itl_p50_s'] * 1e3:.0f} ms in that run, {plain['decode_itl_p50_s'] / alone_s:.1f}x the "
       f"model's {alone_s * 1e3:.0f} ms, while the step with the prompt took {plain['max_step_s']:.2f} s, "
-      f"{plain['max_step_s'] / long_s:.1f}x the model's {long_s:.2f} s: the model misses most of a short step")
+      f"{plain['max_step_s'] / long_s:.1f}x the model's {long_s:.2f} s: the model accounts for "
+      f"{alone_s / plain['decode_itl_p50_s']:.0%} of the short step and {long_s / plain['max_step_s']:.0%} of the "
+      f"long one")
 modelled = cpu.terms(roofline.forward_step(model.config, cpu, tokens=decodes, context=ctx, ops=ops))
 print(f"that short step measured now: {live.line()}")
 print(f"  its largest term is {live.largest()} ({live.terms[live.largest()]:.0f} ms); the model counts "

@@ -17,8 +17,9 @@
 #
 # - **where prefill and decode run.** Prefill processes a whole prompt per forward: about 2 × parameters FLOPs per
 #   token, compute bound. Decode processes one token per sequence per step and reads every weight and the whole KV
-#   cache to do it: memory bound. In one engine they share every step, so a long prompt that arrives stalls every
-#   running decode for as long as its prefill takes (chunked prefill, lesson 12, only bounds the stall).
+#   cache to do it: its floor is memory, not arithmetic (section 1 measures both steps against their floors). In one
+#   engine they share every step, so a long prompt that arrives stalls every running decode for as long as its
+#   prefill takes (chunked prefill, lesson 12, only bounds the stall).
 #   DistServe and Splitwise run them on *different* workers, each sized for its phase, and move the request's KV
 #   cache from the prefill worker to the decode worker in between: that transfer is the price;
 # - **which replica gets a request.** Each replica has its own prefix cache. Spreading requests evenly (round-robin)
@@ -49,6 +50,9 @@ from minillm.course.lesson import hardware_line, pick
 from minillm.cache.prefix_cache import block_hashes
 from minillm.cluster.router import ReplicaState, make_router
 from minillm.sampling import SamplingParams
+from minillm.measure.breakdown import breakdown_of, step_breakdown
+from minillm.measure.hardware import peak_flops
+from minillm.measure.metrics import model_flops_per_token
 from minillm.measure.workload import corpus_ids, serve
 
 torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
@@ -79,9 +83,14 @@ def recorded(name: str) -> dict:
 # %%
 reqs = mixed_workload(tok, n_decode=2, decode_len=pick(48, 16), n_long=2, long_len=pick(768, 160),
                       gap_s=pick(1.5, 0.4), first_s=pick(0.5, 0.2))
-llm = LLM.from_model(model, tok, max_num_seqs=8, max_num_batched_tokens=pick(1024, 256))
-outs, wall = serve(llm, reqs)
-steps = llm.step_log
+stall = []  # per run: a decode's worst inter-token gap over the median decode-only step (3 runs: the spread)
+for _ in range(3):
+    llm = LLM.from_model(model, tok, max_num_seqs=8, max_num_batched_tokens=pick(1024, 256))
+    outs, wall = serve(llm, reqs)
+    decode_only = sorted((s["t_end"] - s["t_start"]) for s in llm.step_log
+                         if s["num_prefill_tokens"] <= s["num_decodes"])
+    stall.append(max(max(o.metrics["itl"]) for o in outs[:2]) / decode_only[len(decode_only) // 2])
+steps = llm.step_log  # the last run's steps, plotted below
 t0 = steps[0]["t_start"]
 dur = [(s["t_end"] - s["t_start"]) * 1e3 for s in steps]
 mixed = [s["num_prefill_tokens"] > s["num_decodes"] for s in steps]
@@ -92,6 +101,20 @@ print(f"{len(steps)} steps in {wall:.1f} s: {len(plain)} decode-only steps, "
       f"longest {max(with_prompt):.0f} ms")
 print("decode inter-token latency of the two chat requests, worst:",
       ", ".join(f"{max(o.metrics['itl']) * 1e3:.0f} ms" for o in outs[:2]))
+# where each kind of step spends its time: a long prompt prefilled alone, and one decode step
+long_ids = torch.tensor([max(reqs, key=lambda r: len(r.prompt_ids)).prompt_ids])
+n_long = long_ids.shape[1]
+with torch.inference_mode():
+    pre = breakdown_of(lambda: model(long_ids), repeat=pick(3, 2), label=f"prefill of {n_long} tokens",
+                       flops=sum(model_flops_per_token(cfg, i + 1) for i in range(n_long)),
+                       flops_per_s=peak_flops(model.dtype, "cpu"))
+dec = step_breakdown(model, "decode", context=n_long, repeat=pick(5, 2))
+for b in (pre, dec):
+    print(b.line())
+print(f"the prompt's step: {pre.terms['matmul'] / n_long:.2f} ms of matmul per prompt token, "
+      f"{pre.shares['matmul']:.0%} of it, at {pre.compute_floor_ms / pre.wall_ms:.0%} of its compute floor; a decode "
+      f"step: largest term {dec.largest()} ({dec.shares[dec.largest()]:.0%}), its byte floor "
+      f"{dec.byte_floor_ms / dec.wall_ms:.0%} of its wall")
 
 fig, ax = plt.subplots(figsize=(10, 3.2))
 ax.bar([(s["t_start"] - t0) for s in steps], dur, width=[(s["t_end"] - s["t_start"]) for s in steps], align="edge",
@@ -103,11 +126,11 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Every red bar is a gap in the decodes' output: their next token waits for the whole prompt. The decode-only steps
-# are short because decode reads the weights once for the batch and does little arithmetic with them; the red ones
-# are long because the prompt's arithmetic is proportional to its length. Two kinds of work with different
-# bottlenecks share one queue. Chunked prefill (lesson 12) slices the red bars; disaggregation moves them to other
-# hardware.
+# Every red bar is a gap in the decodes' output: their next token waits for the whole prompt. The two breakdowns
+# above say why the bars differ: the prompt's step is matmul work that grows with its length (ms per prompt token),
+# the decode step's largest term and its distance from its byte floor are printed beside it. Two kinds of work with
+# different bottlenecks share one queue. Chunked prefill (lesson 12) slices the red bars; disaggregation moves them to
+# other hardware.
 
 # %% [markdown]
 # ## 2. What moving the KV costs: predict, then measure
@@ -124,6 +147,19 @@ print(f"2 x {cfg.n_layers} layers x {cfg.n_kv_heads} kv heads x {cfg.head_dim} x
 print(f"for comparison, the weights: {sum(p.numel() for p in model.parameters()) * 4 / 2**20:.0f} MiB; "
       f"GQA (lesson 02) already divides this KV by {cfg.n_heads // cfg.n_kv_heads} "
       f"(MHA would have {cfg.n_heads} KV heads)")
+# measured: prefill one real prompt in a prefill-only engine and weigh the KV it packs for the decode side
+one = LLM.from_model(model, tok)
+n_prompt = pick(1000, 100)
+one.add_prefill(corpus_ids(tok)[:n_prompt], SamplingParams(max_tokens=4))
+while one.has_unfinished():
+    one.step()
+(h,) = one.pop_handoffs()
+block = one.block_manager.block_size
+n_blocks = -(-h.num_computed_tokens // block)
+print(f"predicted {bytes_per_token * n_prompt / 2**20:.2f} MiB for {n_prompt} prompt tokens; measured "
+      f"{h.nbytes / 2**20:.2f} MiB in the handoff ({h.nbytes / h.num_computed_tokens:,.0f} B per token), because "
+      f"the KV travels in whole blocks of {block} tokens: {n_blocks} blocks hold {n_blocks * block} token slots for "
+      f"{h.num_computed_tokens} tokens ({n_blocks * block * bytes_per_token / 2**20:.2f} MiB)")
 
 # %% [markdown]
 # That is what crosses the wire per request. Between two GPUs on NVLink (hundreds of GB/s) a few MiB is tens of
@@ -204,9 +240,17 @@ for r in pd_rows:
     print(f"{r['mode']:<22}{r['ttft_p50_s']:>9.2f}{r['ttft_p99_s']:>7.2f}{r['decode_tpot_p50_s']:>10.3f}"
           f"{r['decode_tpot_p99_s']:>8.3f}{r['decode_itl_p99_s']:>9.3f}{r['long_ttft_mean_s']:>10.2f}"
           f"{r['goodput_req_per_s']:>8.2f}")
+spread = bench.get("spread", {})
 for k in ("tpot_p99_colocated_vs_disagg", "itl_p99_colocated_vs_disagg", "tpot_p99_chunked_vs_disagg",
           "long_ttft_disagg_vs_colocated", "throughput_disagg_vs_colocated"):
-    print(f"{k} = {bench['ratios'][k]:.2f}")
+    sp = spread.get(k)
+    print(f"{k} = {bench['ratios'][k]:.2f}" + (f" (min {sp['min']:.2f} / median {sp['median']:.2f} / max "
+                                                 f"{sp['max']:.2f} over {len(sp['runs'])} runs)" if sp else
+                                                 " (one recorded run, no spread)"))
+stall.sort()
+print(f"live, section 1's colocated engine in {len(stall)} runs: a decode's worst inter-token gap is min "
+      f"{stall[0]:.1f} / median {stall[len(stall) // 2]:.1f} / max {stall[-1]:.1f}x a decode-only step — the stall "
+      f"disaggregation removes from the decode side")
 for note in bench["notes"]:
     if note.startswith("[pd]"):
         print("note:", note)
@@ -235,10 +279,11 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Read the left plot's right tail: that is where colocated decodes waited behind prompts. Disaggregation removes the
-# tail because a decode step never contains a prompt; chunking shortens it. The right plot shows what each choice
-# charges for it. The disaggregated prefill worker has half the cores, so a long prompt's prefill is slower there,
-# and its TTFT adds the transfer; the ratios above say how much on this machine. With real hardware the split is a
+# Read the left plot's right tail: that is where colocated decodes waited behind prompts. In the disaggregated mode a
+# decode step never contains a prompt, and chunking bounds what one step carries; the ITL and TPOT ratios above say
+# how much each shortened the tail in the recorded run. The right plot shows what each choice charges for it. The
+# disaggregated prefill worker has half the cores, and a long prompt's TTFT adds the transfer: the [pd] note above
+# gives the transfer's share of that TTFT, section 4 the share measured here. With real hardware the split is a
 # sizing decision (DistServe picks the number of prefill and decode GPUs per SLO); here it is one core each.
 
 # %% [markdown]

@@ -35,7 +35,10 @@ def table() -> str:
             t = targets.get(key)
             target = f"{t[0]} {_fmt(t[1])}" if t else ""
             met = {"PASS": "yes", "MISS": "**no**"}.get(r.get("status", {}).get(key, ""), "")
-            lines.append(f"| `minillm bench {name}` | {key} | {_fmt(value)} | {target} | {met} | {where} |")
+            spread = r.get("spread", {}).get(key)
+            shown = _fmt(value) + (f" ({_fmt(spread['min'])}-{_fmt(spread['max'])} over {len(spread['runs'])} runs)"
+                                   if spread else "")
+            lines.append(f"| `minillm bench {name}` | {key} | {shown} | {target} | {met} | {where} |")
     return "\n".join(lines)
 
 

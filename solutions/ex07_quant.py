@@ -1,5 +1,5 @@
 """Exercise 07 (reference solutions): int8 per-row and int4 group-wise (GGUF Q4_1) weight quantization, the 4-bit
-packing, and LLM.int8()'s matmul with outlier columns kept in float.
+packing, LLM.int8()'s matmul with outlier columns kept in float, and an int8 matvec that never dequantizes the weight.
 
 Each function is a verbatim copy of minillm's own (see SAME_AS); tests/test_exercise_sync.py keeps them in sync.
 """
@@ -21,6 +21,7 @@ SAME_AS = {
     "unpack_int4": "minillm.compress.quant",
     "quantize_rows_int8": "minillm.compress.llm_int8",
     "int8_matmul_with_outliers": "minillm.compress.llm_int8",
+    "int8_matvec": "minillm.compress.llm_int8",
 }
 
 # task 07.int8 -----------------------------------------------------------------------------------------------
@@ -106,3 +107,20 @@ def int8_matmul_with_outliers(x: Tensor, q: Tensor, scale: Tensor, threshold: fl
         w_cols = q[:, outliers].float() * scale.float()[:, None]  # the weights stay int8 in memory
         y = y + x[:, outliers] @ w_cols.T
     return y, outliers
+
+
+# task 07.matvec ---------------------------------------------------------------------------------------------
+
+
+def int8_matvec(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """x (rows, in) float @ dequantize_int8(q, scale).T -> float32 (rows, out), never building the float weight.
+
+    Each row of x gets its own int8 scale (quantize_rows_int8); the int8 x int8 product accumulates in int32 and
+    reads the weight as stored, one byte per weight; the per-row scales of x and of q multiply the (rows, out)
+    result. A batch-1 decode step reads every weight once, so this reads a quarter of a float32 weight's bytes."""
+    if x.dim() != 2 or q.dim() != 2 or x.shape[1] != q.shape[1] or q.dtype != torch.int8 or \
+            scale.shape != (q.shape[0],):
+        raise ValueError(f"need x (rows, in), q int8 (out, in), scale (out,); got x {tuple(x.shape)}, q {q.dtype} "
+                         f"{tuple(q.shape)}, scale {tuple(scale.shape)}")
+    xq, xs = quantize_rows_int8(x)
+    return _int8_mm(xq, q).float() * xs[:, None] * scale.float()[None, :]

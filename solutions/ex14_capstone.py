@@ -1,7 +1,7 @@
 """Exercise 14 (reference solutions): a KV pool sized by a memory budget, and a deployment chosen for an SLO.
 
 kv_blocks_for_budget is a verbatim copy of minillm.engine.config's (EngineConfig sizes its pool with it),
-choose_config of minillm.course.capstone's (see SAME_AS; tests/test_exercise_sync.py keeps them in sync).
+choose_config of minillm.course.deployment's (see SAME_AS; tests/test_exercise_sync.py keeps them in sync).
 """
 
 from __future__ import annotations
@@ -9,13 +9,12 @@ from __future__ import annotations
 import torch
 
 from minillm.cache.block_allocator import blocks_needed  # given: ceil(n_tokens / block_size)
-from minillm.course.capstone import EdgeSLO, load_deployed  # given: the SLO, and the models as the grader serves them
+from minillm.course.capstone import Candidate, EdgeSLO  # given: a measured way to serve the model, and the SLO
 from minillm.engine.config import KV_DTYPES  # given: the engine's kv_cache_dtype names -> storage dtypes
-from minillm.model import model_bytes  # given: the bytes of a model's weights
 
 SAME_AS = {
     "kv_blocks_for_budget": "minillm.engine.config",
-    "choose_config": "minillm.course.capstone",
+    "choose_config": "minillm.course.deployment",
 }
 
 # task 14.budget -----------------------------------------------------------------------------------------------
@@ -55,21 +54,29 @@ def kv_blocks_for_budget(model_config, memory_budget_bytes: int, weight_bytes: i
 # task 14.slo --------------------------------------------------------------------------------------------------
 
 
-def choose_config(slo: EdgeSLO) -> dict:
-    """The deployment for `slo`: the file's 4-bit weights (the fewest bytes, and on a CPU with minillm's kernels the
-    fastest matmuls), the KV pool in int8 (a quarter of float32's bytes per token) filling what the weights leave of
-    the budget, as many sequences at once as that pool holds at full length, and the exact techniques that cost
-    nothing: fusion, prefix caching (chats share their system prompt). No speculation: at 8 sequences a step is no
-    longer memory bound, and verifying drafts costs more than it saves (lesson 10)."""
-    block_size, kv_cache_dtype = 16, "int8"
-    model, _ = load_deployed(slo.model, weights="q4", fuse=True)
-    num_blocks = kv_blocks_for_budget(model.config, slo.memory_bytes, model_bytes(model), block_size, kv_cache_dtype,
-                                      model.dtype)
+def choose_config(slo: EdgeSLO, candidates: list[Candidate]) -> dict:
+    """The deployment for `slo`: of the candidates whose measured quality and speedup reach the SLO's floors and whose
+    weights leave room for min_seqs full contexts of KV in their pool's dtype, the fastest; its pool fills what its
+    weights leave of the budget (blocks of 16 tokens), serving as many full contexts at once as that pool holds, with
+    prefix caching on (exact, and chats share their system prompt). ValueError when no candidate meets the SLO."""
+    block_size = 16
     per_seq = blocks_needed(slo.context_tokens, block_size)
-    if num_blocks < slo.min_seqs * per_seq:
-        raise ValueError(f"{slo.memory_bytes:,} bytes hold q4 weights and {num_blocks} int8 KV blocks, fewer than "
-                         f"the {slo.min_seqs * per_seq} that {slo.min_seqs} sequences of {slo.context_tokens} tokens "
-                         f"need: this SLO asks for more memory than the device has")
-    return {"weights": "q4", "fuse": True, "kv_cache_dtype": kv_cache_dtype, "block_size": block_size,
-            "num_blocks": num_blocks, "max_num_seqs": num_blocks // per_seq, "max_num_batched_tokens": 512,
-            "enable_prefix_caching": True, "speculative": None}
+    best, best_blocks = None, 0
+    for c in candidates:
+        if c.quality < slo.min_quality or c.speedup < slo.min_speedup:
+            continue
+        try:
+            num_blocks = kv_blocks_for_budget(c.model_config, slo.memory_bytes, c.weights_bytes, block_size,
+                                              c.kv_cache_dtype, c.model_dtype)
+        except ValueError:  # the weights leave no block
+            continue
+        if num_blocks >= slo.min_seqs * per_seq and (best is None or c.speedup > best.speedup):
+            best, best_blocks = c, num_blocks
+    if best is None:
+        raise ValueError(f"no candidate meets the SLO: none reaches quality {slo.min_quality} and speedup "
+                         f"{slo.min_speedup} with weights that leave {slo.memory_bytes:,} bytes room for "
+                         f"{slo.min_seqs} x {slo.context_tokens} tokens of KV")
+    max_num_seqs = best_blocks // per_seq
+    return {**best.load_keys(), "kv_cache_dtype": best.kv_cache_dtype, "speculative": best.speculative,
+            "block_size": block_size, "num_blocks": best_blocks, "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max(512, max_num_seqs), "enable_prefix_caching": True}

@@ -12,7 +12,7 @@ from torch import nn
 
 from minillm.config import ModelConfig
 from minillm.kv_cache import Int8KVCache, KVCache
-from minillm.compress.llm_int8 import LLMInt8Linear, int8_matmul_with_outliers
+from minillm.compress.llm_int8 import LLMInt8Linear, int8_matmul_with_outliers, int8_matvec
 from minillm.model import Transformer, model_bytes
 from minillm.compress.quant import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, fake_quantize_int4,
                                     pack_int4, quantize_int4, quantize_int8, unpack_int4)
@@ -146,6 +146,27 @@ def test_llm_int8_decomposition_rescues_outlier_columns():
     layer.outlier_counts = []
     torch.testing.assert_close(layer(x), y)
     assert layer.outlier_counts == [2]
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 8), n_in=st.integers(1, 300), n_out=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_int8_matvec_is_within_half_an_activation_step_per_column(rows, n_in, n_out, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, s = quantize_int8(torch.randn(n_out, n_in, generator=g))
+    x = torch.randn(rows, n_in, generator=g) * torch.logspace(-3, 3, rows)[:, None]
+    x[0] = 0  # a row of zeros: exactly zero out
+    wd = dequantize_int8(q, s).double()
+    y = int8_matvec(x, q, s)
+    assert y.dtype == torch.float32 and y.shape == (rows, n_out) and not y[0].any()
+    step = x.abs().amax(1).double() / 127  # each row's int8 step; an error of at most half of it per column
+    bound = step[:, None] / 2 * wd.abs().sum(1)[None, :] * (1 + 1e-5) + 1e-6 * (x.double().abs() @ wd.abs().T)
+    assert ((y.double() - x.double() @ wd.T).abs() <= bound).all()
+    same, _ = int8_matmul_with_outliers(x, q, s, threshold=float("inf"))  # no outliers: the same integer product
+    assert torch.equal(y, same)
+    with pytest.raises(ValueError, match="int8"):
+        int8_matvec(x, q.float(), s)
+    with pytest.raises(ValueError, match="rows, in"):
+        int8_matvec(x[:, :-1] if n_in > 1 else x[:, :0], q, s)
 
 
 def test_bad_input_errors_name_the_choices():

@@ -1,7 +1,7 @@
 """The `minillm` command: generate text, run a benchmark, grade an exercise, describe the model.
 
     minillm generate "What is the capital of France?" --max-new-tokens 32 --dtype bfloat16 --threads 2
-    minillm bench decode --quick    minillm bench --list    minillm grade 00 [--solutions]    minillm info
+    minillm bench decode --quick    minillm bench --list    minillm grade 00 [--solutions] [--bench]
     minillm serve --port 8000       (an OpenAI-compatible server; needs pip install 'minillm[serve]')
 
 Here: the parser and the dispatch (the commands' bodies: generate.py, commands.py). A bad argument is one
@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     grade = sub.add_parser("grade", help="grade a lesson's exercises (exit 0 only if every task passes)")
     grade.add_argument("lesson", help="lesson number, e.g. 00")
     grade.add_argument("--solutions", action="store_true", help="grade the reference solutions instead")
+    grade.add_argument("--bench", action="store_true",
+                       help="time your exercise beside minillm's own (interleaved pairs) and say whether its outputs "
+                            "match: 00-05 run SmolLM2 on your pieces, 06-14 time the lesson's central functions")
+    grade.add_argument("--pairs", type=_positive_int, default=None, help="with --bench: timed pairs (default 5)")
+    grade.add_argument("--json", default=None, metavar="PATH",
+                       help="with --bench: write the result here (default: results/quick/grade-bench-NN.json)")
+    grade.add_argument("--threads", type=_positive_int, default=None, help=THREADS_HELP)
 
     hint = sub.add_parser("hint", help="a hint for a lesson's exercise: a nudge (level 1) up to the recipe (3)")
     hint.add_argument("lesson", help="lesson number, e.g. 00")

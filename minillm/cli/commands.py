@@ -7,6 +7,7 @@ setup problem returns EXIT_SETUP with one line that says what to do. `generate` 
 from __future__ import annotations
 
 import inspect
+import json
 import sys
 
 EXIT_USAGE, EXIT_SETUP = 2, 1
@@ -112,9 +113,41 @@ def cmd_grade(args) -> int:
     if lesson not in TASKS:
         raise UsageError(f"unknown lesson {args.lesson!r}; lessons with exercises: {', '.join(TASKS)}")
     target = "solutions" if args.solutions else "exercises"
+    if args.bench:
+        return _grade_bench(lesson, target, args)
+    if args.pairs is not None or args.json is not None:
+        raise UsageError("--pairs and --json go with --bench")
     outcomes = run_graders(lesson, target)
     print_table(lesson, outcomes, target)
     return 0 if all(v == "pass" for v in outcomes.values()) else 1
+
+
+def _grade_bench(lesson: str, target: str, args) -> int:
+    """`minillm grade NN --bench`: the table, the JSON; exit 0 only when every output matches minillm's."""
+    from pathlib import Path
+
+    from minillm.course.bench_exercises import (CASES, ENGINE_LESSONS, BenchSetupError, bench_lesson,
+                                                print_result)
+
+    if lesson not in CASES:
+        raise UsageError(f"no --bench for lesson {lesson}; lessons: {', '.join(CASES)}")
+    machine = use_threads(args.threads)
+    where = "SmolLM2-135M (float32) on your pieces" if lesson in ENGINE_LESSONS else "SmolLM2's shapes"
+    print(f"minillm grade {lesson} --bench: {target}/ against minillm's own, {where}; {machine}", flush=True)
+    try:
+        result = bench_lesson(lesson, target, pairs=args.pairs or 5)
+    except BenchSetupError as e:
+        print(f"minillm grade {lesson} --bench: {e}", file=sys.stderr)
+        return 1
+    print_result(result)
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
+    else:
+        path = result.save()
+    print(f"wrote {path}")
+    return 0 if all(row["output"] == "matches" for row in result.rows) else 1
 
 
 def cmd_hint(args) -> int:

@@ -4,7 +4,7 @@ Beyond weight-only int8 (quant.py), each token's activation row gets its own int
 runs in int8 with exact int32 accumulation (torch._int_mm). An outlier column (any |x| > threshold, 6.0) would
 flatten the rest of its row to 0, so those columns are multiplied in float against the dequantized weight
 columns (`int8_matmul_with_outliers`, `LLMInt8Linear`). `outlier_profile` counts them per Linear on the real
-model. Lesson 07.
+model. `int8_matvec`: the same integer product alone, for decode rows (1 byte read per weight). Lesson 07.
 """
 
 from __future__ import annotations
@@ -30,7 +30,22 @@ def _int8_mm(a: Tensor, b_t: Tensor) -> Tensor:
     m = a.shape[0]
     if a.is_cuda and m <= 16:
         a = torch.cat([a, a.new_zeros(17 - m, a.shape[1])])
-    return torch._int_mm(a, b_t.T)[:m]
+    # k == 1: torch 2.13's CPU _int_mm misreads the (1, n) view with strides (1, 1) that .T gives: pass a real row
+    return torch._int_mm(a, b_t.T if b_t.shape[1] > 1 else b_t.reshape(1, -1))[:m]
+
+
+def int8_matvec(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """x (rows, in) float @ dequantize_int8(q, scale).T -> float32 (rows, out), never building the float weight.
+
+    Each row of x gets its own int8 scale (quantize_rows_int8); the int8 x int8 product accumulates in int32 and
+    reads the weight as stored, one byte per weight; the per-row scales of x and of q multiply the (rows, out)
+    result. A batch-1 decode step reads every weight once, so this reads a quarter of a float32 weight's bytes."""
+    if x.dim() != 2 or q.dim() != 2 or x.shape[1] != q.shape[1] or q.dtype != torch.int8 or \
+            scale.shape != (q.shape[0],):
+        raise ValueError(f"need x (rows, in), q int8 (out, in), scale (out,); got x {tuple(x.shape)}, q {q.dtype} "
+                         f"{tuple(q.shape)}, scale {tuple(scale.shape)}")
+    xq, xs = quantize_rows_int8(x)
+    return _int8_mm(xq, q).float() * xs[:, None] * scale.float()[None, :]
 
 
 def int8_matmul_with_outliers(x: Tensor, q: Tensor, scale: Tensor, threshold: float = 6.0) -> tuple[Tensor, Tensor]:

@@ -1,11 +1,10 @@
 """Lesson 14's capstone: the whole ladder composed into one deployment that must meet a service-level objective.
 
-An SLO says what a deployment must deliver, never how: `EdgeSLO` states a memory budget (the weights and the
-engine's KV pool together: on an edge device nothing else is free), a quality floor against the float32 engine, a
-number of sequences served at once, and a speed floor against the float32 plain engine. `choose_config` (exercise 14)
-turns one into the keywords of load_model and LLM.from_model. The rest are the instruments that hold a configuration
-to an SLO, shared by exercise 14's grader and the lesson: `build_engine`, `deployed_bytes`, `serve_chat`,
-`agreement`.
+An SLO says what a deployment must deliver, never how: `EdgeSLO` states a memory budget (weights and KV pool
+together), a quality floor against the float32 engine, sequences served at once, and a speed floor. A `Candidate` is
+one way to load and serve the model with what it measured (`measure_candidates`); exercise 14 picks one for an
+SLO. The rest are the instruments that hold a configuration to an
+SLO, shared by exercise 14's grader and the lesson: `build_engine`, `deployed_bytes`, `serve_chat`, `agreement`.
 """
 
 from __future__ import annotations
@@ -15,11 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from minillm.api import load_model
-from minillm.cache.block_allocator import blocks_needed
 from minillm.compress.chat_data import CASCADE_QUESTIONS
 from minillm.compress.quant import cpu_kernels
-from minillm.engine.config import kv_blocks_for_budget
+from minillm.config import ModelConfig
 from minillm.engine.llm import LLM
+from minillm.measure.harness import paired_ratio
 from minillm.model import model_bytes
 from minillm.sampling import SamplingParams
 from minillm.speculative.decoding import SpeculativeConfig
@@ -129,21 +128,48 @@ def agreement(answers: list[list[int]], reference: list[list[int]]) -> float:
     return kept / max(1, sum(len(w) for w in reference))
 
 
-def choose_config(slo: EdgeSLO) -> dict:
-    """The deployment for `slo`: the file's 4-bit weights (the fewest bytes, and on a CPU with minillm's kernels the
-    fastest matmuls), the KV pool in int8 (a quarter of float32's bytes per token) filling what the weights leave of
-    the budget, as many sequences at once as that pool holds at full length, and the exact techniques that cost
-    nothing: fusion, prefix caching (chats share their system prompt). No speculation: at 8 sequences a step is no
-    longer memory bound, and verifying drafts costs more than it saves (lesson 10)."""
-    block_size, kv_cache_dtype = 16, "int8"
-    model, _ = load_deployed(slo.model, weights="q4", fuse=True)
-    num_blocks = kv_blocks_for_budget(model.config, slo.memory_bytes, model_bytes(model), block_size, kv_cache_dtype,
-                                      model.dtype)
-    per_seq = blocks_needed(slo.context_tokens, block_size)
-    if num_blocks < slo.min_seqs * per_seq:
-        raise ValueError(f"{slo.memory_bytes:,} bytes hold q4 weights and {num_blocks} int8 KV blocks, fewer than "
-                         f"the {slo.min_seqs * per_seq} that {slo.min_seqs} sequences of {slo.context_tokens} tokens "
-                         f"need: this SLO asks for more memory than the device has")
-    return {"weights": "q4", "fuse": True, "kv_cache_dtype": kv_cache_dtype, "block_size": block_size,
-            "num_blocks": num_blocks, "max_num_seqs": num_blocks // per_seq, "max_num_batched_tokens": 512,
-            "enable_prefix_caching": True, "speculative": None}
+@dataclass(frozen=True)
+class Candidate:
+    """One way to load and serve an SLO's model (load_model's weights / fuse / sparsity, the pool's kv_cache_dtype, a
+    speculative method or None) and what it measured on this machine: choose_config's input, so the choice rests on
+    measurements, not on remembered numbers."""
+
+    weights: str  # load_model's weights=: "dequantized" (float32), "int8", "q4", "int4"
+    kv_cache_dtype: str | None  # the KV pool's storage (None: the model's dtype)
+    model_config: ModelConfig  # the loaded model's shape: layers, KV heads, head_dim
+    model_dtype: torch.dtype  # the loaded model's dtype (a pool with kv_cache_dtype None stores this)
+    weights_bytes: int  # model_bytes of the loaded model, plus a learned draft head's weights
+    quality: float  # agreement with the float32 engine's greedy answers on QUALITY_SET
+    speedup: float  # throughput on SPEED_SET over the float32 plain engine's
+    fuse: bool = False
+    sparsity: str | None = None
+    speculative: str | None = None  # "ngram", "learned" or None
+
+    def load_keys(self) -> dict:
+        return {"weights": self.weights, "fuse": self.fuse, "sparsity": self.sparsity}
+
+
+def measure_candidates(slo: EdgeSLO, options: list[dict], reference: list[list[int]], fp32_model, tokenizer,
+                       pairs: int = 1) -> list[Candidate]:
+    """A Candidate per option (keys of Candidate: weights, kv_cache_dtype, fuse, sparsity, speculative), measured on
+    slo.model as load_deployed loads it: its bytes (a learned head's too), its agreement with `reference` (the float32
+    engine's answers on QUALITY_SET) and its throughput on SPEED_SET[:min_seqs] over `fp32_model`'s plain engine
+    (median of `pairs` interleaved pairs; 1 is a rough figure, the grader times the chosen one again)."""
+    out = []
+    prompts = chat_prompts(tokenizer, SPEED_SET[:max(slo.min_seqs, 1)])
+    for option in options:
+        load = {k: option[k] for k in ("weights", "fuse", "sparsity") if k in option}
+        model, tok = load_deployed(slo.model, **load)
+        engine_keys = {k: option[k] for k in ("kv_cache_dtype", "speculative") if k in option}
+        llm = build_engine(engine_keys, model, tok)
+        weights_bytes = deployed_bytes(llm) - llm.cache.nbytes()
+        quality = agreement(serve_chat(llm, chat_prompts(tok, QUALITY_SET), QUALITY_TOKENS), reference)
+        del llm
+        timing = paired_ratio(
+            lambda: serve_chat(build_engine(engine_keys, model, tok), prompts, SPEED_TOKENS, ignore_eos=True),
+            lambda: serve_chat(LLM.from_model(fp32_model, tokenizer), prompts, SPEED_TOKENS, ignore_eos=True),
+            pairs=pairs, warmup=0)
+        out.append(Candidate(model_config=model.config, model_dtype=model.dtype, weights_bytes=weights_bytes,
+                             quality=quality, speedup=1 / timing.median, kv_cache_dtype=option.get("kv_cache_dtype"),
+                             **load, speculative=option.get("speculative")))
+    return out

@@ -47,8 +47,9 @@ def make_requests(seed: int, n: int) -> list[Sequence]:
     return seqs
 
 
-def drive(schedule_step, postprocess_step, seqs, num_blocks, block_size, max_num_seqs, budget):
-    """Run the requests to completion with a fake model; assert the invariants every step."""
+def drive(schedule_step, postprocess_step, seqs, num_blocks, block_size, max_num_seqs, budget, rows=None):
+    """Run the requests to completion with a fake model; assert the invariants every step. `rows` (a list) gets the
+    number of sequences each step (one model forward) ran."""
     alloc = BlockAllocator(num_blocks, block_size)
     bm = BlockManager(alloc)
     waiting, running = deque(seqs), deque()
@@ -61,6 +62,8 @@ def drive(schedule_step, postprocess_step, seqs, num_blocks, block_size, max_num
         queued = [s.request_id for s in waiting]
         schedule = schedule_step(waiting, running, bm, max_num_seqs, budget)
         preemptions += len(schedule.preempted)
+        if rows is not None:
+            rows.append(len(schedule.scheduled))
         admitted = [it.seq.request_id for it in schedule.scheduled if it.seq.request_id in queued]
         assert admitted == queued[:len(admitted)], (
             f"step {step} admitted {admitted} while the waiting queue was {queued[:6]}...: admit in arrival order "
@@ -286,6 +289,93 @@ def test_continuous_needs_fewer_steps():
     cont = impl.continuous_batching_loop(list(range(40)), 8, counting_step(lens, 8, c_log)[0])
     assert sum(static) == sum(cont) == sum(lens), "both loops run every request for exactly its length"
     assert len(cont) < len(static) and sum(cont) / len(cont) > sum(static) / len(static)
+
+
+# ---------------------------------------------------------------------------------- task 05.throughput
+# Measured in model forwards (engine steps), not seconds: the count is exact and the same on every machine, while the
+# wall time of a tiny-model serve on a shared 2-core machine moves by tens of percent from run to run. A decode
+# forward of 1-4 rows costs nearly the same (the weights are read and the ops dispatched once whatever the rows:
+# lesson 05 measures its step time per batch size), so forwards saved are time saved; rows per forward are throughput.
+
+THROUGHPUT = dict(n=32, max_num_seqs=4, budget=64, num_blocks=256, block_size=8)  # a pool that never preempts
+CONTINUOUS_FLOOR = 0.75  # the reference needs ~0.6 of static's forwards here; admitting only into an empty batch, 1.0
+REFERENCE_SLACK = 1.05  # your forwards may exceed the reference scheduler's by 5% (a different, still-full policy)
+
+
+def throughput_workload() -> list[Sequence]:
+    """Short prompts, outputs of 1-48 tokens: lengths that vary, as chat answers do, so a static batch idles."""
+    rng = random.Random(5)
+    return [Sequence(str(i), [rng.randrange(VOCAB) for _ in range(rng.randint(2, 12))],
+                     SamplingParams(max_tokens=rng.choice([1, 2, 4, 8, 16, 32, 48]))) for i in range(THROUGHPUT["n"])]
+
+
+def _static_schedule(waiting, running, bm, max_num_seqs, budget):
+    """The static baseline: minillm's scheduler, but no admission until the whole batch has finished."""
+    from minillm.engine.scheduler import schedule_step
+
+    return schedule_step(waiting, running, bm, max_num_seqs if not running else len(running), budget)
+
+
+def forwards(schedule_step) -> list[int]:
+    """Rows per model forward serving throughput_workload() (minillm's postprocess_step: that is task 05.schedule)."""
+    from minillm.engine.scheduler import postprocess_step
+
+    rows: list[int] = []
+    t = THROUGHPUT
+    drive(schedule_step, postprocess_step, throughput_workload(), t["num_blocks"], t["block_size"],
+          t["max_num_seqs"], t["budget"], rows)
+    return rows
+
+
+def check_throughput(schedule_step) -> None:
+    from minillm.engine.scheduler import schedule_step as reference
+
+    yours, ref, static = forwards(schedule_step), forwards(reference), forwards(_static_schedule)
+    tokens = sum(s.params.max_tokens for s in throughput_workload())
+
+    def per(rows):
+        return f"{len(rows)} forwards, {tokens / len(rows):.2f} tokens per forward"
+
+    assert len(yours) <= CONTINUOUS_FLOOR * len(static), (
+        f"your scheduler served {THROUGHPUT['n']} requests (outputs of 1-48 tokens, max_num_seqs="
+        f"{THROUGHPUT['max_num_seqs']}, a pool that never runs short) in {per(yours)}; static batching needs "
+        f"{per(static)}; continuous batching must need at most {CONTINUOUS_FLOOR} of static's forwards (minillm's: "
+        f"{per(ref)}). Admit into any free slot at every step, not only into an empty batch")
+    assert len(yours) <= REFERENCE_SLACK * len(ref), (
+        f"your scheduler needs {per(yours)}, minillm's {per(ref)} (allowed: {REFERENCE_SLACK}x its forwards); "
+        f"your busiest step ran {max(yours)} sequences of max_num_seqs={THROUGHPUT['max_num_seqs']}: fill every "
+        f"slot while requests wait")
+
+
+@pytest.mark.task_05_throughput
+def test_scheduler_throughput_beats_static():
+    check_throughput(impl.schedule_step)
+
+
+def _admits_only_into_empty_batch(waiting, running, bm, max_num_seqs, budget):
+    return _static_schedule(waiting, running, bm, max_num_seqs, budget)
+
+
+def _leaves_a_slot_idle(waiting, running, bm, max_num_seqs, budget):
+    from minillm.engine.scheduler import schedule_step
+
+    return schedule_step(waiting, running, bm, max_num_seqs - 1, budget)
+
+
+@pytest.mark.task_05_throughput
+def test_throughput_floor_holds_for_the_reference():
+    """The floor leaves room: minillm's scheduler is well inside it, static batching well outside."""
+    from minillm.engine.scheduler import schedule_step
+
+    ref, static = forwards(schedule_step), forwards(_static_schedule)
+    assert len(ref) <= 0.9 * CONTINUOUS_FLOOR * len(static), (len(ref), len(static))
+
+
+@pytest.mark.task_05_throughput
+@pytest.mark.parametrize("slow", [_admits_only_into_empty_batch, _leaves_a_slot_idle])
+def test_throughput_check_rejects_slow_schedulers(slow):
+    with pytest.raises(AssertionError, match="forwards"):
+        check_throughput(slow)
 
 
 # ========================================================================================= the real model, served

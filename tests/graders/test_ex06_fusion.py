@@ -248,6 +248,123 @@ def test_static_cache_decode_step_compiles_once():
     assert counter.frame_count == 1, f"the decode step compiled {counter.frame_count} graphs for 8 positions, not 1"
 
 
+# ============================================================================================ task 06.fewer_ops
+# Ops are counted with a dispatch mode (minillm.compile.fusion.count_ops): exact, and the same on every machine. Time
+# is the secondary check, in interleaved pairs with room for a shared machine's noise: "not slower than unfused".
+
+FUSED_SHAPES = dict(n_layers=4, vocab_size=2048, max_seq_len=256)  # SmolLM2's layer shapes, fewer layers and words
+SLOWER_ALLOWED = 1.25  # fused / unfused step time, median of pairs; minillm's fused step measures below 1
+
+
+def _count(fn, *args) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode(), Counter():
+        fn(*args)
+    return Counter.n
+
+
+def _unfused_add_norm(x, residual, weight, eps):
+    """What a block does without fusion: the residual add, then RMSNorm of the sum."""
+    h = x + residual
+    return minillm.model.rms_norm(h, weight, eps), h
+
+
+def _decode_steps():
+    """An unfused SmolLM2-shaped model and a fused copy (minillm's fuse: q/k/v, gate/up, add+norm), each with a
+    64-token prefilled cache; their decode steps (the fused one calls whatever add_rms_norm is set at call time)."""
+    from minillm.config import ModelConfig
+    from minillm.kv_cache import KVCache
+    from minillm.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig().with_(**FUSED_SHAPES)).eval()
+    fused = minillm.compile.fusion.fuse(copy.deepcopy(model))
+    prompt = torch.randint(0, FUSED_SHAPES["vocab_size"], (1, 64), generator=_gen(1))
+    steps = []
+    for m in (model, fused):
+        cache = KVCache(m.config, 1, 128)
+        with torch.inference_mode():
+            m(prompt, kv_cache=cache, last_only=True)
+
+        def step(m=m, cache=cache):
+            out = m(prompt[:, -1:], kv_cache=cache, last_only=True)
+            cache.truncate(64)  # every step decodes the same position
+            return out
+        steps.append(step)
+    return steps
+
+
+def _norm_set_to(add_rms_norm, step):
+    """`step` with minillm.compile.fusion.add_rms_norm (which FusedNormBlock calls by name) set to `add_rms_norm`."""
+    def run():
+        before = minillm.compile.fusion.add_rms_norm
+        minillm.compile.fusion.add_rms_norm = add_rms_norm
+        try:
+            return step()
+        finally:
+            minillm.compile.fusion.add_rms_norm = before
+    return run
+
+
+def check_fewer_ops(add_rms_norm) -> None:
+    from minillm.measure.harness import paired_ratio
+
+    for dtype in (torch.float32, torch.bfloat16):  # bfloat16: the float32 statistics add casts on both sides
+        x, r = (torch.randn(1, 1, 576, generator=_gen(s)).to(dtype) for s in (2, 3))
+        w = (torch.rand(576, generator=_gen(4)) + 0.5).to(dtype)
+        yours, unfused = _count(add_rms_norm, x, r, w, 1e-5), _count(_unfused_add_norm, x, r, w, 1e-5)
+        assert yours <= unfused, (
+            f"your add_rms_norm dispatches {yours} aten ops per call on a {dtype} decode row; the unfused add then "
+            f"rms_norm dispatch {unfused}. A fused function must not add work: form the sum once and return that "
+            f"same tensor, take the statistics without extra copies or passes")
+    unfused_step, fused_step = _decode_steps()
+    yours_step = _norm_set_to(add_rms_norm, fused_step)
+    n_unfused, n_yours = _count(unfused_step), _count(yours_step)
+    n_reference = _count(_norm_set_to(REFERENCE_ADD_RMS_NORM, fused_step))
+    assert n_yours < n_unfused and n_yours <= n_reference, (
+        f"one decode step of a {FUSED_SHAPES['n_layers']}-layer SmolLM2-shaped model: fused with your add_rms_norm "
+        f"{n_yours} aten ops, with minillm's {n_reference}, unfused {n_unfused}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            ratio = paired_ratio(yours_step, unfused_step, pairs=9, warmup=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert ratio.median <= SLOWER_ALLOWED, (
+        f"the fused decode step with your add_rms_norm took {ratio} the time of the unfused step (allowed: "
+        f"{SLOWER_ALLOWED}x): fused must not be slower")
+
+
+REFERENCE_ADD_RMS_NORM = minillm.compile.fusion.add_rms_norm  # read at import, before anything patches the module
+
+
+@pytest.mark.task_06_fewer_ops
+def test_fused_step_issues_fewer_ops():
+    forbid_calls(impl.add_rms_norm, ["rms_norm", "layer_norm", "fusion", "RMSNorm"])
+    check_fewer_ops(impl.add_rms_norm)
+
+
+def _add_norm_sum_twice(x, residual, weight, eps):
+    """Right values, but the sum formed twice: the unfused ops in sequence."""
+    hf = (x + residual).float()
+    return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight, x + residual
+
+
+@pytest.mark.task_06_fewer_ops
+def test_fewer_ops_check_rejects_the_sum_formed_twice():
+    with pytest.raises(AssertionError, match="aten ops"):
+        check_fewer_ops(_add_norm_sum_twice)
+
+
 # ======================================================================================== the real model, compiled
 
 

@@ -7,7 +7,10 @@ groups, exact halves, codes 0 and 15 at the extremes) and with the Q4_1 rule on 
 requantizes synthetic Q4_1 blocks and must give back their codes, scale and minimum. `check_pack` runs all 256 byte
 values. `check_outliers` compares LLM.int8()'s matmul with the float product (an error bound: half an activation
 step per column) and, on activations built so that every int8 rounding is unambiguous, with the int8 path itself,
-so that a float matmul over all columns is caught. The real-model task quantizes SmolLM2 with your functions.
+so that a float matmul over all columns is caught, and a TorchDispatchMode sees that the product of the int8 codes
+is an integer one (a float matmul of the same codes gives the same values). `check_matvec` bounds int8_matvec by half
+an activation step per column against a float64 product, and `check_matvec_speed` times it against
+dequantize-then-matmul on SmolLM2's decode shapes. The real-model task quantizes SmolLM2 with your functions.
 No operation of your code may make a NaN out of finite inputs (a 0 / 0 on an all-zero row).
 """
 
@@ -424,6 +427,59 @@ def int8_path(x: Tensor, q: Tensor, s: Tensor, mask: Tensor) -> Tensor:
     return y + xf[:, mask] @ (q[:, mask].float() * s[:, None]).T
 
 
+_PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "_int_mm", "mv", "addmv", "dot", "vdot", "matmul", "linear"}
+
+
+class _Products(TorchDispatchMode):
+    """Records every matrix product torch runs (aten level, after any alias, method or operator was resolved):
+    (op name, its matrix operands). `integer()`: those whose operands are all integer tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, list[Tensor]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in _PRODUCTS:
+            self.seen.append((name, [a for a in args if isinstance(a, Tensor) and a.dim() >= 1][-2:]))
+        return out
+
+    def integer(self) -> list[tuple[str, list[Tensor]]]:
+        return [(n, ts) for n, ts in self.seen
+                if ts and all(not t.is_floating_point() and t.dtype != torch.bool for t in ts)]
+
+    def describe(self) -> str:
+        return ", ".join(f"{n}({', '.join(f'{t.dtype} {tuple(t.shape)}' for t in ts)})" for n, ts in self.seen) \
+            or "none"
+
+
+def _same_values(a: Tensor, b: Tensor) -> bool:
+    return tuple(a.shape) == tuple(b.shape) and torch.equal(a.long(), b.long())
+
+
+def check_integer_product(int8_matmul_with_outliers, case: str, x: Tensor, q: Tensor, s: Tensor, threshold: float,
+                          mask: Tensor) -> None:
+    """The regular columns must go through an integer product of their per-token int8 codes with q (int32
+    accumulation): a float matmul of the same codes gives the same numbers on small inputs (float32 adds integers
+    exactly below 2**24), so the values cannot tell; the op that ran can."""
+    xq = q8_rows(x.float().masked_fill(mask, 0.0))[0]
+    if not xq.any():
+        return  # no regular values: nothing for the integer path to do
+    with _Products() as products:
+        int8_matmul_with_outliers(x, q, s, threshold)
+    found = products.integer()
+    assert found, (
+        f"{case}: no integer matrix product ran (products seen: {products.describe()}): the regular columns were "
+        f"multiplied in floating point. The contract is int8 x int8 with int32 accumulation: the given _int8_mm of "
+        f"the per-token int8 codes and q")
+    ok = any(len(ts) == 2 and any(_same_values(a, xq) and (_same_values(b, q) or _same_values(b, q.T))
+                                  for a, b in (ts, ts[::-1])) for _, ts in found)
+    assert ok, (
+        f"{case}: the integer products ({', '.join(n for n, _ in found)}) did not multiply the regular columns' "
+        f"per-token int8 codes (outlier columns zeroed, each token's max |x| / 127 as its scale) by q")
+
+
 def check_rows(quantize_rows_int8) -> None:
     check_symmetric_rows(quantize_rows_int8, "quantize_rows_int8")
 
@@ -477,6 +533,8 @@ def check_outliers(int8_matmul_with_outliers) -> None:
                         ": quantize each token's regular columns with its own scale (max |x| / 127 over the "
                         "non-outlier columns), int8 x int8 -> int32, then scale by the token's and the output "
                         "row's scales"))
+        # 3. ... in an integer product
+        check_integer_product(int8_matmul_with_outliers, case, x, q, s, threshold, want_mask)
 
 
 @pytest.mark.task_07_outliers
@@ -489,6 +547,117 @@ def test_quantize_rows_int8():
 def test_int8_matmul_with_outliers():
     check_outliers(impl.int8_matmul_with_outliers)
     forbid_calls(impl.int8_matmul_with_outliers, LIBRARY)
+
+
+# ================================================================================================== task 07.matvec
+
+# SmolLM2's (out, in) weights a decode row meets: one layer's q, k, v, o, gate, up, down, then the LM head (its
+# 49152 x 576 is 8x a layer's weights: most of what makes a decode step's matvecs slow)
+MATVEC_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536), (49152, 576)]
+MATVEC_FLOOR = 0.35  # see check_matvec_speed
+
+
+def _matvec_oracle(x: Tensor, q: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """(x @ dequantize(q, s).T in float64, the allowed error: half of each row's int8 step per |weight|)."""
+    wd = q.double() * s.double()[:, None]
+    xd = x.double()
+    step = xd.abs().amax(dim=1) / 127
+    bound = step[:, None] / 2 * wd.abs().sum(dim=1)[None, :] * (1 + 1e-5) + 1e-5 * (xd.abs() @ wd.abs().T) + 1e-7
+    return xd @ wd.T, bound
+
+
+def matvec_cases() -> list[tuple[str, Tensor, Tensor, Tensor]]:
+    gen = _gen(12)
+    out = []
+    for rows, (n_out, n_in), what in [(1, (1536, 576), "one decode row, 576 -> 1536"),
+                                      (1, (576, 1536), "one decode row, 1536 -> 576"),
+                                      (4, (192, 576), "4 decode rows of magnitude 1e-3 .. 1e3, 576 -> 192"),
+                                      (3, (7, 40), "3 rows, 40 -> 7 (no multiple of 8 or 16)"),
+                                      (2, (5, 1), "a single input column")]:
+        q, s = q8_rows(torch.randn(n_out, n_in, generator=gen) * torch.logspace(-2, 1, n_out)[:, None])
+        x = torch.randn(rows, n_in, generator=gen) * torch.logspace(-3, 3, rows)[:, None]
+        out.append((what, x, q, s))
+    q, s = q8_rows(torch.randn(64, 96, generator=gen))
+    x = torch.randn(3, 96, generator=gen)
+    x[1] = 0
+    x[2, 7] = 500.0  # one large value sets its row's step
+    out.append(("a row of zeros and a row with one value of 500", x, q, s))
+    out.append(("bfloat16 rows", torch.randn(2, 96, generator=gen).bfloat16(), q, s))
+    return out
+
+
+def check_matvec(int8_matvec) -> None:
+    for case, x, q, s in matvec_cases():
+        y = no_nan_made(int8_matvec, x, q, s, what=case)
+        assert isinstance(y, Tensor) and y.dtype == torch.float32 and tuple(y.shape) == (x.shape[0], q.shape[0]), (
+            f"{case}: y must be float32 (rows, out) = {(x.shape[0], q.shape[0])}, got "
+            f"{getattr(y, 'dtype', type(y))} {tuple(getattr(y, 'shape', ()))}")
+        want, bound = _matvec_oracle(x, q, s)
+        err = (y.double() - want).abs()
+        if (err > bound).any():
+            t, n = divmod(int((err - bound).argmax()), y.shape[1])
+            raise AssertionError(
+                f"{case}: y[{t}, {n}] = {y[t, n].item():.6g}, x @ dequantize_int8(q, scale).T (float64) gives "
+                f"{want[t, n].item():.6g}: off by {err[t, n].item():.3g}, more than half of row {t}'s int8 step per "
+                f"|weight| allows ({bound[t, n].item():.3g}). Scale each row of x by its own max |x| / 127, and "
+                f"multiply the integer result by the scales of x's row and of q's row")
+        zero = (x.float().abs().amax(dim=1) == 0)
+        assert not y[zero].any(), f"{case}: a row of zeros must give zeros, got {y[zero].abs().max().item():.3g}"
+    q, s = q8_rows(torch.randn(6, 16, generator=_gen(13)))
+    x = torch.randn(2, 16, generator=_gen(14))
+    for what, args in [("x 1-D", (x[0], q, s)), ("x wider than q", (torch.randn(2, 17), q, s)),
+                       ("q in float32", (x, q.float(), s)), ("q in int32", (x, q.int(), s)),
+                       ("a scale per column", (x, q, torch.ones(16))), ("a (out, 1) scale", (x, q, s[:, None]))]:
+        try:
+            int8_matvec(*args)
+        except ValueError:
+            continue
+        raise AssertionError(f"int8_matvec accepted {what}: bad shapes or dtypes must raise ValueError")
+
+
+def _naive_matvec(x, q, s):
+    """Dequantize the whole weight, then a float matmul: right, and 4 bytes of weight written and read per call."""
+    return x.float() @ (q.float() * s.float()[:, None]).T
+
+
+def check_matvec_speed(int8_matvec) -> None:
+    """One row through each weight of MATVEC_SHAPES, one torch thread, against dequantize-then-matmul in interleaved
+    pairs (a noisy machine slows both halves of a pair): the median ratio must be <= MATVEC_FLOOR, and the timed
+    outputs right (a fast wrong answer does not pass)."""
+    from minillm.measure.harness import paired_ratio
+    from tests.graders.real_model import one_thread
+
+    gen = _gen(15)
+    layers = [(torch.randn(1, n_in, generator=gen), *q8_rows(torch.randn(n_out, n_in, generator=gen) * 0.05))
+              for n_out, n_in in MATVEC_SHAPES]
+    for x, q, s in layers:
+        want, bound = _matvec_oracle(x, q, s)
+        assert ((int8_matvec(x, q, s).double() - want).abs() <= bound).all(), (
+            f"int8_matvec is off on a {tuple(q.shape)} weight (see the correctness test)")
+
+    def step(fn):
+        return lambda: [fn(x, q, s) for x, q, s in layers]
+
+    ratio = one_thread(paired_ratio)(step(int8_matvec), step(_naive_matvec), pairs=11, warmup=1)
+    assert ratio.median <= MATVEC_FLOOR, (
+        f"your int8_matvec took {ratio} the time of dequantize-then-matmul on one decode row through SmolLM2's "
+        f"(out, in) weights {MATVEC_SHAPES} (allowed: {MATVEC_FLOOR}x). A decode matvec reads each weight once: "
+        f"building a float32 copy of q (q.float(), or q times its scales) writes and reads 4 bytes a weight; an int8 "
+        f"x int8 product reads 1 and applies the scales to the (rows, out) result")
+
+
+@pytest.mark.task_07_matvec
+def test_int8_matvec(monkeypatch):
+    monkeypatch.setattr(impl, "quantize_rows_int8", q8_rows)  # 07.outliers' function, should yours call it
+    check_matvec(impl.int8_matvec)
+    forbid_calls(impl.int8_matvec, LIBRARY)
+
+
+@pytest.mark.task_07_matvec
+def test_int8_matvec_beats_dequantize_then_matmul(monkeypatch):
+    monkeypatch.setattr(impl, "quantize_rows_int8", q8_rows)
+    forbid_calls(impl.int8_matvec, LIBRARY)
+    check_matvec_speed(impl.int8_matvec)
 
 
 # ============================================================================================ the real model
@@ -636,3 +805,66 @@ def test_outlier_checks_tell_the_decomposition_apart():
     with pytest.raises(AssertionError, match="float product x @ W.T"):
         check_outliers(lambda x, q, s, threshold=6.0: (x.float() @ (q.float() * s[:, None]).T,
                                                         (x.float().abs() > threshold).any(dim=0)))
+
+
+def _outliers_float_codes(x, q, s, threshold=6.0):
+    """The right numbers, int8 codes and all, but the codes multiplied in float32 (exact on these sizes)."""
+    x = x.float()
+    mask = (x.abs() > threshold).any(dim=0)
+    xq, xs = q8_rows(x.masked_fill(mask, 0.0))
+    y = (xq.float() @ q.float().T) * xs[:, None] * s[None, :]
+    return y + x[:, mask] @ (q[:, mask].float() * s[:, None]).T, mask
+
+
+def _outliers_int_product_of_wrong_codes(x, q, s, threshold=6.0):
+    """An integer product, but of codes quantized with one scale for all tokens; y itself from the float path."""
+    x = x.float()
+    mask = (x.abs() > threshold).any(dim=0)
+    xq, _ = q8_rows(x.masked_fill(mask, 0.0).reshape(1, -1))
+    _ = xq.reshape(x.shape).long() @ q.long().T  # computed, then unused
+    return _outliers_float_codes(x, q, s, threshold)
+
+
+@grader_selftest
+def test_outlier_checks_see_the_integer_product():
+    """Both wrong answers give int8_path's values bit for bit on every case; only the op that ran tells."""
+    q, s, _ = outlier_weights()
+    x = grid_activations(8, True, 8)
+    mask = (x.abs() > 6.0).any(dim=0)
+    assert torch.equal(_outliers_float_codes(x, q, s)[0], int8_path(x, q, s, mask))
+    check_outliers(lambda x, q, s, threshold=6.0: (int8_path(x, q, s, (x.float().abs() > threshold).any(dim=0)),
+                                                    (x.float().abs() > threshold).any(dim=0)))
+    with pytest.raises(AssertionError, match="no integer matrix product"):
+        check_outliers(_outliers_float_codes)
+    with pytest.raises(AssertionError, match="did not multiply the regular columns"):
+        check_outliers(_outliers_int_product_of_wrong_codes)
+
+
+@grader_selftest
+def test_matvec_checks_accept_the_integer_path_and_reject_wrong_scales():
+    def right(x, q, s):
+        if x.dim() != 2 or q.dtype != torch.int8 or x.shape[1] != q.shape[1] or s.shape != (q.shape[0],):
+            raise ValueError("bad input")
+        xq, xs = q8_rows(x)
+        return (xq.long() @ q.long().T).float() * xs[:, None] * s[None, :]
+
+    def one_activation_scale(x, q, s):  # one scale for all rows: a small row loses its bits
+        xq, xs = q8_rows(x.reshape(1, -1))
+        return right(x, q, s) if x.shape[0] == 1 else \
+            (xq.reshape(x.shape).long() @ q.long().T).float() * xs * s[None, :]
+
+    check_matvec(right)
+    with pytest.raises(AssertionError, match="off by"):
+        check_matvec(one_activation_scale)
+    with pytest.raises(AssertionError, match="ValueError"):
+        check_matvec(lambda x, q, s: _naive_matvec(x, q, s))
+
+
+@grader_selftest
+def test_matvec_speed_floor_rejects_dequantize_then_matmul():
+    def naive(x, q, s):
+        return _naive_matvec(x, q, s)
+
+    with pytest.raises(AssertionError, match="allowed"):
+        check_matvec_speed(naive)
+

@@ -1,14 +1,15 @@
 """Grader for exercise 10: greedy verification, the exact rejection-sampling rule and n-gram prompt lookup.
 
 Everything is compared with oracles written here, not with minillm.speculative.decoding or
-minillm.speculative.drafters. `greedy_oracle` is the acceptance loop; `ngram_oracle` lists every earlier occurrence
-of every suffix and keeps the longest n's most recent one. Rejection sampling is graded on crafted p and q whose
-outcomes are certain (q = p: everything passes; disjoint supports: nothing does; a token q over-covers is never the
-replacement) and by its exact distribution: `outcome_oracle` walks every accept / reject branch of the rule as the
-papers state it (Leviathan et al. 2023, Chen et al. 2023) and gives each outcome (first token, second token, ...)
-its probability, and thousands of seeded calls must hit every outcome's probability within a Bernstein bound that a
-correct rule exceeds with probability < 1e-6 (see `bernstein_tolerance`). The real-model task runs SmolLM2 with
-n-gram speculation and your three functions swapped into minillm.speculative.decoding and
+minillm.speculative.drafters. `greedy_oracle` is the acceptance loop; `ngram_oracle` lists every earlier occurrence of
+every suffix and keeps the longest n's most recent one, on short sequences and on prompts of thousands of tokens whose
+only match is far back (a search of a recent window passes every short case). Rejection sampling is graded on crafted
+p and q whose outcomes are certain (q = p: everything passes; disjoint supports: nothing does; a token q over-covers
+is never the replacement) and by its exact distribution: `outcome_oracle` walks every accept / reject branch of the
+rule as the papers state it (Leviathan et al. 2023, Chen et al. 2023) and gives each outcome (first token, second
+token, ...) its probability, and thousands of seeded calls must hit every outcome's probability within a Bernstein
+bound that a correct rule exceeds with probability < 1e-6 (see `bernstein_tolerance`). The real-model task runs
+SmolLM2 with n-gram speculation and your three functions swapped into minillm.speculative.decoding and
 minillm.speculative.drafters.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import random
 from collections import Counter
 
 import pytest
@@ -496,18 +498,30 @@ def test_rejection_sample_distribution_one_hot():
 # ================================================================================================ task 10.ngram
 
 
+def ngram_match(ids: list[int], max_n: int, min_n: int) -> tuple[int, int] | None:
+    """(n, start) of the occurrence the contract picks, by brute force over every start; None when none counts."""
+    for n in range(max_n, min_n - 1, -1):
+        if 1 <= n < len(ids):
+            starts = [i for i in range(len(ids) - n) if ids[i:i + n] == ids[len(ids) - n:]]
+            if starts:
+                return n, max(starts)
+    return None
+
+
 def ngram_oracle(ids: list[int], k: int, max_n: int, min_n: int, *, oldest: bool = False,
                  shortest_first: bool = False, allow_self: bool = False, pattern: bool = False,
-                 cap: bool = True) -> list[int]:
+                 cap: bool = True, window: int | None = None) -> list[int]:
     """Every n-gram suffix, longest first; its occurrences that end before the last token (so a token follows);
-    the most recent one's continuation, at most k tokens. The keywords build the named wrong answers."""
+    the most recent one's continuation, at most k tokens. The keywords build the named wrong answers (window: only
+    occurrences starting in the last `window` tokens)."""
     ns = range(min_n, max_n + 1) if shortest_first else range(max_n, min_n - 1, -1)
     for n in ns:
         if n < 1 or n > len(ids):
             continue
         suffix = ids[len(ids) - n:]
         last_start = len(ids) - n if allow_self else len(ids) - n - 1
-        starts = [i for i in range(last_start + 1) if ids[i:i + n] == suffix]
+        first = 0 if window is None else max(0, len(ids) - window)
+        starts = [i for i in range(first, last_start + 1) if ids[i:i + n] == suffix]
         if starts:
             i = min(starts) if oldest else max(starts)
             if pattern:
@@ -517,6 +531,13 @@ def ngram_oracle(ids: list[int], k: int, max_n: int, min_n: int, *, oldest: bool
 
 
 def ngram_hint(ids, k, max_n, min_n, got, want) -> str:
+    match = ngram_match(ids, max_n, min_n)
+    windows = [w for w in (16, 20, 32, 40, 48, 50, 64, 100, 128, 200, 256, 500, 512, 1000, 1024, 2000, 2048)
+               if match is not None and w < len(ids) - match[1]]
+    if any(ngram_oracle(ids, k, max_n, min_n, window=w) == got for w in windows):
+        n, i = match
+        return (f" = a search of a recent window only: the {n}-token suffix's most recent earlier occurrence starts "
+                f"{len(ids) - n - i} tokens before the suffix, at {i}; search the whole sequence")
     candidates = [
         ({"oldest": True}, "the oldest occurrence: take the most recent one (search from the end backwards)"),
         ({"shortest_first": True}, "the shortest n first: try n = max_n first, a longer match is better evidence"),
@@ -533,13 +554,20 @@ def ngram_hint(ids, k, max_n, min_n, got, want) -> str:
     return ""
 
 
+def show_ids(ids: list[int]) -> str:
+    """ids in a message: whole when short, else its ends and its length."""
+    if len(ids) <= 40:
+        return str(ids)
+    return f"<{len(ids)} tokens: {str(ids[:8])[:-1]}, ..., {str(ids[-8:])[1:]}>"
+
+
 def check_ngram(ids: list[int], k: int, max_n: int, min_n: int, what: str) -> None:
     ids_in = list(ids)
     got = check_int_list(impl.propose_ngram(ids, k, max_n, min_n), what)
     want = ngram_oracle(ids_in, k, max_n, min_n)
     assert ids == ids_in, f"{what}: ids was changed in place"
-    assert got == want, (f"{what}: propose_ngram({ids_in}, k={k}, max_n={max_n}, min_n={min_n}) returned {got}, "
-                         f"expected {want}{ngram_hint(ids_in, k, max_n, min_n, got, want)}")
+    assert got == want, (f"{what}: propose_ngram({show_ids(ids_in)}, k={k}, max_n={max_n}, min_n={min_n}) returned "
+                         f"{got}, expected {want}{ngram_hint(ids_in, k, max_n, min_n, got, want)}")
 
 
 @pytest.mark.task_10_ngram
@@ -570,6 +598,53 @@ def test_propose_ngram_random(data, alphabet, length, k, max_n):
     ids = data.draw(st.lists(st.integers(0, alphabet), min_size=length, max_size=length), label="ids")
     min_n = data.draw(st.integers(1, max_n), label="min_n")
     check_ngram(ids, k, max_n, min_n, f"{length} random tokens of {alphabet + 1}")
+
+
+def distinct_filler(n: int, seed: int, low: int = 1000) -> list[int]:
+    """n tokens that occur nowhere else in a test sequence (all >= low, all different)."""
+    return random.Random(seed).sample(range(low, low + 20 * n + 100), n)
+
+
+@pytest.mark.task_10_ngram
+def test_propose_ngram_long_prompts():
+    """A prompt of thousands of tokens whose only match is near its start: the whole sequence is searched, not a
+    recent window (a windowed search passes every short case above)."""
+    far = distinct_filler(2000, 1)
+    check_ngram([1, 2, 3, 4, 5] + far + [1, 2, 3], 4, 3, 1,
+                "the only earlier [1, 2, 3] is 2005 tokens before the suffix, at the start")
+    check_ngram([9] + distinct_filler(300, 2) + [9], 3, 3, 1, "a 1-token match 301 tokens before the suffix")
+    check_ngram([7, 8, 9, 50, 51] + distinct_filler(1500, 3) + [9, 60] + distinct_filler(30, 4) + [7, 8, 9], 3, 3, 1,
+                "a 3-token match 1537 tokens before the suffix and a 1-token match 34 before: the longer one wins")
+    mid = distinct_filler(3000, 5)
+    ids = mid[:10] + [4, 4, 5, 6] + mid[10:700] + [4, 4, 5, 7] + mid[700:] + [4, 4, 5]
+    check_ngram(ids, 2, 3, 1, "two old occurrences of [4, 4, 5], 2998 and 2304 tokens before the suffix: the more "
+                              "recent one")
+    check_ngram(ids, 2, 3, 3, "the same with min_n = 3")
+    check_ngram(distinct_filler(2500, 6) + [3], 4, 3, 1, "2501 tokens, nothing repeats: []")
+    forbid_calls(impl.propose_ngram, LIBRARY)
+
+
+@pytest.mark.task_10_ngram
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), length=st.integers(50, 3000), k=st.integers(1, 6), max_n=st.integers(1, 5))
+def test_propose_ngram_random_long(data, length, k, max_n):
+    """Long prompts of distinct tokens with a pattern planted once to a few times anywhere (most often far from
+    the end), ending with that pattern; or long prompts over a random alphabet (matches at every distance)."""
+    min_n = data.draw(st.integers(1, max_n), label="min_n")
+    if data.draw(st.booleans(), label="planted"):
+        pattern = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=5), label="pattern")
+        ids = distinct_filler(length, data.draw(st.integers(0, 10**6), label="filler seed"))
+        for at in sorted(data.draw(st.lists(st.integers(0, length - 1), min_size=1, max_size=3), label="at"),
+                         reverse=True):
+            ids[at:at] = pattern
+        ids += pattern
+        what = f"{len(ids)} tokens, the pattern {pattern} planted and repeated at the end"
+    else:
+        alphabet = data.draw(st.integers(2, 2 * length), label="alphabet")
+        rng = random.Random(data.draw(st.integers(0, 10**6), label="ids seed"))  # hypothesis' buffer is too small
+        ids = [rng.randint(0, alphabet) for _ in range(length)]
+        what = f"{length} random tokens of {alphabet + 1}"
+    check_ngram(ids, k, max_n, min_n, what)
 
 
 # =========================================================================================== the real model

@@ -7,18 +7,23 @@ grouped-query heads, a bfloat16 model, one block exactly, a byte short of one, w
 hypothesis over configurations, KV dtypes, model dtypes and block sizes, then engines built with your count: the
 weights plus cache.nbytes() within the budget, one block more over it.
 
-slo: your choose_config(capstone.edge_slo()) is loaded (capstone.load_deployed) and served (capstone.build_engine),
-and held to each field of the SLO in turn: memory (weights + pool), concurrency (max_num_seqs, a pool holding
-min_seqs full contexts, min_seqs sequences reached while serving), quality (agreement with the float32 engine's
-greedy answers on QUALITY_SET, computed once per session) and speed (SPEED_SET against the float32 plain engine,
-5 interleaved pairs, the median; SPEED_ALLOWANCE below the floor still passes). A budget too small for the SLO must be
-refused. The `*_rejects_*` tests run the same checks on known mistakes (skipped when grading exercises/).
+slo: choose_config(slo, candidates) on tables of measured candidates (hypothetical devices) and several SLOs (budgets,
+concurrency, quality and speed floors), chosen so that different SLOs need different candidates and no single
+configuration meets them all: the answer is held to every field of the SLO by the measurements of the candidate it
+names and the engine pool's bytes per block (check_choice); SLOs no candidate meets must be refused. real_model: two
+candidates measured on SmolLM2-135M (capstone.measure_candidates), your choice for capstone.edge_slo() loaded
+(capstone.load_deployed) and served (capstone.build_engine), and held to each field of the SLO in turn: memory
+(weights + pool), concurrency (max_num_seqs, a pool holding min_seqs full contexts, min_seqs sequences reached while
+serving), quality (agreement with the float32 engine's greedy answers on QUALITY_SET, computed once per session) and
+speed (SPEED_SET against the float32 plain engine, 5 interleaved pairs, the median; SPEED_ALLOWANCE below the floor
+still passes). The `*_rejects_*` tests run the same checks on known mistakes (skipped when grading exercises/).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,12 +35,12 @@ from minillm.cache.block_allocator import blocks_needed
 from minillm.cache.kv_pool import KVBlockPool, KVCacheSpec
 from minillm.config import ModelConfig
 from minillm.course import capstone
-from minillm.engine.config import KV_DTYPES
+from minillm.engine.config import KV_DTYPES, EngineConfig
 from minillm.engine.llm import LLM
 from minillm.model import model_bytes
 from tests.conftest import tiny_model
 from tests.graders.conftest import TARGET, forbid_calls, load_impl
-from tests.graders.mutants import Mutant, build
+from tests.graders.mutants import MUTANTS, build
 from tests.graders.real_model import one_thread
 
 impl = load_impl("ex14_capstone")
@@ -153,23 +158,8 @@ def test_budget_sizes_a_real_engine(kv):
                                            f"{budget:,}-byte budget ({weights:,} of weights, {held:,} of pool)")
 
 
-# the budget's known mistakes, as edits of the reference solution (tests/graders/mutants.py's Mutant and build)
-BUDGET_MUTANTS = [
-    Mutant("no_v", "ex14_capstone", "kv_blocks_for_budget", "task_14_budget",
-           (("per_block = 2 * model_config.n_layers", "per_block = model_config.n_layers"),), "K only: V forgotten"),
-    Mutant("query_heads", "ex14_capstone", "kv_blocks_for_budget", "task_14_budget",
-           (("* model_config.n_kv_heads *", "* model_config.n_heads *"),), "n_heads instead of n_kv_heads"),
-    Mutant("no_scales", "ex14_capstone", "kv_blocks_for_budget", "task_14_budget",
-           (("per_token_head += 2", "per_token_head += 0"),), "int8 without its float16 scales"),
-    Mutant("one_layer", "ex14_capstone", "kv_blocks_for_budget", "task_14_budget",
-           (("2 * model_config.n_layers * block_size", "2 * block_size"),), "the layers forgotten"),
-    Mutant("round_up", "ex14_capstone", "kv_blocks_for_budget", "task_14_budget",
-           (("return left // per_block", "return -(-left // per_block)"),), "a partly paid block counted"),
-    Mutant("weights_free", "ex14_capstone", "kv_blocks_for_budget", "task_14_budget",
-           (("left = memory_budget_bytes - weight_bytes", "left = memory_budget_bytes"),), "the weights not paid"),
-    Mutant("zero_blocks_ok", "ex14_capstone", "kv_blocks_for_budget", "task_14_budget",
-           (("if left < per_block:", "if left < 0:"),), "0 blocks returned instead of refused"),
-]
+# the budget's known mistakes, as edits of the reference solution (tests/graders/mutants.py)
+BUDGET_MUTANTS = [m for m in MUTANTS if m.task == "task_14_budget"]
 
 
 def _budget_checks(fn) -> None:
@@ -282,22 +272,193 @@ def check_config(config, slo, fp32, what: str = "your configuration") -> dict:
     return measured
 
 
+# ---------------------------------------------------------------- choose_config on tables of candidates (no model)
+
+F32 = torch.float32
+
+
+def cand(weights, kv, weights_bytes, quality, speedup, **kw) -> capstone.Candidate:
+    return capstone.Candidate(weights=weights, kv_cache_dtype=kv, model_config=SMOLLM2, model_dtype=F32,
+                              weights_bytes=weights_bytes, quality=quality, speedup=speedup, fuse=True, **kw)
+
+
+# a hypothetical device's measurements (the grader's test input, not a claim about this machine): every option
+# trades bytes against quality and speed, so different SLOs need different candidates
+DEVICE = [
+    cand("dequantized", None, 538_000_000, 1.0, 1.15),
+    cand("dequantized", "int8", 538_000_000, 0.9, 1.05),
+    cand("int8", "int8", 220_000_000, 0.8, 1.6),
+    cand("q4", None, 97_000_000, 0.62, 2.0),
+    cand("q4", "int8", 97_000_000, 0.6, 2.4),
+    cand("q4", "int8", 120_000_000, 0.6, 1.3, speculative="learned"),
+    cand("int4", "int8", 60_000_000, 0.05, 2.8, sparsity="2:4"),
+]
+# a second device whose 4-bit weights are slow and large (no low-bit kernels) but closer to float32
+DEVICE_NO_KERNELS = [
+    cand("dequantized", "int8", 538_000_000, 0.9, 1.0),
+    cand("int8", "int8", 220_000_000, 0.8, 0.9),
+    cand("q4", "int8", 180_000_000, 0.88, 1.2),
+]
+MIB = 1 << 20
+
+
+def slo(memory_mib, quality, seqs, context, speedup) -> capstone.EdgeSLO:
+    return capstone.EdgeSLO(memory_bytes=memory_mib * MIB, min_quality=quality, min_seqs=seqs,
+                            context_tokens=context, min_speedup=speedup)
+
+
+MEETABLE = [  # (what, slo, candidates): at least one candidate meets the SLO; which one differs between them
+    ("the edge: 240 MiB, 8 x 512 tokens, quality 0.45, 1.3x (4-bit weights, int8 KV)",
+     slo(240, 0.45, 8, 512, 1.3), DEVICE),
+    ("quality 0.95 in 1 GiB, 4 x 1024 tokens (only float32 weights and KV reach it)", slo(1024, 0.95, 4, 1024, 1.0),
+     DEVICE),
+    ("16 x 1024 tokens in 300 MiB, quality 0.5, 1.5x (1024 blocks: a pool sized for 8 x 512 is too small)",
+     slo(300, 0.5, 16, 1024, 1.5), DEVICE),
+    ("512 MiB, quality 0.75, 1.5x, 8 x 512 (int8 weights: float32 does not fit, 4-bit is below the floor)",
+     slo(512, 0.75, 8, 512, 1.5), DEVICE),
+    ("2 GiB, quality 0.5, 2.2x, 8 x 512 (only 4-bit weights with an int8 pool are that fast)",
+     slo(2048, 0.5, 8, 512, 2.2), DEVICE),
+    ("110 MiB, quality 0.01, 8 x 512 (only the 2:4-pruned int4 weights leave room)", slo(110, 0.01, 8, 512, 1.0),
+     DEVICE),
+    ("2 x 4096 tokens in 200 MiB, quality 0.5", slo(200, 0.5, 2, 4096, 1.0), DEVICE),
+    ("a device without low-bit kernels: 240 MiB, quality 0.85, 8 x 512, no slower than float32",
+     slo(240, 0.85, 8, 512, 1.0), DEVICE_NO_KERNELS),
+]
+UNMEETABLE = [  # (what, slo, candidates): no candidate meets it, so choose_config must raise ValueError
+    ("100 MiB for 8 x 512 tokens: no candidate's weights leave room for 256 blocks", slo(100, 0.45, 8, 512, 1.0),
+     DEVICE),
+    ("240 MiB with quality 0.95: the only candidate that good does not fit", slo(240, 0.95, 8, 512, 1.0), DEVICE),
+    ("1 GiB, quality 0.95 and 1.5x: the only candidate that good is slower", slo(1024, 0.95, 4, 1024, 1.5), DEVICE),
+    ("a device without low-bit kernels asked for 2x", slo(1024, 0.5, 8, 512, 2.0), DEVICE_NO_KERNELS),
+]
+
+
+def describe_candidate(c) -> str:
+    extra = "".join(f", {k}={getattr(c, k)!r}" for k in ("sparsity", "speculative") if getattr(c, k) is not None)
+    return (f"<weights={c.weights!r}, kv_cache_dtype={c.kv_cache_dtype!r}{extra}: {c.weights_bytes:,} bytes, quality "
+            f"{c.quality}, speedup {c.speedup}>")
+
+
+def check_choice(config, slo, candidates, what: str) -> None:
+    """config held to every field of slo by the measurements of the candidate it names and the engine pool's bytes
+    per block (a real KVBlockPool's, pool_bytes_per_block)."""
+    try:
+        capstone.check_keys(config)
+    except (TypeError, ValueError) as e:
+        raise AssertionError(f"{what}: {e}") from None
+    key = (config.get("weights", "dequantized"), bool(config.get("fuse", False)), config.get("sparsity"),
+           config.get("kv_cache_dtype"), config.get("speculative"))
+    named = [c for c in candidates if (c.weights, c.fuse, c.sparsity, c.kv_cache_dtype, c.speculative) == key]
+    listed = "; ".join(describe_candidate(c) for c in candidates)
+    assert named, (f"{what}: {config} is none of the candidates (its weights, fuse, sparsity, kv_cache_dtype, "
+                   f"speculative = {key}); serve one of them, with its own keys: {listed}")
+    c = named[0]
+    assert c.quality >= slo.min_quality, (
+        f"{what}: {config} serves {describe_candidate(c)}, whose measured quality {c.quality} is below the SLO's "
+        f"floor {slo.min_quality}")
+    assert c.speedup >= slo.min_speedup, (
+        f"{what}: {config} serves {describe_candidate(c)}, whose measured speedup {c.speedup} is below the SLO's "
+        f"floor {slo.min_speedup}")
+    block_size = config.get("block_size", 16)
+    max_num_seqs = config.get("max_num_seqs", 16)
+    batched = config.get("max_num_batched_tokens", 512)
+    num_blocks = config.get("num_blocks")
+    if num_blocks is None:  # the engine's default pool, as EngineConfig sizes it for this model
+        engine = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, kv_cache_dtype=c.kv_cache_dtype)
+        num_blocks = engine.pool_blocks(SimpleNamespace(config=c.model_config, dtype=c.model_dtype))
+    assert isinstance(num_blocks, int) and not isinstance(num_blocks, bool) and num_blocks > 0, (
+        f"{what}: num_blocks must be a positive int, got {num_blocks!r}")
+    per = pool_bytes_per_block(c.model_config, block_size, c.kv_cache_dtype, c.model_dtype)
+    used = c.weights_bytes + num_blocks * per
+    assert used <= slo.memory_bytes, (
+        f"{what}: {config}: {c.weights_bytes:,} bytes of weights + {num_blocks} blocks of {block_size} tokens "
+        f"({per:,} bytes each in a {c.kv_cache_dtype or 'model-dtype'} pool) = {used:,} bytes, over the SLO's "
+        f"{slo.memory_bytes:,}")
+    per_seq = blocks_needed(slo.context_tokens, block_size)
+    assert num_blocks >= slo.min_seqs * per_seq, (
+        f"{what}: {config}: {num_blocks} blocks of {block_size} tokens cannot hold {slo.min_seqs} sequences of "
+        f"{slo.context_tokens} tokens at once ({slo.min_seqs} x {per_seq} blocks)")
+    assert max_num_seqs >= slo.min_seqs and batched >= slo.min_seqs, (
+        f"{what}: {config}: max_num_seqs {max_num_seqs} and max_num_batched_tokens {batched} must both let the "
+        f"SLO's {slo.min_seqs} sequences decode in one step")
+
+
 @pytest.mark.task_14_slo
+@pytest.mark.parametrize("case", MEETABLE, ids=[c[0].split(":")[0].split(" (")[0] for c in MEETABLE])
+def test_choose_config_meets_each_slo(case):
+    what, the_slo, candidates = case
+    config = impl.choose_config(the_slo, list(candidates))
+    check_choice(config, the_slo, candidates, f"{what}, {the_slo}")
+    forbid_calls(impl.choose_config, ["edge_slo", "capstone", "deployment", "check_config", "measure_candidates",
+                                      "check_choice"])
+
+
+@pytest.mark.task_14_slo
+def test_no_constant_meets_every_slo():
+    """The SLOs above are chosen so that no single configuration meets them all: a constant answer fails one."""
+    for c in DEVICE:
+        config = {**c.load_keys(), "kv_cache_dtype": c.kv_cache_dtype, "speculative": c.speculative,
+                  "num_blocks": 1024, "max_num_seqs": 16}
+        failed = 0
+        for what, the_slo, candidates in MEETABLE:
+            try:
+                check_choice(config, the_slo, candidates, what)
+            except AssertionError:
+                failed += 1
+        assert failed, f"grader bug: {config} meets every SLO of MEETABLE"
+    # and the function itself answers differently where the SLOs need it
+    answers = {repr(sorted(impl.choose_config(s, list(c)).items(), key=str)) for _, s, c in MEETABLE}
+    assert len(answers) > 1, f"choose_config gave the same answer to every SLO: {answers.pop()}"
+
+
+@pytest.mark.task_14_slo
+@pytest.mark.parametrize("case", UNMEETABLE, ids=[c[0].split(":")[0] for c in UNMEETABLE])
+def test_an_slo_no_candidate_meets_is_refused(case):
+    what, the_slo, candidates = case
+    try:
+        got = impl.choose_config(the_slo, list(candidates))
+    except ValueError as e:
+        assert len(str(e)) >= 20, f"{what}: the ValueError should say which floor or budget failed, got {str(e)!r}"
+        return
+    raise AssertionError(f"{what}, {the_slo}: returned {got}; no candidate meets this SLO, so choose_config must "
+                         f"raise ValueError instead of returning a configuration that fails it")
+
+
+@pytest.mark.task_14_slo
+def test_choose_config_leaves_its_inputs_alone():
+    the_slo, candidates = MEETABLE[0][1], list(DEVICE)
+    before = list(candidates)
+    impl.choose_config(the_slo, candidates)
+    assert candidates == before, "choose_config changed the list of candidates it was given"
+
+
+# ------------------------------------------------------------------------- the real model: this machine's edge SLO
+
+# the candidates measured on SmolLM2 for the real-model task: small enough for the edge budget or not
+EDGE_OPTIONS = [{"weights": "q4", "fuse": True, "kv_cache_dtype": "int8"},
+                {"weights": "int8", "fuse": True, "kv_cache_dtype": "int8"}]
+
+
+@pytest.mark.task_14_real_model
 def test_your_config_meets_the_edge_slo(request):
-    slo = capstone.edge_slo()
-    config = impl.choose_config(slo)
-    forbid_calls(impl.choose_config, ["edge_slo", "capstone", "check_config"])
-    check_config(config, slo, request.getfixturevalue("real_model"))
-
-
-@pytest.mark.task_14_slo
-def test_an_slo_the_device_cannot_meet_is_refused():
-    """100 MiB holds 4-bit weights (97 MB here at the least) but not 8 x 512 tokens of KV on top, in any dtype:
-    no configuration meets it, and choose_config must say so instead of returning one that fails."""
-    slo = capstone.EdgeSLO(memory_bytes=100 << 20, min_quality=0.45, min_seqs=8, context_tokens=512,
-                           min_speedup=1.0)
-    with pytest.raises(ValueError):
-        impl.choose_config(slo)
+    """Two candidates measured on SmolLM2-135M (capstone.measure_candidates: bytes, agreement, one timed pair), your
+    choose_config of them for capstone.edge_slo(), then check_config: the choice served and every field of the SLO
+    measured again."""
+    slo_ = capstone.edge_slo()
+    try:  # no candidates at all, before anything is measured (a stub fails here, fast)
+        got = impl.choose_config(slo_, [])
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"choose_config({slo_}, []) returned {got}: with no candidate, no SLO can be met; "
+                             f"expected ValueError")
+    fp32_model, tok = fp32 = request.getfixturevalue("real_model")
+    candidates = one_thread(capstone.measure_candidates)(slo_, EDGE_OPTIONS, reference_answers(fp32_model, tok),
+                                                        fp32_model, tok)
+    print("candidates: " + "; ".join(describe_candidate(c) for c in candidates))
+    config = impl.choose_config(slo_, candidates)
+    forbid_calls(impl.choose_config, ["edge_slo", "capstone", "deployment", "check_config", "measure_candidates"])
+    check_config(config, slo_, fp32)
 
 
 WRONG_CONFIGS = [  # (what, config, what the check must say)
