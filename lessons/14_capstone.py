@@ -28,12 +28,12 @@
 # | chunked prefill | 12 | decodes stalled behind one long prefill |
 # | speculative decoding | 10 | one sequential step per token |
 #
-# Two removed costs multiply only when they are independent. When two techniques attack the same cost, or one needs
-# the slack the other removed, their gains *interfere*: speculation makes a step wider, which is free only while the
-# step is memory-bound, and a full batch has already spent that slack. This lesson serves one fixed workload with
-# the rungs switched on one by one (`minillm bench ladder`), draws the waterfall, measures three pairs for
-# interference, prices each technique in quality, and ends at the edge: the smallest configuration that still
-# serves (`minillm bench edge`, `minillm generate --profile edge`).
+# Two removed costs multiply only when they are independent. When two techniques attack the same cost, or one needs the
+# slack the other removed, their gains *interfere*: speculation makes a step wider, which is nearly free only while the
+# step's time is set by something other than its arithmetic, and a full batch has already spent that slack. This lesson
+# serves one fixed workload with the rungs switched on one by one (`minillm bench ladder`), draws the waterfall,
+# measures three pairs for interference, prices each technique in quality, and ends at the edge: the smallest
+# configuration that still serves (`minillm bench edge`, `minillm generate --profile edge`).
 
 # %%
 import json
@@ -342,9 +342,11 @@ print(f"exercise 14's SLO on this machine: weights + KV pool within {slo.memory_
 # ## Exercise 14
 #
 # Two tasks: `kv_blocks_for_budget` — how many KV blocks a memory budget holds once the weights are in, for the
-# engine's exact pool layout (the edge's first calculation) — and `choose_config`: your configuration for a stated
-# SLO (memory, quality, concurrency, speed), graded by building the engine from it on SmolLM2 and measuring it
-# against the float32 engine in interleaved pairs.
+# engine's exact pool layout (the edge's first calculation) — and `choose_config`: from candidates measured on the
+# machine that serves them (bytes, quality, speed), the configuration that meets a stated SLO (memory, quality,
+# concurrency, speed), or a ValueError when none does. It is graded on several SLOs over tables of candidates, then
+# by measuring two candidates on SmolLM2, serving your choice and holding it to the edge SLO above against the
+# float32 engine in interleaved pairs.
 #
 # ```
 # minillm hint 14          # the tasks and their hints
