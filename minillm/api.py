@@ -86,7 +86,7 @@ def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
     if weights == "q4" and saved_model_exists(name):
         raise ValueError(f"{name!r} is a saved float model with no file of 4-bit blocks to keep: use weights='int4' "
                          f"(its float weights quantized at load) or 'int8'")
-    q4_1_layer = (lambda codes, d, m: Int4Linear(codes, d, m, group_size=32)) if weights == "q4" else None
+    q4_1_layer = (lambda packed, d, m: Int4Linear.from_packed(packed, d, m, group_size=32)) if weights == "q4" else None
     # the Q8_0 head stays packed only where our kernel reads it: torch has no per-block int8 matmul (CPU or GPU)
     on_cpu = resolve_device(device).type == "cpu"
     q8_0_tied = _q8_0_tied if weights == "q4" and on_cpu and cpu_kernels() is not None else None

@@ -144,7 +144,10 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        # on the meta device (a loader fills the weights next) they are computed on the CPU: math on meta tensors
+        # imports torch._dynamo (~2 s) on first use; _apply recomputes them after any move
+        with torch.device("cpu" if torch.get_default_device().type == "meta" else torch.get_default_device()):
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

@@ -6,6 +6,7 @@ import hashlib
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from minillm.gguf import weights
@@ -143,3 +144,80 @@ def test_files_the_course_writes_are_verified_on_read(tmp_path):
 def test_real_file_verifies():
     path = gguf_path("smollm2-135m")
     verify(path, weights.KNOWN_MODELS["smollm2-135m"])
+
+
+# ------------------------------------------------------------------------------- minillm.gguf.reader vs the oracle
+
+
+def _oracle_metadata(reader) -> dict:
+    """The `gguf` package's fields as plain values (an independent parser of the same file)."""
+    from gguf import GGUFValueType
+
+    meta = {}
+    for field in reader.fields.values():
+        if not field.types or field.name.startswith("GGUF."):  # its own synthetic header fields
+            continue
+        if field.types[0] == GGUFValueType.ARRAY:
+            strings = len(field.types) > 1 and field.types[1] == GGUFValueType.STRING
+            meta[field.name] = [bytes(field.parts[i]).decode("utf-8", "replace") if strings
+                                else field.parts[i].tolist()[0] for i in field.data]
+        elif field.types[0] == GGUFValueType.STRING:
+            meta[field.name] = bytes(field.parts[field.data[0]]).decode("utf-8")
+        else:
+            meta[field.name] = field.parts[field.data[0]].tolist()[0]
+    return meta
+
+
+def test_reader_equals_the_gguf_package_on_the_real_file():
+    """Every metadata field and every tensor's type, shape and bytes, against gguf.GGUFReader."""
+    gguf = pytest.importorskip("gguf")
+    from minillm.gguf.reader import GGUFFile
+    from minillm.gguf.weights import gguf_path
+
+    path = gguf_path("smollm2-135m")
+    ours, oracle = GGUFFile(path), gguf.GGUFReader(str(path))
+    assert ours.metadata == _oracle_metadata(oracle)
+    assert len(ours.metadata["tokenizer.ggml.tokens"]) == 49152 and len(ours.tensors) == len(oracle.tensors) == 272
+    for t in oracle.tensors:
+        mine = ours.tensors[t.name]
+        assert mine.ggml_type == int(t.tensor_type) and mine.shape == tuple(int(d) for d in reversed(t.shape.tolist()))
+        assert np.array_equal(np.asarray(mine.data).view(np.uint8).ravel(), np.asarray(t.data).view(np.uint8).ravel())
+
+
+def _tiny_gguf(path, header_only_bytes: int | None = None) -> None:
+    """A GGUF v3 file with one string, one int array and one 2 x 32 float32 tensor, written by hand."""
+    import struct
+
+    def s(text: str) -> bytes:
+        raw = text.encode()
+        return struct.pack("<Q", len(raw)) + raw
+
+    kv = s("general.name") + struct.pack("<I", 8) + s("tiny")
+    kv += s("tiny.ids") + struct.pack("<IIQ", 9, 5, 3) + struct.pack("<3i", 7, -1, 9)
+    info = s("w") + struct.pack("<I", 2) + struct.pack("<QQ", 32, 2) + struct.pack("<IQ", 0, 0)
+    head = b"GGUF" + struct.pack("<IQQ", 3, 1, 2) + kv + info
+    head += b"\0" * (-len(head) % 32)
+    data = np.arange(64, dtype=np.float32).tobytes()
+    blob = head + data
+    path.write_bytes(blob if header_only_bytes is None else blob[:header_only_bytes])
+
+
+def test_reader_parses_a_handwritten_file_and_refuses_broken_ones(tmp_path):
+    from minillm.gguf.reader import GGUFError, GGUFFile
+
+    good = tmp_path / "tiny.gguf"
+    _tiny_gguf(good)
+    f = GGUFFile(good)
+    assert f.metadata == {"general.name": "tiny", "tiny.ids": [7, -1, 9]}
+    w = f.tensors["w"]
+    assert w.shape == (2, 32) and w.type_name == "F32" and np.array_equal(w.data, np.arange(64).reshape(2, 32))
+    with pytest.raises(ValueError):  # a view of the read-only map: nothing can write into the file
+        w.data[0, 0] = 1
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + bytes(40))
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        GGUFFile(bad)
+    for cut in (30, 80, len(good.read_bytes()) - 4):  # inside the header, inside the tensor infos, in the data
+        _tiny_gguf(bad, header_only_bytes=cut)
+        with pytest.raises(GGUFError, match="truncated"):
+            GGUFFile(bad)

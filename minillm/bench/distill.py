@@ -23,9 +23,9 @@ from minillm.measure.metrics import decode_tok_s, timer
 
 def budget(quick: bool) -> dict:
     if quick:
-        return {"sizes": [16], "ship_size": 16, "sweep_steps": 2, "final_steps": 3, "batch_size": 2, "seq_len": 96,
-                "n_prompts": 12, "n_heldout": 4, "max_answer": 12, "eval_tokens": 128, "lora_rank": 4,
-                "compare": False, "ship": False, "calib_examples": 1}
+        return {"sizes": [16], "ship_size": 16, "sweep_steps": 1, "final_steps": 2, "batch_size": 2, "seq_len": 96,
+                "n_prompts": 12, "n_heldout": 4, "max_answer": 12, "eval_tokens": 64, "lora_rank": 4,
+                "compare": False, "ship": False, "calib_examples": 1, "calib_cut": (8, 4), "speed_tries": 1}
     return {"sizes": [24, 20, 16], "ship_size": 16, "sweep_steps": 50, "final_steps": 300, "batch_size": 8,
             "seq_len": 320, "n_prompts": None, "n_heldout": 96, "max_answer": 64, "eval_tokens": 512,
             "lora_rank": 32, "compare": True, "ship": True, "calib_examples": 8}
@@ -53,13 +53,14 @@ def chat_data(teacher, tok, b: dict) -> tuple[list, list, dict]:
     return ex(train), ex(held), facts
 
 
-def measure(student, teacher, tok, held: list, ev: torch.Tensor, prompt: list[int], n_decode: int) -> dict:
+def measure(student, teacher, tok, held: list, ev: torch.Tensor, prompt: list[int], n_decode: int,
+            tries: int = 3) -> dict:
     from minillm.recipes.small_model import retained_ability
     from minillm.compress.distill import evaluate
     from minillm.compress.pruning import n_params
 
     ability = retained_ability(student, tok, held)
-    speed = max(decode_tok_s(student, prompt, n_decode)[0] for _ in range(3))
+    speed = max(decode_tok_s(student, prompt, n_decode)[0] for _ in range(tries))
     return {**evaluate(student, teacher, ev), "answer_match": ability["answer_match"],
             "answer_top1": ability["top1_agree"], "params_M": n_params(student) / 1e6,
             "blocks": student.config.n_layers, "decode_tok_s": speed}
@@ -99,11 +100,14 @@ def run(quick: bool = False) -> BenchResult:
     text = train_ids(tok)
     ev = torch.tensor(eval_ids(tok, b["eval_tokens"] + 1))
     prompt = eval_ids(tok, 32)
-    n_decode = 16 if quick else 64
+    n_decode = 8 if quick else 64
+    tries = b.get("speed_tries", 3)  # decode timings per row (the best is kept)
     autocast = native_bf16(teacher.device)
     n_blocks = teacher.config.n_layers
     # which blocks go: one at a time, by the KL each removal costs on a few training answers (never held-out ones)
     calib = random.Random(1).sample(train, b["calib_examples"])
+    if b.get("calib_cut"):  # quick: score on the prompt's last tokens and the answer's first ones (a round is O(n^2))
+        calib = [(p[-b["calib_cut"][0]:], a[:b["calib_cut"][1]]) for p, a in calib]
     with timer() as t_sel:
         x, mask = answer_batch(calib, tok.eos_id)  # the positions that predict answer tokens are scored
         order = greedy_block_drop(teacher, x[:, :-1], n_blocks - min(b["sizes"]), mask)
@@ -130,7 +134,7 @@ def run(quick: bool = False) -> BenchResult:
         with timer() as t:
             hist = distill_ability(student, teacher, train, text, cfg, tok.eos_id, checkpoint=checkpoint,
                                    progress=not quick, stop_after=steps)
-        row = {"variant": name, **measure(merged(student), teacher, tok, held, ev, prompt, n_decode),
+        row = {"variant": name, **measure(merged(student), teacher, tok, held, ev, prompt, n_decode, tries),
                "train_s": t.seconds, "train_steps": hist[-1]["step"],
                "train_tokens": sum(h["tokens"] for h in hist), "loss_tokens": sum(h["loss_tokens"] for h in hist)}
         curves[name] = [{k: h[k] for k in ("step", "kind", "loss", "ce")} for h in hist]
@@ -139,13 +143,13 @@ def run(quick: bool = False) -> BenchResult:
         return row
 
     curves: dict = {}
-    rows = [{"variant": "teacher", **measure(teacher, teacher, tok, held, ev, prompt, n_decode)}]
+    rows = [{"variant": "teacher", **measure(teacher, teacher, tok, held, ev, prompt, n_decode, tries)}]
     ship = b["ship_size"]
     untrained = lambda drop=None: student_of(ship, False, drop).eval().requires_grad_(False)  # noqa: E731
     rows.append({"variant": f"keep {ship}, untrained (one-shot importance)",
-                 **measure(untrained(one_shot), teacher, tok, held, ev, prompt, n_decode), "dropped": one_shot})
+                 **measure(untrained(one_shot), teacher, tok, held, ev, prompt, n_decode, tries), "dropped": one_shot})
     rows.append({"variant": f"keep {ship}, untrained", **measure(untrained(), teacher, tok, held, ev, prompt,
-                                                                 n_decode), "dropped": dropped[ship],
+                                                                 n_decode, tries), "dropped": dropped[ship],
                  "selection_s": t_sel.seconds})
     ckpt = cache_dir() / "distill" / f"ability_keep{ship}{'_quick' if quick else ''}.pt"
     if ckpt.exists():
@@ -171,7 +175,7 @@ def run(quick: bool = False) -> BenchResult:
     # the speed target from interleaved pairs: each row's best-of-3 is measured minutes apart on a shared machine
     shipped = merged(students[ship])
     pair = paired_ratio(lambda: decode_tok_s(teacher, prompt, n_decode),
-                        lambda: decode_tok_s(shipped, prompt, n_decode), pairs=3 if quick else 7)
+                        lambda: decode_tok_s(shipped, prompt, n_decode), pairs=2 if quick else 7)
     t, u = by["teacher"], by[f"keep {ship}, untrained"]
     log_gap = (math.log(u["ppl"]) - math.log(final["ppl"])) / (math.log(u["ppl"]) - math.log(t["ppl"]))
     ratios = {"student_decode_vs_teacher": pair.median,
@@ -196,14 +200,16 @@ def run(quick: bool = False) -> BenchResult:
              f"{b['calib_examples']} training answers (greedy_block_drop, {t_sel.seconds:.0f} s), e.g. keep {ship} "
              f"drops {dropped[ship]} (start: ppl {u['ppl']:.0f}); lesson 08's one-shot block importance would drop "
              f"{one_shot} (start: ppl {one['ppl']:.0f}); LoRA rank {b['lora_rank']} on every block matmul + the "
-             f"block norms; the tied embedding/LM head stays the teacher's",
+             f"block norms; the tied embedding/LM head stays the teacher's" + (
+                 f" (quick: scored on each answer's first {b['calib_cut'][1]} tokens after the prompt's last "
+                 f"{b['calib_cut'][0]})" if b.get("calib_cut") else ""),
              f"data: {facts['train_prompts']} training prompts ({facts['answer_tokens']} teacher answer tokens), "
              f"{facts['heldout_measured']} held-out prompts measured (never trained on); 25% of steps are plain-text "
              f"KD on pydoc; batch {b['batch_size']}; every sweep row {b['sweep_steps']} steps, the shipped student "
              f"{b['final_steps']}",
              f"float32 weights, bf16 autocast {'on (native bf16)' if autocast else 'off'} for training; decode "
-             f"tok/s at batch 1, float32, best of 3 per row; the speed target from {len(pair.ratios)} interleaved "
-             f"teacher/student pairs (median; per pair {[round(r, 2) for r in pair.ratios]})"]
+             f"tok/s at batch 1, float32, best of {tries} per row; the speed target from {len(pair.ratios)} "
+             f"interleaved teacher/student pairs (median; per pair {[round(r, 2) for r in pair.ratios]})"]
     return BenchResult(name="distill", rows=rows, ratios=ratios, targets=targets,
                        settings={k: v for k, v in b.items() if not isinstance(v, list)} | {
                            "threads": torch.get_num_threads(), "autocast": autocast,

@@ -259,16 +259,18 @@ class Int4Linear(QuantizedLinear):
     On CPU the matmul is torch's int4 kernel, which wants its own nibble layout and a bf16 (scale, zero) table: that
     copy is built on the first CPU call (same size as the packed codes) and is not part of the state dict."""
 
-    def __init__(self, codes: Tensor, scale: Tensor, minimum: Tensor, group_size: int):
+    def __init__(self, codes: Tensor, scale: Tensor, minimum: Tensor, group_size: int, packed: bool = False):
         super().__init__()
-        self.out_features, self.in_features = codes.shape
+        if packed and codes.dtype != torch.uint8:
+            raise ValueError(f"packed codes must be uint8 (out, in // 2), got {codes.dtype}")
+        self.out_features, self.in_features = codes.shape[0], codes.shape[1] * (2 if packed else 1)
         check_group_size(self.in_features, group_size)
         if scale.shape != (self.out_features, self.in_features // group_size) or minimum.shape != scale.shape:
             raise ValueError(f"scale and minimum must be (out, in // group_size) = "
                              f"{(self.out_features, self.in_features // group_size)}, got {tuple(scale.shape)}, "
                              f"{tuple(minimum.shape)}")
         self.group_size = group_size
-        self.register_buffer("qweight", pack_int4(codes))
+        self.register_buffer("qweight", codes if packed else pack_int4(codes))
         self.register_buffer("scale", scale.half())
         self.register_buffer("minimum", minimum.half())
         self._cpu_pack: tuple[Tensor, Tensor] | None = None
@@ -280,6 +282,13 @@ class Int4Linear(QuantizedLinear):
         w = linear.weight.detach()
         return cls(*quantize_int4(w, group_size), group_size=group_size)
 
+    @classmethod
+    def from_packed(cls, qweight: Tensor, scale: Tensor, minimum: Tensor, group_size: int) -> Int4Linear:
+        """A layer over codes already in pack_int4's layout, uint8 (out, in // 2), kept as given: a loader that packs
+        the file's nibbles itself (minillm.gguf.weights.q4_1_packed) and fusion (cat_rows) skip unpacking and packing
+        again, ~3 s of a q4 load in torch's byte ops."""
+        return cls(qweight, scale, minimum, group_size, packed=True)
+
     @property
     def weight_storage(self) -> Tensor:
         return self.qweight
@@ -290,8 +299,9 @@ class Int4Linear(QuantizedLinear):
         on 4-bit weights)."""
         if len({m.group_size for m in layers}) != 1:
             raise ValueError("cat_rows needs one group size across the layers")
-        return cls(torch.cat([m.codes() for m in layers]), torch.cat([m.scale for m in layers]),
-                   torch.cat([m.minimum for m in layers]), layers[0].group_size)
+        # packed rows are whole rows of codes: concatenating them is concatenating the codes
+        return cls.from_packed(torch.cat([m.qweight for m in layers]), torch.cat([m.scale for m in layers]),
+                               torch.cat([m.minimum for m in layers]), layers[0].group_size)
 
     def codes(self) -> Tensor:
         return unpack_int4(self.qweight)
@@ -305,7 +315,7 @@ class Int4Linear(QuantizedLinear):
         return w.to(dtype).reshape(*ids.shape, self.in_features)
 
     def _repack(self, rows: int) -> Tensor:  # kernels/cpu/q4_1_matmul.cpp: the same 5 bits per weight
-        return cpu_lowbit.repack_q4_1(self.codes(), self.scale, self.minimum, rows)
+        return cpu_lowbit.repack_q4_1_packed(self.qweight, self.scale, self.minimum, rows)
 
     def uses_cpu_kernels(self) -> bool:  # Q4_1's blocks: group 32
         return self.group_size == 32 and self.in_features % 32 == 0 and _cpu_kernels_loaded()

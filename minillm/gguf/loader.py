@@ -13,8 +13,8 @@ import torch
 
 from minillm.config import ModelConfig
 from minillm.model import Transformer
-from minillm.gguf.saved import (HOW_TO_MAKE, build_from_recipe, built_from_current_recipe, load_saved, recipe_path,
-                                saved_config, saved_model_exists)
+from minillm.gguf.saved import (HOW_TO_MAKE, build_from_recipe, built_from_current_recipe, empty_model, load_saved,
+                                recipe_path, saved_config, saved_model_exists)
 from minillm.gguf.weights import gguf_path, model_source, read_gguf, read_gguf_metadata
 
 if TYPE_CHECKING:
@@ -74,14 +74,15 @@ def gguf_state_dict(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[st
 
 
 def _q4_1_layers(sd: dict, make_layer) -> dict:
-    """Our names -> make_layer(codes, d, m) for every Q4_1 tensor (removed from sd): the file's own codes, d and m."""
-    from minillm.gguf.weights import q4_1_blocks
+    """Our names -> make_layer(packed, d, m) for every Q4_1 tensor (removed from sd): the file's own codes (two per
+    byte, minillm.gguf.weights.q4_1_packed), d and m."""
+    from minillm.gguf.weights import q4_1_packed
 
     layers = {}
     for ours, arr in list(sd.items()):
         if arr.dtype != np.uint8:
             continue
-        codes, d, m = q4_1_blocks(arr)  # q/k rows were already unpermuted: a row permutation keeps blocks whole
+        codes, d, m = q4_1_packed(arr)  # q/k rows were already unpermuted: a row permutation keeps blocks whole
         layers[ours.removesuffix(".weight")] = make_layer(
             torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(np.ascontiguousarray(d)),
             torch.from_numpy(np.ascontiguousarray(m)))
@@ -92,7 +93,7 @@ def _q4_1_layers(sd: dict, make_layer) -> dict:
 def load_from_file(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str | None = "cpu",
                    attn_backend: str = "sdpa", q4_1_layer=None, q8_0_tied=None):
     """(model, tokenizer) of a known model, every tensor in `dtype`; downloads and verifies the file on first use.
-    q4_1_layer(codes, d, m) -> nn.Module keeps each Q4_1 tensor packed in the layer it builds (the caller chooses
+    q4_1_layer(packed, d, m) -> nn.Module keeps each Q4_1 tensor packed in the layer it builds (the caller chooses
     the layer type: minillm/api.py passes lesson 07's Int4Linear). q8_0_tied(q, d, dtype) -> (lm_head, embed) does
     the same for a Q8_0 tied embedding (the two modules share its storage). A name saved with save_model loads from
     disk (a shipped recipe is built into the cache first, once)."""
@@ -124,27 +125,31 @@ def load_from_file(name: str = "smollm2-135m", dtype: str | torch.dtype = "float
         q, d = q8_0_blocks(raw_embed)
         head = q8_0_tied(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(d)),
                          torch_dtype)
-    with torch.device("meta"):
-        model = Transformer(cfg, attn_backend=attn_backend)
-    model = model.to_empty(device=dev)
+    model = empty_model(cfg, attn_backend=attn_backend)
     sd = gguf_state_dict(tensors, cfg)
     if head is not None:
         del sd["embed.weight"]
     packed = _q4_1_layers(sd, q4_1_layer) if q4_1_layer is not None else {}
-    sd = {k: torch.from_numpy(v) for k, v in sd.items()}
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    sd = {k: torch.from_numpy(v).to(dev) for k, v in sd.items()}
+    # assign: the loaded tensors become the parameters (no empty copy to fill); what stays on the meta device (the
+    # tied head, the layers kept packed) is replaced below, and the check after it says if anything else is left
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")
                and m.removesuffix(".weight") not in packed and not (head is not None and m == "embed.weight")]
     if missing or unexpected:
         raise RuntimeError(f"weight map mismatch: missing {missing}, unexpected {unexpected}")
     if cfg.tie_embeddings and head is None:
         model.lm_head.weight = model.embed.weight
+    model.rope_cos, model.rope_sin = model.rope_cos.to(dev), model.rope_sin.to(dev)  # built on the CPU (empty)
     model = model.to(torch_dtype).eval().requires_grad_(False)  # RoPE tables stay float32 (Transformer._apply)
     for full, layer in packed.items():
         parent, child = full.rsplit(".", 1)
         setattr(model.get_submodule(parent), child, layer.to(dev))
     if head is not None:
         model.lm_head, model.embed = head[0].to(dev), head[1]
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if left:
+        raise RuntimeError(f"weight map mismatch: {left} were not loaded")
     if packed:
         model.quant_scheme = "q4_1 (from the file)" + (", q8_0 embedding/head" if head is not None else "")
     model.load_seconds = time.perf_counter() - t0

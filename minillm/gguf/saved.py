@@ -52,6 +52,23 @@ def saved_config(name: str) -> tuple[ModelConfig, str]:
     return ModelConfig(**meta["config"]), meta["base"]
 
 
+def empty_model(cfg: ModelConfig, attn_backend: str = "sdpa") -> Transformer:
+    """The model's structure on the meta device, no weights and no random init, for a loader that fills every weight
+    next (load_state_dict(..., assign=True), or to_empty then a copy). Random init of weights about to be
+    overwritten costs time, and on the meta device it runs through torch's Python decompositions, whose first use
+    imports torch._dynamo: ~2 s of a 1 s load."""
+    names = ("normal_", "uniform_", "kaiming_uniform_")
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    try:
+        for name in names:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        with torch.device("meta"):
+            return Transformer(cfg, attn_backend=attn_backend)
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def save_model(model: Transformer, name: str, base: str = "smollm2-135m", info: dict | None = None) -> Path:
     """Save a transformed float model (pruned, distilled: lessons 08-09) as config.json + model.pt under
     saved_model_dir(name). The config says what the model now is; `base` names the model whose tokenizer it uses;
@@ -79,11 +96,10 @@ def load_saved(name: str, dtype: torch.dtype | str | None = None, device: torch.
     raw, meta = read_verified(folder / "model.pt", folder / "config.json",
                               f"delete {folder} and save the model again")
     cfg = ModelConfig(**meta["config"])
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model = model.to_empty(device=torch.device(device))
-    sd = torch.load(io.BytesIO(raw), weights_only=True, map_location=model.device)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    model = empty_model(cfg)
+    sd = torch.load(io.BytesIO(raw), weights_only=True, map_location=torch.device(device))
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)  # the loaded tensors, no copy
+    model.rope_cos, model.rope_sin = model.rope_cos.to(device), model.rope_sin.to(device)
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise RuntimeError(f"{folder} does not match its config: missing {missing}, unexpected {unexpected}")

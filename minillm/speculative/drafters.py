@@ -17,6 +17,7 @@ from torch import Tensor
 
 from minillm.cache.block_allocator import BlockTable, OutOfBlocksError
 from minillm.cache.paged import Chunk, PackedForward, PagedKVCache
+from minillm.gguf.saved import empty_model
 from minillm.gguf.vocabulary import check_same_vocabulary
 from minillm.model import Transformer
 from minillm.sampling import SamplingParams, logits_to_probs, sample
@@ -80,8 +81,7 @@ def early_exit_model(target: Transformer, n_layers: int) -> Transformer:
     10) or a cascade's small model that needs no training and no memory (every part is the target's own)."""
     if not 1 <= n_layers < len(target.layers):
         raise ValueError(f"n_layers must be in 1..{len(target.layers) - 1}, got {n_layers}")
-    with torch.device("meta"):
-        small = Transformer(target.config.with_(n_layers=n_layers), attn_backend=target.attn_backend)
+    small = empty_model(target.config.with_(n_layers=n_layers), attn_backend=target.attn_backend)
     small.embed, small.norm, small.lm_head = target.embed, target.norm, target.lm_head
     small.layers = torch.nn.ModuleList(list(target.layers[:n_layers]))
     small.rope_cos, small.rope_sin = target.rope_cos, target.rope_sin

@@ -1,0 +1,136 @@
+"""A GGUF file read the way a runtime reads it: parse the header once, map the tensor data, copy nothing.
+
+GGUF (llama.cpp's format) is a small header followed by the tensors' bytes:
+
+    "GGUF", version (u32), tensor count (u64), key/value count (u64)
+    key/value pairs: key (string), value type (u32), value     -- strings are a u64 length + UTF-8 bytes;
+                                                                   arrays an element type (u32), a count (u64), items
+    tensor infos: name (string), n_dims (u32), dims (u64 each, fastest-varying first), ggml type (u32), offset (u64)
+    padding to `general.alignment` (32 by default), then each tensor's bytes at its offset
+
+The `gguf` package reads the same files into numpy views of every field part, which takes ~5 s for SmolLM2's
+tokenizer arrays (49,152 tokens and 48,900 merges, hundreds of thousands of small views); here the metadata is
+parsed with struct in one pass (~0.1 s) and each tensor is a zero-copy view of one read-only memory map, so the
+OS pages weights in as they are touched and can share them between processes. tests/test_weights.py checks every
+field and tensor against the `gguf` package's reader. Lessons 00 and 07 open the file with it.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"GGUF"
+# value type -> struct format of a scalar (8: string, 9: array are handled apart)
+SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
+         10: np.uint64, 11: np.int64, 12: np.float64}
+# ggml tensor type -> (name, weights per block, bytes per block): the types minillm reads
+GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
+              30: ("BF16", 1, 2)}
+
+
+class GGUFError(ValueError):
+    """The file is not a GGUF file minillm can read; the message says what was found and what to do."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # row-major, slowest first: (out, in) for a weight matrix, as nn.Linear holds it
+    ggml_type: int
+    type_name: str
+    data: np.ndarray  # float32 / float16 (shape) for float types; uint8 (rows, bytes per row) for block types
+
+
+class GGUFFile:
+    """`metadata` (key -> str, int, float, bool or list) and `tensors` (name -> TensorInfo) of one GGUF file."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        buf = self._map
+        if len(buf) < 24 or bytes(buf[:4]) != MAGIC:
+            raise GGUFError(f"{self.path} is not a GGUF file (it starts with {bytes(buf[:4])!r}, not b'GGUF'): "
+                            f"delete it and fetch it again")
+        self.version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if self.version not in (2, 3):
+            raise GGUFError(f"{self.path}: GGUF version {self.version}; minillm reads versions 2 and 3")
+        self._pos = 24
+        try:
+            self.metadata = {}
+            for _ in range(n_kv):
+                key = self._string()
+                self.metadata[key] = self._value(self._u32())
+            infos = [self._tensor_info() for _ in range(n_tensors)]
+        except (struct.error, IndexError, UnicodeDecodeError) as e:
+            raise GGUFError(f"{self.path} ends or breaks inside its header at byte {self._pos} ({e}): the file is "
+                            f"truncated or corrupt; delete it and fetch it again") from None
+        align = int(self.metadata.get("general.alignment", 32))
+        start = -(-self._pos // align) * align
+        self.tensors = {}
+        for name, dims, ggml_type, offset in infos:
+            if ggml_type not in GGML_TYPES:
+                raise GGUFError(f"{self.path}: tensor {name} has ggml type {ggml_type}, which minillm does not read "
+                                f"(it reads {', '.join(t[0] for t in GGML_TYPES.values())})")
+            type_name, per_block, block_bytes = GGML_TYPES[ggml_type]
+            shape = tuple(reversed(dims))  # GGUF lists dims fastest-first
+            n = int(np.prod(shape, dtype=np.int64))
+            nbytes = n // per_block * block_bytes
+            begin = start + offset
+            if begin + nbytes > len(buf):
+                raise GGUFError(f"{self.path}: tensor {name} needs bytes {begin}..{begin + nbytes} but the file has "
+                                f"{len(buf)}: it is truncated; delete it and fetch it again")
+            raw = buf[begin:begin + nbytes]
+            if per_block == 1:
+                data = raw.view({"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[type_name]).reshape(shape)
+            else:
+                data = raw.reshape(*shape[:-1], shape[-1] // per_block * block_bytes)
+            self.tensors[name] = TensorInfo(name, shape, ggml_type, type_name, data)
+
+    # ------------------------------------------------------------------------------------------------ the header
+
+    def _u32(self) -> int:
+        (v,) = struct.unpack_from("<I", self._map, self._pos)
+        self._pos += 4
+        return v
+
+    def _u64(self) -> int:
+        (v,) = struct.unpack_from("<Q", self._map, self._pos)
+        self._pos += 8
+        return v
+
+    def _string(self) -> str:
+        n = self._u64()
+        raw = bytes(self._map[self._pos:self._pos + n])
+        if len(raw) != n:
+            raise IndexError(f"a string of {n} bytes runs past the end")
+        self._pos += n
+        return raw.decode("utf-8", "replace")
+
+    def _value(self, kind: int):
+        if kind == 8:
+            return self._string()
+        if kind == 9:
+            item, count = self._u32(), self._u64()
+            if item == 8:
+                return [self._string() for _ in range(count)]
+            if item in NUMPY:  # a numeric array in one read
+                dtype = np.dtype(NUMPY[item])
+                values = np.frombuffer(self._map, dtype=dtype, count=count, offset=self._pos)
+                self._pos += count * dtype.itemsize
+                return values.tolist()
+            return [self._value(item) for _ in range(count)]  # arrays of arrays
+        if kind not in SCALARS:
+            raise GGUFError(f"{self.path}: unknown metadata value type {kind} at byte {self._pos}")
+        (v,) = struct.unpack_from(SCALARS[kind], self._map, self._pos)
+        self._pos += struct.calcsize(SCALARS[kind])
+        return v
+
+    def _tensor_info(self) -> tuple[str, list[int], int, int]:
+        name = self._string()
+        dims = [self._u64() for _ in range(self._u32())]
+        return name, dims, self._u32(), self._u64()
