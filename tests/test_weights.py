@@ -221,3 +221,16 @@ def test_reader_parses_a_handwritten_file_and_refuses_broken_ones(tmp_path):
         _tiny_gguf(bad, header_only_bytes=cut)
         with pytest.raises(GGUFError, match="truncated"):
             GGUFFile(bad)
+
+
+def test_released_pages_still_read_the_same(tmp_path):
+    """release_pages drops a tensor's pages from memory, never its data: the view reads the file again."""
+    from minillm.gguf.reader import GGUFFile, release_pages
+
+    path = tmp_path / "big.gguf"
+    _tiny_gguf(path)
+    f = GGUFFile(path)
+    before = np.array(f.tensors["w"].data)
+    release_pages(f.tensors["w"].data)
+    release_pages(np.zeros(3))  # not a file map: left alone
+    assert np.array_equal(f.tensors["w"].data, before)

@@ -76,6 +76,7 @@ def gguf_state_dict(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[st
 def _q4_1_layers(sd: dict, make_layer) -> dict:
     """Our names -> make_layer(packed, d, m) for every Q4_1 tensor (removed from sd): the file's own codes (two per
     byte, minillm.gguf.weights.q4_1_packed), d and m."""
+    from minillm.gguf.reader import release_pages
     from minillm.gguf.weights import q4_1_packed
 
     layers = {}
@@ -83,6 +84,7 @@ def _q4_1_layers(sd: dict, make_layer) -> dict:
         if arr.dtype != np.uint8:
             continue
         codes, d, m = q4_1_packed(arr)  # q/k rows were already unpermuted: a row permutation keeps blocks whole
+        release_pages(arr)  # converted: its pages of the file map may leave memory
         layers[ours.removesuffix(".weight")] = make_layer(
             torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(np.ascontiguousarray(d)),
             torch.from_numpy(np.ascontiguousarray(m)))
@@ -120,9 +122,11 @@ def load_from_file(name: str = "smollm2-135m", dtype: str | torch.dtype = "float
     if raw_embed.dtype == np.uint8:  # kept as Q8_0 blocks
         if not cfg.tie_embeddings:
             raise ValueError("q8_0_tied keeps a tied embedding packed; this model's LM head is a separate tensor")
+        from minillm.gguf.reader import release_pages
         from minillm.gguf.weights import q8_0_blocks
 
         q, d = q8_0_blocks(raw_embed)
+        release_pages(raw_embed)
         head = q8_0_tied(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(d)),
                          torch_dtype)
     model = empty_model(cfg, attn_backend=attn_backend)

@@ -17,6 +17,7 @@ field and tensor against the `gguf` package's reader. Lessons 00 and 07 open the
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,3 +135,19 @@ class GGUFFile:
         name = self._string()
         dims = [self._u64() for _ in range(self._u32())]
         return name, dims, self._u32(), self._u64()
+
+
+def release_pages(view: np.ndarray) -> None:
+    """Tell the OS that a tensor read from a GGUFFile is no longer needed in memory (madvise DONTNEED on the whole
+    pages it spans): a loader that converts tensor by tensor then holds one tensor of the file at a time instead of
+    all of it beside the converted weights (~94 MiB of SmolLM2's peak). The data stays valid: the file's pages are
+    read back from the page cache if touched again. A view of anything but a file map is left alone."""
+    mm = getattr(view, "_mmap", None)
+    if mm is None or view.nbytes == 0:
+        return
+    base = np.frombuffer(mm, dtype=np.uint8).ctypes.data
+    start = view.ctypes.data - base
+    page = mmap.PAGESIZE
+    first, end = -(-start // page) * page, (start + view.nbytes) // page * page  # whole pages inside the view
+    if end > first:
+        mm.madvise(mmap.MADV_DONTNEED, first, end - first)
