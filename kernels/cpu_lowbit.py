@@ -232,6 +232,25 @@ def repack_q4_1_packed(packed: Tensor, scale: Tensor, minimum: Tensor, rows: int
     return repack_q4_1(torch.from_numpy(codes), scale, minimum, rows)
 
 
+def unrepack_q4_1(packed: Tensor, n: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The inverse of repack_q4_1: the kernel layout uint8 (groups, K/32, 20 * R) of an (n, k) weight -> (codes in
+    pack_int4's layout uint8 (n, k/2), scale fp16 (n, k/32), minimum fp16 (n, k/32)). For a layer that keeps only
+    this layout: its codes and scales are derived when something other than the kernel asks for them."""
+    p = packed.cpu().numpy()
+    groups, blocks, width = p.shape
+    rows = width // 20
+
+    def per_row(b: np.ndarray) -> Tensor:  # (groups, blocks, R * 2 bytes) -> fp16 (n, blocks)
+        h = np.ascontiguousarray(b).view(np.float16).reshape(groups, blocks, rows).transpose(0, 2, 1)
+        return torch.from_numpy(np.ascontiguousarray(h.reshape(groups * rows, blocks)[:n]))
+
+    nib = p[..., 4 * rows:].reshape(groups, blocks, 4, rows, 4)  # (group, block, chunk, row, byte)
+    c = np.stack([nib & 0x0F, nib >> 4], axis=-1)  # (..., half): element 16 * half + 4 * chunk + byte of a block
+    codes = c.transpose(0, 3, 1, 5, 2, 4).reshape(groups * rows, k)[:n]  # (group, row, block, half, chunk, byte)
+    return (torch.from_numpy(codes[:, 0::2] | (codes[:, 1::2] << 4)), per_row(p[..., :2 * rows]),
+            per_row(p[..., 2 * rows:4 * rows]))
+
+
 def repack_int8(q: Tensor, scale: Tensor, rows: int | None = None) -> Tensor:
     """int8 weights (N, K) with a float scale per row (N,) or per block (N, K/32) -> uint8 (ceil(N/R), K/32, 36 * R):
     for each group of R rows and block, scale[R] float32, then 8 chunks of 4 * R bytes whose lane r holds row r's

@@ -97,6 +97,10 @@ def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
         transform_weights(model, weights, sparsity, calibration_ids(tokenizer, 512) if sparsity else None)
     if fuse:
         fuse_model(model)
+    if weights == "q4" and on_cpu:  # one copy of each 4-bit layer: the kernels' layout (a no-op without them)
+        for layer in model.modules():
+            if isinstance(layer, Int4Linear):
+                layer.keep_kernel_layout_only()
     return model, tokenizer
 
 

@@ -629,3 +629,62 @@ def test_int8_kv_decode_falls_back_to_the_gather_path_without_the_kernels(kernel
             out[backend] = model(prompt[:, :1], kv_cache=cache)
     assert not calls
     torch.testing.assert_close(out["auto"], out["gather"], atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------- one copy: a 4-bit layer in the kernels' layout
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 70), blocks=st.integers(1, 4), rows=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_repack_q4_1_round_trips(n, blocks, rows, seed):
+    """unrepack_q4_1 is repack_q4_1's inverse for any row count (padded groups) and both lane widths."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, 32 * blocks), generator=g, dtype=torch.uint8)
+    scale, minimum = torch.rand(n, blocks, generator=g).half(), torch.randn(n, blocks, generator=g).half()
+    for r in (8, 16):
+        q, s, m = cpu_lowbit.unrepack_q4_1(cpu_lowbit.repack_q4_1(codes, scale, minimum, r), n, 32 * blocks)
+        assert torch.equal(q, quant.pack_int4(codes)) and torch.equal(s, scale) and torch.equal(m, minimum)
+
+
+def test_a_layer_kept_in_the_kernel_layout_alone_is_the_same_layer():
+    """keep_kernel_layout_only: one buffer of the same bytes; the same outputs; codes, scales and dequantize()
+    derived bit for bit; casts keep working; a move off the CPU is refused with what to do."""
+    need_kernels()
+    g = torch.Generator().manual_seed(3)
+    layer = Int4Linear(*quantize_int4(torch.randn(40, 96, generator=g), 32), group_size=32)
+    x = torch.randn(3, 96, generator=g)
+    before = {"y": layer(x), "codes": layer.codes(), "scale": layer.scale, "minimum": layer.minimum,
+              "w": layer.dequantize()}
+    nbytes = sum(b.numel() * b.element_size() for b in layer.buffers())
+    layer.keep_kernel_layout_only()
+    assert layer.kernel_layout_only and [n for n, _ in layer.named_buffers()] == ["kernel_weight"]
+    assert sum(b.numel() * b.element_size() for b in layer.buffers()) >= nbytes  # the same 20 bytes / 32 + padding
+    assert torch.equal(layer(x), before["y"]) and torch.equal(layer.codes(), before["codes"])
+    assert torch.equal(layer.scale, before["scale"]) and torch.equal(layer.minimum, before["minimum"])
+    assert torch.equal(layer.dequantize(), before["w"])
+    layer.to(torch.bfloat16)  # a model-wide cast: the uint8 layout stays, the layer still computes
+    assert torch.equal(layer(x), before["y"])
+    with pytest.raises(ValueError, match="device"):
+        layer.to("meta")
+
+
+def test_q4_model_keeps_one_copy_of_its_4bit_layers():
+    """load_model(weights='q4') on a CPU with the kernels: every Int4Linear holds only the kernel layout, and it
+    decodes exactly the tokens of the same model rebuilt with stored codes (derived from that layout) beside it."""
+    need_kernels()
+    import copy
+
+    import minillm
+
+    model, tok = minillm.load_model("smollm2-135m", weights="q4", fuse=True)
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    assert layers and all(m.kernel_layout_only for m in layers)
+    stored = copy.deepcopy(model)
+    for name, m in list(stored.named_modules()):
+        if isinstance(m, Int4Linear):
+            parent, child = name.rsplit(".", 1)
+            setattr(stored.get_submodule(parent), child, Int4Linear.from_packed(m.qweight, m.scale, m.minimum, 32))
+    assert not any(m.kernel_layout_only for m in stored.modules() if isinstance(m, Int4Linear))
+    ids = tok.encode("The capital of France is")
+    assert (minillm.generate(model, tok, ids, max_new_tokens=8).token_ids
+            == minillm.generate(stored, tok, ids, max_new_tokens=8).token_ids)

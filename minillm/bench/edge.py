@@ -110,11 +110,13 @@ else:
         memory(out, "loaded_")
         res = generate(model, None, spec["prompt_ids"], max_new_tokens=spec["n_new"], cache=spec["cache"],
                        kv_cache_dtype=spec["kv_cache_dtype"], ignore_eos=True)
-        # the CPU kernels' repacked layout of each 4-bit/8-bit layer, built at its first call and kept beside the
-        # stored codes (model_bytes counts only those)
-        packed = [getattr(m, "_packed", None) for m in model.modules()]
+        # the CPU kernels' repacked layout of a 4-bit/8-bit layer, built at its first call: a second copy beside the
+        # stored codes (model_bytes counts only those), unless the layer keeps that layout alone (Int4Linear's
+        # keep_kernel_layout_only: then it is the weights, counted once)
+        packed = [m._packed[1] for m in model.modules() if getattr(m, "_packed", None) is not None
+                  and m._packed[1] is not m._buffers.get("kernel_weight")]
         out.update(token_ids=res.token_ids, token_times=res.token_times, weights_bytes=model_bytes(model),
-                   packed_bytes=sum(p[1].numel() * p[1].element_size() for p in packed if p is not None))
+                   packed_bytes=sum(p.numel() * p.element_size() for p in packed))
         memory(out, "")
         # after the RSS was read: these allocate
         kv_dtype = torch.int8 if spec["kv_cache_dtype"] == "int8" else None
@@ -293,8 +295,9 @@ def run(quick: bool = False) -> BenchResult:
             + (f"; torch alone {bare['end_rss_MiB']:.0f} MiB, minillm's imports the other "
                f"{f['end_rss_MiB'] - bare['end_rss_MiB']:.0f}" if bare else "")
             + f"), weights {e['weights_MiB']:.0f} MiB"
-            + (f" plus {e['kernel_copy_MiB']:.0f} MiB more in the CPU kernels' repacked layout (a second copy: the "
-               f"stored codes stay for the state dict and dequantization)" if e.get("kernel_copy_MiB") else "")
+            + (f" plus {e['kernel_copy_MiB']:.0f} MiB more in the CPU kernels' repacked layout (a second copy, of "
+               f"the layers that keep their stored codes: the Q8_0 embedding/LM head, whose lookups read rows of "
+               f"them)" if e.get("kernel_copy_MiB") else "")
             + f", KV {e['kv_MiB']:.1f} MiB; after the generation it holds "
             f"{e['end_rss_MiB']:.0f} MiB and its peak was {e['peak_rss_MiB']:.0f} MiB"
             + (", reached while loading" if results["edge"]["loaded_peak_rss"] == results["edge"]["peak_rss"]

@@ -291,7 +291,31 @@ class Int4Linear(QuantizedLinear):
 
     @property
     def weight_storage(self) -> Tensor:
-        return self.qweight
+        return self._buffers["kernel_weight"] if self.kernel_layout_only else self.qweight
+
+    # ---- one copy: the CPU kernels' layout alone (lesson 14's edge profile; issue: a second copy of every weight)
+
+    @property
+    def kernel_layout_only(self) -> bool:
+        return "kernel_weight" in self._buffers
+
+    def keep_kernel_layout_only(self) -> None:
+        """Keep this layer once, in the CPU kernels' layout (the same 20 bytes per 32 weights), and drop the stored
+        codes and scales: the kernels read only that layout, and holding both doubled a q4 model's weight memory.
+        qweight, scale, minimum, codes() and dequantize() still work, derived from it when asked (lesson 07 reads them;
+        a decode step never does). A layer the kernels do not take is left as it is."""
+        if self.kernel_layout_only or not self.uses_cpu_kernels() or self.qweight.device.type != "cpu":
+            return
+        packed = self._kernel_pack()
+        for name in ("qweight", "scale", "minimum"):
+            del self._buffers[name]
+        self.register_buffer("kernel_weight", packed)
+
+    def __getattr__(self, name: str):
+        if name in ("qweight", "scale", "minimum") and "kernel_weight" in self.__dict__.get("_buffers", {}):
+            derived = cpu_lowbit.unrepack_q4_1(self._buffers["kernel_weight"], self.out_features, self.in_features)
+            return derived[("qweight", "scale", "minimum").index(name)]
+        return super().__getattr__(name)
 
     @classmethod
     def cat_rows(cls, layers: list[Int4Linear]) -> Int4Linear:
@@ -344,7 +368,15 @@ class Int4Linear(QuantizedLinear):
 
     def _apply(self, fn, recurse=True):
         self._cpu_pack = None  # moved: rebuild torch's copy from the buffers on the next CPU call
-        return super()._apply(fn, recurse)
+        if not self.kernel_layout_only:
+            return super()._apply(fn, recurse)
+        nn.Module._apply(self, fn, recurse)  # the uint8 layout: a cast leaves it as it is
+        kernel_weight = self._buffers["kernel_weight"]
+        if kernel_weight.device.type != "cpu":
+            raise ValueError("this 4-bit layer keeps only the CPU kernels' layout (keep_kernel_layout_only): load the "
+                             "model on the device it will run on, e.g. load_model(..., device='cuda')")
+        self._packed = (cpu_lowbit.rows_per_group(), kernel_weight)
+        return self
 
 
 class QuantizedEmbedding(nn.Module):
