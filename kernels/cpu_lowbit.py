@@ -3,9 +3,11 @@
 Decode reads every weight once per token, and torch's CPU int4/int8 kernels widen each to a float first. These quantize
 the activations to int8 per block of 32 (as llama.cpp does) and take integer dot products on the packed bytes; one C++
 source, built per instruction set (ISAS): vpdpbusd on 512-bit registers (avx512-vnni) or 256-bit ones (avx-vnni),
-vpmaddubsw + vpmaddwd (avx2), auto-vectorized loops (neon-dotprod, scalar). Built on first use, cached, and probed in a
-child process, since a VM may hide a feature the CPU lists ("Illegal instruction"): the next set down is tried. None
-loads: `load()` is None, `status()` says why, torch's kernels stay. MINILLM_CPU_KERNELS=off|<isa> forces a choice."""
+vpmaddubsw + vpmaddwd (avx2), auto-vectorized loops (neon-dotprod, scalar). Built on first use and cached; built,
+imported and run first in a child process, since a VM may hide a feature the CPU lists ("Illegal instruction") and a
+killed link leaves a truncated library (SIGBUS in dlopen): this process imports only a library a child ran, a crashing
+one is rebuilt once, and a failing set gives way to the next one down. None loads: `load()` is None, `status()` says
+why, torch's kernels stay. MINILLM_CPU_KERNELS=off|<isa> forces a choice."""
 
 from __future__ import annotations
 
@@ -86,26 +88,45 @@ def _say(line: str) -> None:
     print(f"minillm: {line}", file=sys.stderr, flush=True)
 
 
+def _digest() -> str:
+    """The sources' and headers' digest: a build (and its probe) stands for these sources only."""
+    return hashlib.sha256(b"".join(f.read_bytes() for f in sorted(SOURCE_DIR.glob("*.[ch]*")))).hexdigest()[:16]
+
+
+def _library(folder: Path) -> Path | None:
+    found = sorted(folder.glob(f"{folder.name}*.so"))
+    return found[0] if found else None
+
+
 def _build(isa: str):
+    """torch's cpp_extension build (a no-op when up to date) and import, under a lock the kernel releases when its
+    holder dies: a build killed mid-way (SIGTERM, SIGKILL) leaves torch's own lock file behind, which would make every
+    later build wait on it forever; holding ours, no one else is building, so a leftover one is stale."""
+    import fcntl
+
     from torch.utils.cpp_extension import load
 
     folder = _build_folder(isa)
-    name = folder.name
     folder.mkdir(parents=True, exist_ok=True)
-    if not list(folder.glob(f"{name}*.so")):
-        _say(f"compiling the CPU low-bit kernels for {isa} (once per machine, ~30-60 s) into {folder}")
-    # torch rebuilds when the sources or the flags change; the headers count through this digest in the flags
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(SOURCE_DIR.glob("*.[ch]*")))).hexdigest()[:16]
-    return load(name=name, sources=[str(SOURCE_DIR / s) for s in SOURCES], build_directory=str(folder),
-                extra_cflags=["-O3", "-fopenmp", f"-DMINILLM_SOURCES={digest}", *ISAS[isa][1]],
-                extra_ldflags=["-fopenmp"], extra_include_paths=[str(SOURCE_DIR)], verbose=False)
+    with open(folder / "minillm.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (folder / "lock").exists():
+            _say(f"removing a stale build lock left by a killed build in {folder}")
+            (folder / "lock").unlink()
+        if _library(folder) is None:
+            _say(f"compiling the CPU low-bit kernels for {isa} (once per machine, ~30-60 s) into {folder}")
+        # torch rebuilds when the sources or the flags change; the headers count through this digest in the flags
+        return load(name=folder.name, sources=[str(SOURCE_DIR / s) for s in SOURCES], build_directory=str(folder),
+                    extra_cflags=["-O3", "-fopenmp", f"-DMINILLM_SOURCES={_digest()}", *ISAS[isa][1]],
+                    extra_ldflags=["-fopenmp"], extra_include_paths=[str(SOURCE_DIR)], verbose=False)
 
 
+# Run in a child: build (if needed), import, and run every kernel on a small case against its plain reference loop.
 _PROBE = """
-import sys, torch
-sys.path.insert(0, {folder!r})
-import {name} as k
+import torch
+from minillm_kernels import cpu_lowbit
 from minillm_kernels.cpu_lowbit import repack_int8, repack_q4_1
+k = cpu_lowbit._build({isa!r})
 x, r = torch.randn(3, 64), k.rows
 codes = torch.randint(0, 16, (40, 64), dtype=torch.uint8)
 packed = repack_q4_1(codes, torch.rand(40, 2).half(), torch.randn(40, 2).half(), r)
@@ -121,22 +142,42 @@ print("ok")
 """
 
 
-def _probe(module) -> str | None:
-    """Run the kernel in a child process (an illegal instruction kills the child, not us); None when it works."""
-    folder = Path(module.__file__).parent
-    marker = folder / "probe-ok"
-    built = str(Path(module.__file__).stat().st_mtime_ns)  # a rebuilt library (new sources) is probed again
-    if marker.exists() and marker.read_text().strip() == built:
-        return None
-    code = _PROBE.format(folder=str(folder), name=module.__name__)
+def _run_child(isa: str) -> str | None:
+    """Build, import and run the kernels for `isa` in a child process; None when it worked. An instruction the CPU
+    (or its VM) does not execute, or a truncated library (a kill during the link, a full disk: SIGBUS in dlopen),
+    kills the child, never this process: the parent imports only a library a child has run."""
+    code = _PROBE.format(isa=isa)
     try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     except subprocess.TimeoutExpired:
-        return "the probe timed out"
-    if done.returncode != 0 or "ok" not in done.stdout:
-        return f"the probe failed (exit {done.returncode}): {(done.stderr or done.stdout).strip()[-200:]}"
-    marker.write_text(built + "\n")
-    return None
+        return "the build and probe took over 30 minutes"
+    if done.returncode == 0 and "ok" in done.stdout:
+        return None
+    why = f"signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
+    return f"the probe failed ({why}): {(done.stderr or done.stdout).strip()[-200:]}"
+
+
+def _probed_marker(library: Path) -> str:
+    return f"{_digest()} {library.stat().st_mtime_ns}"
+
+
+def _checked(isa: str) -> str | None:
+    """None when `isa`'s library (for these sources) was built and ran in a child, building and running it there if
+    needed; a library that kills its child is deleted and built once more (it may be a truncated file)."""
+    folder = _build_folder(isa)
+    marker = folder / "probe-ok"
+    library = _library(folder)
+    if library is not None and marker.exists() and marker.read_text().strip() == _probed_marker(library):
+        return None
+    problem = _run_child(isa)
+    if problem is not None and "(signal" in problem and _library(folder) is not None:
+        _say(f"{isa}: the built library crashed its probe ({problem[:60]}); deleting it and building it once more")
+        for f in folder.glob("*.so"):
+            f.unlink()
+        problem = _run_child(isa)
+    if problem is None and (library := _library(folder)) is not None:
+        marker.write_text(_probed_marker(library) + "\n")
+    return problem
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,12 +206,12 @@ def load():
     candidates = [forced] if forced != "auto" else supported_isas()
     failures = []
     for isa in candidates:
-        try:
-            module = _build(isa)
-        except Exception as err:  # a compiler or ninja error: say it, try the next set down
-            failures.append(f"{isa}: build failed ({str(err).strip().splitlines()[-1][:160] if str(err) else err!r})")
-            continue
-        problem = _probe(module)
+        problem = _checked(isa)  # built and run in a child first: an illegal instruction kills the child, not us
+        if problem is None:
+            try:
+                module = _build(isa)  # up to date: torch only imports it
+            except Exception as err:  # a compiler or ninja error: say it, try the next set down
+                problem = f"build failed ({str(err).strip().splitlines()[-1][:160] if str(err) else err!r})"
         if problem is None:
             _status = f"{module.isa} ({platform.machine()}): weights int4/int8, activations int8 per block of 32"
             if failures:

@@ -688,3 +688,72 @@ def test_q4_model_keeps_one_copy_of_its_4bit_layers():
     ids = tok.encode("The capital of France is")
     assert (minillm.generate(model, tok, ids, max_new_tokens=8).token_ids
             == minillm.generate(stored, tok, ids, max_new_tokens=8).token_ids)
+
+
+# ------------------------------------------------------------- the build: a child runs a library before we import it
+
+
+def _fake_build_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "minillm_lowbit_avx2"
+    folder.mkdir()
+    monkeypatch.setattr(cpu_lowbit, "_build_folder", lambda isa: folder)
+    return folder
+
+
+def test_a_library_that_kills_its_child_is_never_imported(tmp_path, monkeypatch):
+    """An illegal instruction (a forced ISA this CPU lacks, a feature the VM hides) kills the child that runs the
+    library; the parent never imports it, says why, and torch's kernels stay."""
+    _fake_build_folder(tmp_path, monkeypatch)
+    monkeypatch.setenv(cpu_lowbit.ENV, "avx2")
+    monkeypatch.setattr(cpu_lowbit, "_run_child", lambda isa: "the probe failed (signal 4): Illegal instruction")
+    imported = []
+    monkeypatch.setattr(cpu_lowbit, "_build", lambda isa: imported.append(isa))
+    cpu_lowbit.load.cache_clear()
+    try:
+        assert cpu_lowbit.load() is None and imported == []
+        assert "avx2: the probe failed (signal 4)" in cpu_lowbit.status() and "torch's" in cpu_lowbit.status()
+    finally:
+        cpu_lowbit.load.cache_clear()
+
+
+def test_a_truncated_library_is_rebuilt_once(tmp_path, monkeypatch):
+    """A library that crashes its child (a link killed half-way: SIGBUS in dlopen) is deleted and built again once;
+    the marker then records the sources' digest and the new library, so later processes import it directly."""
+    folder = _fake_build_folder(tmp_path, monkeypatch)
+    (folder / f"{folder.name}.so").write_bytes(b"\x7fELF truncated")
+    runs = []
+
+    def child(isa):
+        runs.append((folder / f"{folder.name}.so").exists())
+        if len(runs) == 1:
+            return "the probe failed (signal 7): Bus error"
+        (folder / f"{folder.name}.so").write_bytes(b"\x7fELF whole")  # the rebuild
+        return None
+
+    monkeypatch.setattr(cpu_lowbit, "_run_child", child)
+    assert cpu_lowbit._checked("avx2") is None
+    assert runs == [True, False]  # the second child ran with the bad library gone
+    library = folder / f"{folder.name}.so"
+    assert (folder / "probe-ok").read_text().split() == [cpu_lowbit._digest(), str(library.stat().st_mtime_ns)]
+    monkeypatch.setattr(cpu_lowbit, "_run_child", lambda isa: pytest.fail("a probed library is not probed again"))
+    assert cpu_lowbit._checked("avx2") is None
+
+
+def test_a_failure_that_is_not_a_crash_is_not_retried(tmp_path, monkeypatch):
+    folder = _fake_build_folder(tmp_path, monkeypatch)
+    (folder / f"{folder.name}.so").write_bytes(b"\x7fELF")
+    runs = []
+    monkeypatch.setattr(cpu_lowbit, "_run_child", lambda isa: runs.append(isa) or "the probe failed (exit 1): wrong")
+    assert "exit 1" in cpu_lowbit._checked("avx2") and runs == ["avx2"] and (folder / f"{folder.name}.so").exists()
+
+
+def test_a_stale_torch_build_lock_is_cleared_under_ours(tmp_path, monkeypatch):
+    """A build killed mid-way leaves torch's `lock` file; holding minillm's flock, no one else is building, so it is
+    removed instead of waited on forever (torch's cpp_extension.load is stubbed: nothing compiles here)."""
+    import torch.utils.cpp_extension as ext
+
+    folder = _fake_build_folder(tmp_path, monkeypatch)
+    (folder / "lock").write_text("")
+    seen = []
+    monkeypatch.setattr(ext, "load", lambda **kw: seen.append((folder / "lock").exists()) or "module")
+    assert cpu_lowbit._build("avx2") == "module" and seen == [False]
