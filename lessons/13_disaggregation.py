@@ -84,7 +84,7 @@ def recorded(name: str) -> dict:
 reqs = mixed_workload(tok, n_decode=2, decode_len=pick(48, 16), n_long=2, long_len=pick(768, 160),
                       gap_s=pick(1.5, 0.4), first_s=pick(0.5, 0.2))
 stall = []  # per run: a decode's worst inter-token gap over the median decode-only step (3 runs: the spread)
-for _ in range(3):
+for _ in range(pick(3, 2)):
     llm = LLM.from_model(model, tok, max_num_seqs=8, max_num_batched_tokens=pick(1024, 256))
     outs, wall = serve(llm, reqs)
     decode_only = sorted((s["t_end"] - s["t_start"]) for s in llm.step_log

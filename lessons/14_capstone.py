@@ -148,7 +148,7 @@ width = round((ladder["series"].get("interference", {}).get("speculation_x_batch
 split = {}
 for weights in ("dequantized", "q4"):
     m, _ = minillm.load_model(weights=weights)
-    split[weights] = step_breakdown(m, "batch", batch=width, context=256, repeat=pick(5, 2))
+    split[weights] = step_breakdown(m, "batch", batch=width, context=pick(256, 64), repeat=pick(5, 2))
     del m
 f32, q4 = split["dequantized"], split["q4"]
 print(f"predicted for rung 4 from its weight bytes alone: at most x{w_before / w_after:.1f} ({w_before:.0f} -> "
@@ -232,7 +232,7 @@ widths = spec.get("rows_per_step") or {"alone": 1.0, "alone + speculation": 1.0 
 if not spec.get("rows_per_step"):
     print("(this run recorded no rows per step: pricing the model's case, every sequence verifying k drafts)")
 m32, _ = minillm.load_model(dtype="float32")
-ctx = 256  # about the ladder's mean context
+ctx = pick(256, 64)  # about the ladder's mean context (quick: shorter)
 for where in ("alone", "batch"):
     b0, b1 = max(1, round(widths[where])), max(1, round(widths[f"{where} + speculation"]))
     plain = step_breakdown(m32, "batch", batch=b0, context=ctx, repeat=pick(5, 2))
@@ -320,12 +320,13 @@ for note in edge.get("notes", []):
     print("-", note)
 
 # %% [markdown]
-# What an on-device deployment needs beyond this: weights that are memory-mapped rather than copied (llama.cpp maps
-# the GGUF file, so its weights are page cache the OS can evict and share; minillm copies them into torch tensors);
-# no Python or torch runtime (the `torch floor` row above is what importing torch alone costs, which an
-# on-device runtime such as llama.cpp, ExecuTorch or MLC does not carry); kernels for the device's own integer dot
-# products (NEON `sdot` on phones) that read the one stored copy of the weights (the note above counts the second,
-# repacked copy minillm's CPU kernels keep); and a KV pool sized to the context the application needs, which
+# What an on-device deployment needs beyond this: weights used where they lie in the file (llama.cpp maps the GGUF
+# file, so its weights are page cache the OS can evict and share; minillm maps it too but converts each tensor into
+# its kernels' layout, a private copy); no Python or torch runtime (the `torch floor` row above is what importing
+# torch alone costs, which an on-device runtime such as llama.cpp, ExecuTorch or MLC does not carry); kernels for
+# the device's own integer dot products (NEON `sdot` on phones) that read one copy of the weights (minillm's 4-bit
+# layers keep only their kernel layout; the note above counts what still has two, the tied 8-bit embedding/LM head,
+# whose lookups read its rows); and a KV pool sized to the context the application needs, which
 # `minillm generate --profile edge` fixes at startup.
 #
 # The exercise states such a deployment as a service-level objective: what it must deliver, never how.

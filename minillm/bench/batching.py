@@ -16,14 +16,51 @@ from minillm.measure.metrics import summarize, timer
 from minillm.measure.workload import make_workload
 
 
-def hf_padded_generate(requests, max_batch: int, dtype: str) -> tuple[float, int]:
-    """transformers' padded batch generate: (wall seconds, useful output tokens)."""
-    from transformers import AutoModelForCausalLM
+def hf_llama_from(model):
+    """transformers' LlamaForCausalLM holding a minillm model's own weight tensors (no copy, seconds faster than
+    transformers reading the GGUF, which dequantizes it in numpy: ~15 s on a 2-core CPU). minillm keeps Q/K in
+    transformers' rotate-half layout, so the names are all that change."""
+    import re
 
-    from minillm.gguf.weights import gguf_path
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)).eval()
+    c = model.config
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim,
+                      num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+                      head_dim=c.head_dim, max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps,
+                      rope_theta=c.rope_theta, tie_word_embeddings=c.tie_embeddings)
+    with torch.device("meta"):  # no random init: every weight is assigned below
+        hf = LlamaForCausalLM(cfg)
+    names = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "attn.wq": "self_attn.q_proj",
+             "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj",
+             "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj"}
+
+    def hf_name(name: str) -> str:
+        block = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
+        if block:
+            return f"model.layers.{block[1]}.{names[block[2]]}.weight"
+        return {"embed.weight": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight"}.get(name,
+                                                                                                     "model." + name)
+
+    hf.load_state_dict({hf_name(n): t for n, t in model.state_dict().items()}, strict=True, assign=True)
+    hf.tie_weights()
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=cfg)  # its inv_freq buffer, built on the CPU
+    return hf.eval()
+
+
+def hf_padded_generate(requests, max_batch: int, dtype: str, model=None) -> tuple[float, int]:
+    """transformers' padded batch generate: (wall seconds, useful output tokens). transformers reads the GGUF itself,
+    or with `model` (quick mode) runs on that minillm model's weights (`hf_llama_from`)."""
+    if model is None:
+        from transformers import AutoModelForCausalLM
+
+        from minillm.gguf.weights import gguf_path
+
+        path = gguf_path()
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                  dtype=getattr(torch, dtype)).eval()
+    else:
+        hf = hf_llama_from(model).to(getattr(torch, dtype))
     pad = 0  # <|endoftext|>: masked out by the attention mask
 
     def run(batch):

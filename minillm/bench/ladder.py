@@ -21,8 +21,8 @@ from minillm.measure.metrics import summarize
 from minillm.measure.workload import Request, corpus_ids, serve
 
 SIZES = {  # quick: seconds on 2 cores; full: the whole ladder in ~10-15 minutes
-    True: {"n_chat": 4, "n_docs": 1, "system_tokens": 48, "doc_tokens": 96, "out_tokens": 8, "rate": 32.0,
-           "rung0_requests": 2, "ppl_tokens": 128, "budget": 64, "interference": False, "spec_methods": ("ngram",)},
+    True: {"n_chat": 3, "n_docs": 1, "system_tokens": 48, "doc_tokens": 96, "out_tokens": 6, "rate": 32.0,
+           "rung0_requests": 1, "ppl_tokens": 64, "budget": 64, "interference": False, "spec_methods": ("ngram",)},
     False: {"n_chat": 10, "n_docs": 3, "system_tokens": 160, "doc_tokens": 400, "out_tokens": 64, "rate": 8.0,
             "rung0_requests": 2, "ppl_tokens": 1024, "budget": 128, "interference": True,
             "spec_methods": ("ngram", "learned")},
