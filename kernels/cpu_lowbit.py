@@ -1,13 +1,10 @@
 """Build, probe and call the CPU low-bit matmul kernels (kernels/cpu/*.cpp): lesson 07's fast path on a CPU.
 
-Decode reads every weight once per token, and torch's CPU int4/int8 kernels widen each to a float first. These quantize
-the activations to int8 per block of 32 (as llama.cpp does) and take integer dot products on the packed bytes; one C++
-source, built per instruction set (ISAS): vpdpbusd on 512-bit registers (avx512-vnni) or 256-bit ones (avx-vnni),
-vpmaddubsw + vpmaddwd (avx2), auto-vectorized loops (neon-dotprod, scalar). Built on first use and cached; built,
-imported and run first in a child process, since a VM may hide a feature the CPU lists ("Illegal instruction") and a
-killed link leaves a truncated library (SIGBUS in dlopen): this process imports only a library a child ran, a crashing
-one is rebuilt once, and a failing set gives way to the next one down. None loads: `load()` is None, `status()` says
-why, torch's kernels stay. MINILLM_CPU_KERNELS=off|<isa> forces a choice."""
+torch's CPU int4/int8 kernels widen each weight to a float; these quantize the activations to int8 per block of 32
+(as llama.cpp does) and take integer dot products on the packed bytes, one source built per instruction set (ISAS).
+Built on first use and cached; built, imported and run first in a child process (a VM may hide a feature the CPU
+lists; a killed link leaves a truncated library), so this process imports only a library a child ran. None loads:
+`load()` is None, `status()` says why, torch's kernels stay. MINILLM_CPU_KERNELS=off|<isa> forces a choice."""
 
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
 """A GGUF file read the way a runtime reads it: parse the header once, map the tensor data, copy nothing.
 
-GGUF (llama.cpp's format) is a small header followed by the tensors' bytes:
-
-    "GGUF", version (u32), tensor count (u64), key/value count (u64)
-    key/value pairs: key (string), value type (u32), value     -- strings are a u64 length + UTF-8 bytes;
-                                                                   arrays an element type (u32), a count (u64), items
-    tensor infos: name (string), n_dims (u32), dims (u64 each, fastest-varying first), ggml type (u32), offset (u64)
-    padding to `general.alignment` (32 by default), then each tensor's bytes at its offset
-
-The `gguf` package reads the same files into numpy views of every field part, which takes ~5 s for SmolLM2's
-tokenizer arrays (49,152 tokens and 48,900 merges, hundreds of thousands of small views); here the metadata is
-parsed with struct in one pass (~0.1 s) and each tensor is a zero-copy view of one read-only memory map, so the
-OS pages weights in as they are touched and can share them between processes. tests/test_weights.py checks every
-field and tensor against the `gguf` package's reader. Lessons 00 and 07 open the file with it.
+The `gguf` package builds numpy views of every field part, ~5 s for SmolLM2's tokenizer arrays; here the metadata is
+parsed with struct in one pass (~0.2 s) and each tensor is a zero-copy view of one read-only memory map, so the OS
+pages weights in as they are touched. The layout is in GGUFFile's docstring; tests/test_weights.py checks every
+field and tensor against the `gguf` package's reader (lessons 00 and 07 open the file with it).
 """
 
 from __future__ import annotations
@@ -48,7 +39,14 @@ class TensorInfo:
 
 
 class GGUFFile:
-    """`metadata` (key -> str, int, float, bool or list) and `tensors` (name -> TensorInfo) of one GGUF file."""
+    """`metadata` (key -> str, int, float, bool or list) and `tensors` (name -> TensorInfo) of one GGUF file:
+
+        "GGUF", version (u32), tensor count (u64), key/value count (u64)
+        key/value pairs: key (string), value type (u32), value   -- a string is a u64 length + UTF-8 bytes; an array
+                                                                    an element type (u32), a count (u64), the items
+        tensor infos: name, n_dims (u32), dims (u64 each, fastest-varying first), ggml type (u32), offset (u64)
+        padding to `general.alignment` (32 by default), then each tensor's bytes at its offset
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
