@@ -122,8 +122,8 @@ def fuse(model: nn.Module) -> nn.Module:
     return fuse_norms(fuse_gate_up(fuse_qkv(model)))
 
 
-def count_ops(model: nn.Module, input_ids: Tensor, kv_cache=None, positions: Tensor | None = None) -> int:
-    """How many aten ops one forward dispatches (the per-step overhead fusion and compilation remove)."""
+def count_dispatched(fn, *args, **kwargs) -> int:
+    """How many aten ops fn(*args, **kwargs) dispatches, under inference_mode: exact, the same on every machine."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Counter(TorchDispatchMode):
@@ -134,5 +134,10 @@ def count_ops(model: nn.Module, input_ids: Tensor, kv_cache=None, positions: Ten
             return func(*args, **(kwargs or {}))
 
     with torch.inference_mode(), Counter():
-        model(input_ids, positions=positions, kv_cache=kv_cache, last_only=True)
+        fn(*args, **kwargs)
     return Counter.n
+
+
+def count_ops(model: nn.Module, input_ids: Tensor, kv_cache=None, positions: Tensor | None = None) -> int:
+    """How many aten ops one forward dispatches (the per-step overhead fusion and compilation remove)."""
+    return count_dispatched(model, input_ids, positions=positions, kv_cache=kv_cache, last_only=True)

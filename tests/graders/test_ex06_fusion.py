@@ -257,18 +257,9 @@ SLOWER_ALLOWED = 1.25  # fused / unfused step time, median of pairs; minillm's f
 
 
 def _count(fn, *args) -> int:
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from minillm.compile.fusion import count_dispatched
 
-    class Counter(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Counter.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with torch.inference_mode(), Counter():
-        fn(*args)
-    return Counter.n
+    return count_dispatched(fn, *args)
 
 
 def _unfused_add_norm(x, residual, weight, eps):
