@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
-SOURCES = ("bindings.cpp", "q4_1_matmul.cpp", "int8_matmul.cpp", "int8_kv_attention.cpp")
+SOURCES = ("bindings.cpp", "q4_1_matmul.cpp", "int8_matmul.cpp", "int8_kv_attention.cpp", "native_step.cpp")
 
 # instruction set -> (cpu flags it needs, compiler flags), best first
 ISAS = {
@@ -78,7 +78,7 @@ def describe() -> str:
         if (_build_folder(isa) / "probe-ok").exists():  # probed at least once (a rebuild is probed again on load)
             return f"{isa} (built and probed on this machine; used by q4/int8 models)"
     best = supported_isas()[0]
-    return f"{best} (this CPU's best set; compiled on first use of a q4/int8 model, ~40 s once)"
+    return f"{best} (this CPU's best set; compiled on first use of a q4/int8 model, ~40 s once on 2 cores)"
 
 
 def _say(line: str) -> None:

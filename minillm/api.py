@@ -76,12 +76,14 @@ def _q8_0_tied(q, d, dtype):
 
 def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str | None = "cpu",
                attn_backend: str = "sdpa", fuse: bool = False, weights: str = "dequantized",
-               sparsity: str | None = None):
+               sparsity: str | None = None, native: bool = False):
     """(model, tokenizer) of a known or saved model; downloads and verifies the weights on first use.
     fuse=True applies lesson 06's fusions (same logits, fewer ops per step; with weights="q4" the 4-bit rows are
     concatenated as they are); weights: see WEIGHTS ("q4" keeps the file's 4-bit layers packed); sparsity="2:4"
     prunes before any quantization (see SPARSITY and transform_weights). The order is fixed: load, prune, quantize,
-    fuse. minillm.compress.quantize.describe_arithmetic(model) says what the matmuls compute in."""
+    fuse. native=True (low-bit weights on a CPU) runs every layer of a step in one C++ call (lesson 06's last rung,
+    minillm.compile.native; fused first), refused with the reason where it cannot run.
+    minillm.compress.quantize.describe_arithmetic(model) says what the matmuls compute in."""
     check_weights(weights, sparsity)
     if weights == "q4" and saved_model_exists(name):
         raise ValueError(f"{name!r} is a saved float model with no file of 4-bit blocks to keep: use weights='int4' "
@@ -101,6 +103,10 @@ def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
         for layer in model.modules():
             if isinstance(layer, Int4Linear):
                 layer.keep_kernel_layout_only()
+    if native:
+        from minillm.compile.native import enable_native
+
+        enable_native(model)
     return model, tokenizer
 
 

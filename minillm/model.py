@@ -150,6 +150,8 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # lesson 06's last rung (minillm.compile.native.enable_native): every block in one C++ call, when it can
+        self.native_step = None
 
     # ------------------------------------------------------------------------------------------------ properties
 
@@ -182,6 +184,8 @@ class Transformer(nn.Module):
             cfg = self.config
             cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
             self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
+        if getattr(self, "native_step", None) is not None:  # it points into the old tensors
+            self.native_step = self.native_step.rebuilt(self)
         return self
 
     # ---------------------------------------------------------------------------------------------------- stages
@@ -198,6 +202,10 @@ class Transformer(nn.Module):
 
         Block i of self.layers uses cache layer i: a slice keeps its original indices (a pipeline stage writes its
         own layers of a shared cache). `hidden_states`, if given, receives the output of every block run."""
+        if self.native_step is not None and layers == slice(None) and hidden_states is None:
+            out = self.native_step(h, positions, kv_cache)  # None: a case it leaves to the eager blocks below
+            if out is not None:
+                return out
         cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # (b, 1, s, head_dim)
         for layer_id in range(len(self.layers))[layers]:
             h = self.layers[layer_id](h, cos, sin, self._attn, layer_id, kv_cache)

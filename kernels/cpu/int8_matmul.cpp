@@ -9,6 +9,7 @@
 // Layout (kernels/cpu_lowbit.py repack_int8): rows in groups of R = kRows, for each group and block 36 * R bytes:
 //   scale[R] float32 | 8 chunks of 4 * R bytes: in chunk j, the 4 bytes of lane r are row r's weights 4j..4j+3
 // A per-row scale is stored in every block (9 bits per weight instead of 8: one layout, one kernel for both).
+#include "lowbit.h"
 #include "matmul_driver.h"
 
 namespace minillm {
@@ -74,7 +75,7 @@ void int8_group(bool reference, const uint8_t* group, const QuantizedRows& x, in
   int8_group_scalar<MT>(group, x, m0, out);
 }
 
-struct Int8Group {  // the inner loops, as lowbit_matmul (matmul_driver.h) calls them
+struct Int8Group {  // the inner loops, as matmul_groups (matmul_driver.h) calls them
   bool reference;
   template <int MT>
   void operator()(const uint8_t* group, const QuantizedRows& x, int64_t m0, float* out) const {
@@ -82,9 +83,15 @@ struct Int8Group {  // the inner loops, as lowbit_matmul (matmul_driver.h) calls
   }
 };
 
-// x (..., K) float, packed = repack_int8(...) -> y (..., N) in x's dtype
-at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N, bool reference) {
-  return lowbit_matmul(x, packed, N, kQ8Bytes, "repack_int8", Int8Group{reference});
+void q4_1_matmul_groups(bool reference, const QuantizedRows& x, int64_t M, const uint8_t* w, int64_t N, int64_t g0,
+                        int64_t g1, float* y);
+
+int64_t group_bytes(WeightFormat format) { return format == kQ4_1 ? 20 * kRows : kQ8Bytes; }
+
+void weight_matmul_groups(WeightFormat format, bool reference, const QuantizedRows& x, int64_t M, const uint8_t* w,
+                          int64_t N, int64_t g0, int64_t g1, float* y) {
+  if (format == kQ4_1) return q4_1_matmul_groups(reference, x, M, w, N, g0, g1, y);
+  matmul_groups(x, M, w, N, kQ8Bytes, g0, g1, y, Int8Group{reference});
 }
 
 }  // namespace minillm

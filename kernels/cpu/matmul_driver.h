@@ -1,15 +1,11 @@
-// What the two low-bit matmuls share around their inner loops (lesson 07): quantize the activations, walk the
-// repacked weight groups in parallel, hand each group up to kTile activation rows, write the outputs.
+// What the two low-bit matmuls share around their inner loops (lesson 07): the quantized activation rows, and the
+// loop that hands each repacked group of weight rows up to kTile activation rows at a time. Plain C++ (no torch
+// headers: the one unit that includes them is bindings.cpp), so a kernel file compiles in seconds.
 #pragma once
-
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
-#include <vector>
 
 #include "q8_activations.h"
 #include "simd.h"
@@ -40,46 +36,22 @@ void with_tile(int64_t mt, F&& f) {
   }
 }
 
-// y (..., N) in x's dtype = x (..., K) @ W.T, W repacked as (ceil(N / kRows), K / 32, group_bytes) uint8 (`what`
-// names the repack function in errors). group(block_ptr, rows, m0, tile_of_MT) is called as
-// group.template operator()<MT>(...) for every group of weight rows and tile of activation rows.
+// y (M, N) row-major, columns of groups [g0, g1) = x (M rows) @ W.T, W repacked as (ceil(N / kRows), blocks,
+// group_bytes). group(block_ptr, x, m0, tile) is called as group.template operator()<MT>(...) for every group of
+// weight rows and tile of activation rows: each group's bytes are read once for every M.
 template <typename Group>
-at::Tensor lowbit_matmul(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, int64_t group_bytes,
-                         const char* what, Group&& group) {
-  TORCH_CHECK(x_in.dim() >= 1, "x must be (..., K)");
-  const int64_t K = x_in.size(-1), M = x_in.numel() / std::max<int64_t>(K, 1), groups = (N + kRows - 1) / kRows;
-  TORCH_CHECK(K % kBlock == 0, "K = ", K, " must be a multiple of 32 (the blocks of 32 inputs that share a scale)");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
-                  packed.size(0) == groups && packed.size(1) == K / kBlock && packed.size(2) == group_bytes,
-              "packed must be ", what, "'s contiguous uint8 (", groups, ", ", K / kBlock, ", ", group_bytes,
-              "), got ", packed.sizes());
-  const at::Tensor x = x_in.reshape({M, K}).to(at::kFloat).contiguous();
-  const int64_t blocks = K / kBlock;
-  at::Tensor xq = at::empty({M, K}, at::kChar), xd = at::empty({M, blocks}, at::kFloat);
-  at::Tensor xs = at::empty({M, blocks}, at::kFloat);
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row_q8(x.data_ptr<float>() + m * K, K, xq.data_ptr<int8_t>() + m * K, xd.data_ptr<float>() + m * blocks,
-                    xs.data_ptr<float>() + m * blocks);
-  const QuantizedRows rows{xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(), K, blocks};
-  at::Tensor y = at::empty({M, N}, at::kFloat);
-  float* out = y.data_ptr<float>();
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-    float tile[kTile * kRows];
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* weights = w + g * blocks * group_bytes;
-      const int64_t valid = std::min(kRows, N - g * kRows);  // the last group may be padding past N
-      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-        const int64_t mt = std::min<int64_t>(kTile, M - m0);
-        with_tile(mt, [&](auto tile_rows) { group.template operator()<decltype(tile_rows)::value>(weights, rows, m0, tile); });
-        for (int64_t t = 0; t < mt; ++t)
-          std::memcpy(out + (m0 + t) * N + g * kRows, tile + t * kRows, valid * sizeof(float));
-      }
+void matmul_groups(const QuantizedRows& x, int64_t M, const uint8_t* w, int64_t N, int64_t group_bytes, int64_t g0,
+                   int64_t g1, float* y, Group&& group) {
+  float tile[kTile * kRows];
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* weights = w + g * x.blocks * group_bytes;
+    const int64_t valid = std::min(kRows, N - g * kRows);  // the last group may be padding past N
+    for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+      const int64_t mt = std::min<int64_t>(kTile, M - m0);
+      with_tile(mt, [&](auto rows) { group.template operator()<decltype(rows)::value>(weights, x, m0, tile); });
+      for (int64_t t = 0; t < mt; ++t) std::memcpy(y + (m0 + t) * N + g * kRows, tile + t * kRows, valid * 4);
     }
-  });
-  std::vector<int64_t> shape = x_in.sizes().vec();
-  shape.back() = N;
-  return y.view(shape).to(x_in.scalar_type());
+  }
 }
 
 }  // namespace minillm

@@ -16,6 +16,7 @@
 //
 // M (rows of x): a block's codes are unpacked once and used for kTile activation rows held in registers, so the
 // bytes that bound decode are read once per call whatever M is.
+#include "lowbit.h"
 #include "matmul_driver.h"
 
 namespace minillm {
@@ -28,8 +29,8 @@ void q4_1_group_scalar(const uint8_t* group, const QuantizedRows& x, int64_t m0,
   float acc[MT][kRows] = {};
   for (int64_t b = 0; b < x.blocks; ++b) {
     const uint8_t* blk = group + b * kQ4Bytes;
-    const c10::Half* d = reinterpret_cast<const c10::Half*>(blk);
-    const c10::Half* m = d + kRows;
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(blk);  // float16 bits
+    const uint16_t* m = d + kRows;
     const uint8_t* codes = blk + 4 * kRows;
     for (int t = 0; t < MT; ++t) {
       const int64_t row = m0 + t;
@@ -58,8 +59,8 @@ void q4_1_group_simd(const uint8_t* group, const QuantizedRows& x, int64_t m0, f
   for (int t = 0; t < MT; ++t) acc[t] = zero_f();
   for (int64_t b = 0; b < x.blocks; ++b) {
     const uint8_t* blk = group + b * kQ4Bytes;
-    const VecF d = load_halves(reinterpret_cast<const c10::Half*>(blk));
-    const VecF m = load_halves(reinterpret_cast<const c10::Half*>(blk) + kRows);
+    const VecF d = load_halves(reinterpret_cast<const uint16_t*>(blk));
+    const VecF m = load_halves(reinterpret_cast<const uint16_t*>(blk) + kRows);
     VecI codes[8];  // codes[j]: lane r = row r's codes 4j..4j+3
     for (int c = 0; c < 4; ++c) {
       const VecI chunk = load_i(blk + 4 * kRows + c * 4 * kRows);
@@ -92,7 +93,7 @@ void q4_1_group(bool reference, const uint8_t* group, const QuantizedRows& x, in
   q4_1_group_scalar<MT>(group, x, m0, out);
 }
 
-struct Q4Group {  // the inner loops, as lowbit_matmul (matmul_driver.h) calls them
+struct Q4Group {  // the inner loops, as matmul_groups (matmul_driver.h) calls them
   bool reference;
   template <int MT>
   void operator()(const uint8_t* group, const QuantizedRows& x, int64_t m0, float* out) const {
@@ -100,9 +101,9 @@ struct Q4Group {  // the inner loops, as lowbit_matmul (matmul_driver.h) calls t
   }
 };
 
-// x (..., K) float, packed = repack_q4_1(...) -> y (..., N) in x's dtype
-at::Tensor q4_1_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N, bool reference) {
-  return lowbit_matmul(x, packed, N, kQ4Bytes, "repack_q4_1", Q4Group{reference});
+void q4_1_matmul_groups(bool reference, const QuantizedRows& x, int64_t M, const uint8_t* w, int64_t N, int64_t g0,
+                        int64_t g1, float* y) {
+  matmul_groups(x, M, w, N, kQ4Bytes, g0, g1, y, Q4Group{reference});
 }
 
 }  // namespace minillm

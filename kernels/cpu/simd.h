@@ -14,10 +14,10 @@
 // build per instruction set, cached. Without AVX2 the plain loops (the reference) run, vectorized by the compiler.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#include <c10/util/Half.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -48,7 +48,45 @@ constexpr int64_t kRows = 8;
 constexpr int64_t kTile = 4;
 #endif
 
-inline float half_to_float(c10::Half h) { return static_cast<float>(h); }
+// IEEE float16 bits -> float (the scales of Q4_1 and the int8 KV cache): plain C++, so no kernel includes torch
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000 | (mantissa << 13);  // inf, NaN
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);  // normal: rebias 15 -> 127
+  } else if (mantissa == 0) {
+    bits = sign;  // +-0
+  } else {  // subnormal: normalise the mantissa
+    exponent = 113;
+    while (!(mantissa & 0x400)) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// float -> IEEE float16 bits, round to nearest even (the int8 KV cache's scales, as torch's .half() rounds them)
+inline uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
+  const uint32_t a = x & 0x7FFFFFFF;
+  if (a >= 0x7F800000) return sign | 0x7C00 | (a > 0x7F800000 ? 0x200 : 0);  // inf, NaN
+  if (a >= 0x477FF000) return sign | 0x7C00;  // rounds past 65504: inf
+  if (a < 0x38800000) {  // below 2^-14: a float16 subnormal (or zero)
+    float magnitude;
+    std::memcpy(&magnitude, &a, 4);
+    return sign | static_cast<uint16_t>(std::nearbyint(magnitude * 16777216.f));  // units of 2^-24, ties to even
+  }
+  const uint32_t rounded = a + 0xFFF + ((a >> 13) & 1);  // ties to even on the 13 bits dropped
+  return sign | static_cast<uint16_t>((rounded - 0x38000000) >> 13);
+}
 
 #if defined(MINILLM_AVX512)
 using VecI = __m512i;
@@ -71,7 +109,7 @@ inline VecF mul_f(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
 inline VecF fma_f(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VecF load_f(const float* p) { return _mm512_loadu_ps(p); }
 inline void store_f(float* p, VecF v) { _mm512_storeu_ps(p, v); }
-inline VecF load_halves(const c10::Half* p) {  // kRows fp16 -> floats
+inline VecF load_halves(const uint16_t* p) {  // kRows fp16 -> floats
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline VecI broadcast4(const int8_t* q) {
@@ -106,7 +144,7 @@ inline VecF mul_f(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
 inline VecF fma_f(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
 inline VecF load_f(const float* p) { return _mm256_loadu_ps(p); }
 inline void store_f(float* p, VecF v) { _mm256_storeu_ps(p, v); }
-inline VecF load_halves(const c10::Half* p) {
+inline VecF load_halves(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 inline VecI broadcast4(const int8_t* q) {

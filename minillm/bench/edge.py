@@ -19,9 +19,9 @@ from minillm.measure.harness import BenchResult
 
 # One thread, the file's 4-bit weights kept packed (q4, fused), an int8 KV cache in a paged pool that holds one
 # context of at most 512 tokens; `minillm generate --profile edge` applies it too.
-EDGE_PROFILE = {"threads": 1, "weights": "q4", "fuse": True, "kv_cache_dtype": "int8", "cache": "paged",
-                "max_context": 512}
-DEFAULT_PROFILE = {"threads": 1, "weights": "dequantized", "fuse": False, "kv_cache_dtype": None,
+EDGE_PROFILE = {"threads": 1, "weights": "q4", "fuse": True, "native": True, "kv_cache_dtype": "int8",
+                "cache": "paged", "max_context": 512}
+DEFAULT_PROFILE = {"threads": 1, "weights": "dequantized", "fuse": False, "native": False, "kv_cache_dtype": None,
                    "cache": "contiguous"}
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 MARK = "EDGE_RESULT "
@@ -105,7 +105,7 @@ else:
         memory(out, "")
     else:
         t0 = time.perf_counter()
-        model, tok = load_model("smollm2-135m", weights=spec["weights"], fuse=spec["fuse"])
+        model, tok = load_model("smollm2-135m", weights=spec["weights"], fuse=spec["fuse"], native=spec["native"])
         out["load_s"], out["ready_s"] = time.perf_counter() - t0, time.perf_counter() - t_start
         memory(out, "loaded_")
         res = generate(model, None, spec["prompt_ids"], max_new_tokens=spec["n_new"], cache=spec["cache"],
@@ -235,7 +235,7 @@ def run(quick: bool = False) -> BenchResult:
             "max_context": EDGE_PROFILE["max_context"], "path": str(path)}
     profiles = [  # the float32 default first: it is every other row's quality reference
         ("fp32 default", "fp32 weights, contiguous fp32 KV", "minillm", DEFAULT_PROFILE),
-        ("edge", "q4 fused, paged int8 KV", "minillm", EDGE_PROFILE),
+        ("edge", "q4 native step, paged int8 KV", "minillm", EDGE_PROFILE),
         ("llama.cpp", "llama-cpp-python, same GGUF", "llama.cpp", {"threads": threads}),
         ("floor", "import minillm.api, no model", "floor", {"threads": threads}),
         ("torch floor", "import torch alone", "torch", {"threads": threads}),

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="q4: keep the file's 4-bit blocks packed (lesson 07); the stats say what the matmuls "
                           "compute in (default: dequantized)")
     gen.add_argument("--fuse", action="store_true", help="lesson 06's fusions (q/k/v, gate/up, add+norm)")
+    gen.add_argument("--native", action="store_true",
+                     help="every layer of a step in one C++ call (lesson 06's last rung; fuses; needs --weights "
+                          "q4, int8 or int4 on the CPU)")
     gen.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     gen.add_argument("--cache", choices=list(CACHE_KINDS), default=None, help="default: contiguous")
     gen.add_argument("--attn", choices=backend_names(), default="sdpa", help="attention backend")
@@ -78,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sp", action="store_true", help="sequence parallelism on top of --tp (lesson 11)")
     gen.add_argument("--profile", choices=["edge"], default=None,
                      help="edge: the smallest configuration that still serves (lesson 14, minillm bench edge): 1 "
-                          "thread, the file's q4 weights fused, a paged int8 KV cache, contexts up to 512 tokens; "
+                          "thread, the file's q4 weights in the native step, a paged int8 KV cache, contexts up to "
+                          "512 tokens; "
                           "refused beside flags that set these otherwise")
 
     bench = sub.add_parser("bench", help="run a benchmark (minillm bench --list)")
@@ -119,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="q4: the file's 4-bit blocks; int8/int4: re-quantized from the float weights")
     srv.add_argument("--sparsity", choices=["2:4"], default=None, help="prune 2:4 (Wanda) before quantizing")
     srv.add_argument("--fuse", action="store_true", help="lesson 06's fusions")
+    srv.add_argument("--native", action="store_true",
+                     help="every layer of a step in one C++ call (lesson 06; needs --weights q4, int8 or int4)")
     srv.add_argument("--kv-cache-dtype", choices=["int8"], default=None, help="an int8 KV pool (lesson 07)")
     srv.add_argument("--speculative", choices=["ngram", "learned"], default=None,
                      help="speculative decoding in the engine (lesson 10): prompt lookup or the shipped draft head")

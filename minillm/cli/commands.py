@@ -91,10 +91,11 @@ def cmd_serve(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
               weights=args.weights, sparsity=args.sparsity, fuse=args.fuse, kv_cache_dtype=args.kv_cache_dtype,
-              speculative=spec)
+              speculative=spec, native=args.native)
     access = access_policy(args)
     composed = [f"weights {args.weights}"] + [x for x, on in (
-        (f"sparsity {args.sparsity}", args.sparsity), ("fused", args.fuse), ("int8 KV", args.kv_cache_dtype),
+        (f"sparsity {args.sparsity}", args.sparsity), ("fused", args.fuse), ("native step", args.native),
+        ("int8 KV", args.kv_cache_dtype),
         (f"speculative {args.speculative} k={args.k}", args.speculative)) if on]
     print(f"minillm serve: {args.model} ({args.dtype}; {', '.join(composed)}), {llm!r}, prefix caching "
           f"{'on' if args.enable_prefix_caching else 'off'}; {machine}", flush=True)

@@ -28,11 +28,11 @@ def apply_profile(args) -> dict | None:
                                           ("--sp", args.sp)) if on]
         if clashes:
             raise UsageError(f"--profile edge sets {profile['threads']} thread, --weights {profile['weights']} "
-                             f"--fuse, --cache {profile['cache']} with an int8 KV cache, on the CPU: drop "
+                             f"--native, --cache {profile['cache']} with an int8 KV cache, on the CPU: drop "
                              f"{', '.join(clashes)}")
         args.threads, args.weights, args.cache, args.device = (profile["threads"], profile["weights"],
                                                                profile["cache"], "cpu")
-        args.fuse = profile["fuse"]
+        args.fuse, args.native = profile["fuse"], profile["native"]
     args.dtype = args.dtype or "float32"
     args.weights = args.weights or "dequantized"
     args.cache = args.cache or "contiguous"
@@ -69,7 +69,7 @@ def cmd_generate(args) -> int:
         spec = SpeculativeConfig(args.speculative, k=args.k, draft_model=args.draft_model)  # refuses bad combos
         spec_stats = SpecStats()
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, attn_backend=args.attn, fuse=args.fuse,
-                            weights=args.weights)
+                            weights=args.weights, native=args.native)
     kv_dtype = profile["kv_cache_dtype"] if profile else None
     if profile:  # the edge pool holds one context of max_context tokens
         n_prompt = len(tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user",

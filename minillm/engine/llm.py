@@ -42,11 +42,11 @@ class LLM:
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, attn_backend: str = "sdpa",
                  fuse: bool = False, kv_cache_dtype: str | None = None, weights: str = "dequantized",
                  speculative: SpeculativeConfig | None = None, enable_prefix_caching: bool = False,
-                 sparsity: str | None = None):
+                 sparsity: str | None = None, native: bool = False):
         from minillm.api import load_model
 
         model, tokenizer = load_model(model_name, dtype=dtype, device=device, attn_backend=attn_backend, fuse=fuse,
-                                      weights=weights, sparsity=sparsity)
+                                      weights=weights, sparsity=sparsity, native=native)
         self._setup(model, tokenizer, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                     kv_cache_dtype=kv_cache_dtype, speculative=speculative,

@@ -1,0 +1,125 @@
+"""One native step: every decoder layer of a forward in one C++ call (lesson 06's last rung).
+
+eager -> fused -> compiled -> native: a q4 decode step in eager torch issues ~2,000 ops from Python, and what they
+cost beyond their matmuls does not shrink with a second thread. `enable_native(model)` attaches a `NativeStep` that
+Transformer.run_layers calls instead (kernels/cpu/native_step.cpp): the same math on the same cache, for any packed
+mix of decodes, verifies and prompt chunks, so generate(), the engine and speculative verify all take it. Where it
+cannot run (no kernels, float weights, a cache it does not know, autograd, torch.compile) the eager layers do.
+"""
+
+from __future__ import annotations
+
+import torch
+from minillm_kernels import cpu_lowbit
+from torch import Tensor, nn
+
+from minillm.cache.paged import PagedKVCache
+from minillm.compile.fusion import FusedGateUpMLP, FusedNormBlock, FusedQKVAttention, fuse
+from minillm.compress.quant import Int4Linear, Int8Linear
+from minillm.kv_cache import Int8KVCache, KVCache
+
+FORMATS = {Int4Linear: 0, Int8Linear: 1}  # kernels/cpu/lowbit.h WeightFormat
+
+
+def why_not_native(model: nn.Module) -> str | None:
+    """None if `enable_native(model)` can run this model's layers natively, else the reason it cannot."""
+    if cpu_lowbit.load() is None:
+        return f"the CPU kernels are not loaded ({cpu_lowbit.status()})"
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return f"the native step runs float32 activations on the CPU; this model is {model.dtype} on {model.device}"
+    for i, block in enumerate(model.layers):
+        attn, mlp = block.attn, block.mlp
+        qkv = attn.wqkv if isinstance(attn, FusedQKVAttention) else attn.wq
+        gate_up = mlp.gate_up_proj if isinstance(mlp, FusedGateUpMLP) else mlp.gate
+        for name, layer in (("attention q/k/v", qkv), ("attention output", attn.wo), ("gate/up", gate_up),
+                            ("down", mlp.down)):
+            if type(layer) not in FORMATS or not layer.uses_cpu_kernels():
+                return (f"layer {i}'s {name} projection is {type(layer).__name__}: the native step runs the low-bit "
+                        f"kernels' formats (load_model(weights='q4' or 'int8'))")
+    return None
+
+
+class NativeStep:
+    """The model's layers as one C++ object (weights referenced, not copied); called by Transformer.run_layers."""
+
+    def __init__(self, model: nn.Module):
+        if (why := why_not_native(model)) is not None:
+            raise ValueError(f"no native step for this model: {why}")
+        fuse(model)  # q|k|v and gate|up as one weight each, the layout the C++ step reads
+        cfg, tensors, formats = model.config, [], []
+        for block in model.layers:
+            assert isinstance(block, FusedNormBlock) and isinstance(block.attn, FusedQKVAttention)
+            assert isinstance(block.mlp, FusedGateUpMLP)
+            weights = (block.attn.wqkv, block.attn.wo, block.mlp.gate_up_proj, block.mlp.down)
+            tensors += [block.attn_norm.weight.detach().contiguous(), weights[0]._kernel_pack(),
+                        weights[1]._kernel_pack(), block.mlp_norm.weight.detach().contiguous(),
+                        weights[2]._kernel_pack(), weights[3]._kernel_pack()]
+            formats += [FORMATS[type(w)] for w in weights]
+        self.eps = model.layers[0].attn_norm.eps
+        sizes = [cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim]
+        self.decoder = cpu_lowbit.load().NativeDecoder(sizes, self.eps, model.rope_cos, model.rope_sin, tensors,
+                                                       formats)
+        self.n_layers, self.dim = len(model.layers), cfg.dim
+
+    def rebuilt(self, model: nn.Module) -> NativeStep | None:
+        """After the model moved or was cast (Transformer._apply): a step over its new tensors, or None."""
+        return NativeStep(model) if why_not_native(model) is None else None
+
+    def __call__(self, h: Tensor, positions: Tensor, kv_cache) -> Tensor | None:
+        """h (batch, seq, dim) after the embedding -> after the last block, or None: run the eager layers instead."""
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or h.dtype != torch.float32:
+            return None
+        b, s, dim = h.shape
+        where = cache_layout(kv_cache, b, s, self.n_layers)
+        if where is None:
+            return None
+        seq, tables, block_size, k, v, k_scale, v_scale, strides = where
+        out = h.reshape(b * s, dim).clone()  # updated in place by the step
+        self.decoder.step(out, positions.reshape(-1).contiguous(), seq, tables, block_size, k, v, k_scale, v_scale,
+                          strides, torch.get_num_threads())
+        return out.view(b, s, dim)
+
+
+def cache_layout(cache, batch: int, seq: int, n_layers: int):
+    """Where a cache keeps each token's keys and values, as native_step.h's NativeCache reads them, or None for a
+    cache the native step does not know (it then leaves the forward to the eager layers)."""
+    empty = torch.empty(0, dtype=torch.float16)
+    if type(cache) in (KVCache, Int8KVCache):  # (layers, batch, n_kv, max_len, D): a "block" of max_len per row
+        k, v = cache.k, cache.v
+        if k.dtype not in (torch.float32, torch.int8) or k.shape[0] < n_layers:
+            return None
+        n_kv, max_len = k.shape[2], k.shape[3]
+        tables = (torch.arange(batch, dtype=torch.int32) * n_kv)[:, None]
+        seqs = torch.arange(batch, dtype=torch.int32).repeat_interleave(seq)
+        strides = [k.stride(0), k.stride(3), k.stride(2)]
+        if k.dtype == torch.int8:
+            ks, vs = cache.k_scale, cache.v_scale
+            return seqs, tables, max_len, k, v, ks, vs, strides + [ks.stride(0), ks.stride(3), ks.stride(2)]
+        return seqs, tables, max_len, k, v, empty, empty, strides + [0, 0, 0]
+    if isinstance(cache, PagedKVCache) and cache._step is not None and cache.decode_backend == "auto":
+        pool, (meta, _) = cache.pool, cache._step
+        k, v = pool.k, pool.v  # (layers, blocks, block_size, n_kv, D)
+        if k.dtype not in (torch.float32, torch.int8) or k.shape[0] < n_layers or meta.num_tokens != batch * seq:
+            return None
+        lens = torch.as_tensor(meta.host_query_lens)
+        seqs = torch.arange(meta.num_seqs, dtype=torch.int32).repeat_interleave(lens)
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        strides = [k.stride(0), k.stride(2), k.stride(3)]
+        if k.dtype == torch.int8:
+            ks, vs = pool.k_scale, pool.v_scale
+            strides += [ks.stride(0), ks.stride(2), ks.stride(3)]
+            return seqs, tables, cache.block_size, k, v, ks, vs, strides
+        return seqs, tables, cache.block_size, k, v, empty, empty, strides + [0, 0, 0]
+    return None
+
+
+def enable_native(model: nn.Module) -> nn.Module:
+    """Run `model`'s layers natively from now on (fusing them first, in place); raises ValueError saying why if it
+    cannot (why_not_native). Returns the model."""
+    model.native_step = NativeStep(model)
+    return model
+
+
+def disable_native(model: nn.Module) -> nn.Module:
+    model.native_step = None
+    return model
