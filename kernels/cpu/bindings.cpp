@@ -174,7 +174,7 @@ struct NativeDecoder {
 
   // h (T, dim) float32, updated in place. positions (T,) int64; seq (T,) int32, each token's row of tables (S, W)
   // int32. k, v: the whole cache (float32, or int8 with float16 k_scale, v_scale); strides as NativeCache says.
-  void step(at::Tensor h, const at::Tensor& positions, const at::Tensor& seq, const at::Tensor& tables,
+  std::vector<double> step(at::Tensor h, const at::Tensor& positions, const at::Tensor& seq, const at::Tensor& tables,
             int64_t block_size, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_scale,
             const at::Tensor& v_scale, std::vector<int64_t> strides, int64_t threads) {
     const NativeModel& m = model;
@@ -227,7 +227,9 @@ struct NativeDecoder {
                             strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
                             tb, width, block_size};
     const NativeTokens tokens{T, pos, sq};
-    native_layers(m, cache, tokens, h.data_ptr<float>(), static_cast<int>(threads));
+    std::vector<double> seconds(4, 0.0);
+    native_layers(m, cache, tokens, h.data_ptr<float>(), static_cast<int>(threads), seconds.data());
+    return seconds;  // matmul, attention, pointwise, total (native_step.h NativeStage)
   }
 };
 
@@ -244,7 +246,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<std::vector<int64_t>, double, at::Tensor, at::Tensor, std::vector<at::Tensor>,
                           std::vector<int64_t>>())
       .def("step", &NativeDecoder::step, pybind11::call_guard<pybind11::gil_scoped_release>(),
-           "every decoder layer over the step's packed tokens, h updated in place (native_step.cpp)");
+           "every decoder layer over the step's packed tokens, h updated in place (native_step.cpp); returns the "
+           "seconds of its matmuls, attention, pointwise work and the whole call");
   m.attr("isa") = minillm::kIsa;
   m.attr("rows") = minillm::kRows;  // weight rows per repacked group: the layout repack_* must build
 }

@@ -14,6 +14,9 @@
 #include "native_step.h"
 
 #include <omp.h>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -94,66 +97,149 @@ void write_row(const Where& at, int64_t slot, int64_t head, const float* x, int6
   scales[at.scale_at(slot, head)] = s16;
 }
 
-// one query head of one token over positions 0..n-1 of its sequence: out (D) = softmax(q k^T * scale) v
-template <int64_t kD>
-void attend(const float* q, const Where& at, int64_t seq, int64_t n, int64_t kv_head, int64_t D_any, float scale,
-            float* scores, float* out) {
-  const int64_t D = kD ? kD : D_any;
-  const NativeCache& c = at.c;
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t p0 = 0; p0 < n; p0 += c.block_size) {  // a block at a time: one table read per block_size keys
-    const int64_t first = at.slot(seq, p0), len = std::min(c.block_size, n - p0);
-    for (int64_t r = 0; r < len; ++r) {
-      const int64_t off = at.row(first + r, kv_head);
-      float dot = 0.f;
-      if (c.int8) {
-        const int8_t* k = static_cast<const int8_t*>(c.k) + off;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += q[d] * static_cast<float>(k[d]);
-        dot *= half_to_float(c.k_scale[at.scale_at(first + r, kv_head)]);
-      } else {
-        const float* k = static_cast<const float*>(c.k) + off;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
-      }
-      scores[p0 + r] = dot * scale;
-      top = std::max(top, dot * scale);
-    }
+inline float dot(const float* a, const float* b, int64_t D) {
+#if defined(MINILLM_SIMD)
+  if (D % kRows == 0) {
+    VecF acc = zero_f();
+    for (int64_t d = 0; d < D; d += kRows) acc = fma_f(load_f(a + d), load_f(b + d), acc);
+    return sum_f(acc);
   }
+#endif
   float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t p = 0; p < n; ++p) {
-    scores[p] = exp_nonpositive(scores[p] - top);
-    sum += scores[p];
+  for (int64_t d = 0; d < D; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+inline void add_scaled(float w, const float* x, float* y, int64_t D) {  // y += w * x
+#if defined(MINILLM_SIMD)
+  if (D % kRows == 0) {
+    const VecF wv = set1_f(w);
+    for (int64_t d = 0; d < D; d += kRows) store_f(y + d, fma_f(wv, load_f(x + d), load_f(y + d)));
+    return;
   }
-  float acc[kD ? kD : 1];
-  std::vector<float> any(kD ? 0 : D);
-  float* a = kD ? acc : any.data();
-  std::fill(a, a + D, 0.f);
-  for (int64_t p0 = 0; p0 < n; p0 += c.block_size) {
-    const int64_t first = at.slot(seq, p0), len = std::min(c.block_size, n - p0);
-    for (int64_t r = 0; r < len; ++r) {
-      const int64_t off = at.row(first + r, kv_head);
-      if (c.int8) {
-        const float w = scores[p0 + r] * half_to_float(c.v_scale[at.scale_at(first + r, kv_head)]);
-        const int8_t* v = static_cast<const int8_t*>(c.v) + off;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] += w * static_cast<float>(v[d]);
-      } else {
-        const float w = scores[p0 + r];
-        const float* v = static_cast<const float*>(c.v) + off;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
-      }
+#endif
+  for (int64_t d = 0; d < D; ++d) y[d] += w * x[d];
+}
+
+// one cached key or value row as floats (an int8 row widened and scaled)
+inline const float* cached_row(const Where& at, const void* base, const uint16_t* scales, int64_t slot,
+                               int64_t head, int64_t D, float* widened) {
+  const int64_t off = at.row(slot, head);
+  if (!at.c.int8) return static_cast<const float*>(base) + off;
+  const float s = half_to_float(scales[at.scale_at(slot, head)]);
+  const int8_t* codes = static_cast<const int8_t*>(base) + off;
+  for (int64_t d = 0; d < D; ++d) widened[d] = s * static_cast<float>(codes[d]);
+  return widened;
+}
+
+// While alive, this thread treats denormal floats as zero (x86 MXCSR FTZ and DAZ), as torch's own kernels can be
+// told to (torch.set_flush_denormal): a softmax weight of e^-80 times a value is a denormal, and every arithmetic
+// instruction on one takes a slow microcode path. Restored on exit: the thread belongs to torch's pool.
+struct DenormalsAsZero {
+#if defined(__SSE2__)
+  unsigned saved = _mm_getcsr();
+  DenormalsAsZero() { _mm_setcsr(saved | 0x8040); }
+  ~DenormalsAsZero() { _mm_setcsr(saved); }
+#endif
+};
+
+struct Run {  // new tokens [t0, t1) of one sequence at consecutive positions
+  int64_t t0, t1;
+};
+// tokens per run: a verify step's k + 1 share every key and value row read; a long prompt chunk still splits into
+// many runs (their scores stay small: tokens x heads x context floats)
+constexpr int64_t kRunTokens = 16;
+
+struct Partial {  // one task's share of a run's attention: every query row over keys [k0, k1)
+  float* acc;     // (rows, D) sum of e^(s - m) v
+  float* m;       // (rows,) the largest score seen (-inf: none)
+  float* l;       // (rows,) sum of e^(s - m)
+};
+
+// Attention of every query head of `run`'s tokens over keys [k0, k1) of its sequence (token t sees 0..pos[t]),
+// unnormalised. All heads in one task: in a paged pool a slot holds every KV head's row side by side, so a task
+// reads each slot's bytes once and in order (one task per KV head read a third of every slot and ran 3x slower, the
+// hardware prefetcher pulling the other heads' bytes too). A long context splits over tasks by key range: the
+// flash-decoding split, merged by merge_partials.
+void attend_keys(const Run& run, int64_t k0, int64_t k1, const float* qkv, int64_t qkv_n, const NativeTokens& tok,
+                 const Where& at, int64_t nh, int64_t nkv, int64_t D, float scale, std::vector<float>& scores,
+                 std::vector<float>& widened, const Partial& out) {
+  const NativeCache& c = at.c;
+  const int64_t seq = tok.seq[run.t0], first = tok.pos[run.t0], rows = (run.t1 - run.t0) * nh, n = k1 - k0;
+  const int64_t group = nh / nkv;
+  scores.resize(rows * n);
+  widened.resize(D);
+  auto query = [&](int64_t r) { return qkv + (run.t0 + r / nh) * qkv_n + (r % nh) * D; };
+  auto first_row = [&](int64_t p) { return std::max<int64_t>(0, p - first) * nh; };  // rows of tokens that see p
+  for (int64_t p = k0; p < k1; ++p) {  // pass 1: scores
+    const int64_t slot = at.slot(seq, p);
+    for (int64_t h = 0; h < nkv; ++h) {
+      const float* key = cached_row(at, c.k, c.k_scale, slot, h, D, widened.data());
+      for (int64_t r = first_row(p); r < rows; r += nh)
+        for (int64_t g = h * group; g < (h + 1) * group; ++g)
+          scores[(r + g) * n + p - k0] = dot(query(r + g), key, D) * scale;
     }
   }
-  const float inv = 1.f / sum;
-  for (int64_t d = 0; d < D; ++d) out[d] = a[d] * inv;
+  for (int64_t r = 0; r < rows; ++r) {  // softmax numerators over the row's keys in this range
+    float* sc = scores.data() + r * n;
+    const int64_t seen = std::min(k1, first + r / nh + 1) - k0;
+    float top = -std::numeric_limits<float>::infinity(), sum = 0.f;
+    for (int64_t i = 0; i < seen; ++i) top = std::max(top, sc[i]);
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < seen; ++i) {
+      sc[i] = exp_nonpositive(sc[i] - top);
+      sum += sc[i];
+    }
+    out.m[r] = top;
+    out.l[r] = sum;  // 0 when no key of the range is visible to the row
+    std::fill(out.acc + r * D, out.acc + (r + 1) * D, 0.f);
+  }
+  for (int64_t p = k0; p < k1; ++p) {  // pass 2: the weighted sum of the values
+    const int64_t slot = at.slot(seq, p);
+    for (int64_t h = 0; h < nkv; ++h) {
+      const float* value = cached_row(at, c.v, c.v_scale, slot, h, D, widened.data());
+      for (int64_t r = first_row(p); r < rows; r += nh)
+        for (int64_t g = h * group; g < (h + 1) * group; ++g)
+          add_scaled(scores[(r + g) * n + p - k0], value, out.acc + (r + g) * D, D);
+    }
+  }
+}
+
+// softmax(...) v of a run's rows from its tasks' partials: rescale each to the largest score, sum, divide
+void merge_partials(const std::vector<Partial>& parts, int64_t rows, int64_t D, float* att_run) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+    for (const Partial& p : parts) top = std::max(top, p.m[r]);
+    float* out = att_run + r * D;
+    std::fill(out, out + D, 0.f);
+    for (const Partial& p : parts) {
+      if (p.l[r] == 0.f) continue;  // no key of this range is visible to the row
+      const float w = std::exp(p.m[r] - top);
+      total += w * p.l[r];
+      add_scaled(w, p.acc + r * D, out, D);
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+  }
 }
 
 }  // namespace
 
-void native_layers(const NativeModel& m, const NativeCache& cache, const NativeTokens& tok, float* h, int threads) {
+// the first thread's clock: each stage's time, up to and including its closing barrier (waiting for the others)
+struct StageClock {
+  double* seconds;
+  double last = omp_get_wtime();
+  void stage(NativeStage s) {
+    if (omp_get_thread_num() != 0) return;
+    const double now = omp_get_wtime();
+    seconds[s] += now - last;
+    last = now;
+  }
+};
+
+void native_layers(const NativeModel& m, const NativeCache& cache, const NativeTokens& tok, float* h, int threads,
+                   double seconds[4]) {
+  const double start = omp_get_wtime();
   const int64_t T = tok.T, dim = m.dim, D = m.head_dim, nh = m.n_heads, nkv = m.n_kv_heads, ffn = m.ffn_dim;
   const int64_t qkv_n = (nh + 2 * nkv) * D, widest = std::max({dim, ffn, nh * D});
   Scratch s;
@@ -161,15 +247,46 @@ void native_layers(const NativeModel& m, const NativeCache& cache, const NativeT
   s.gate_up.resize(T * 2 * ffn), s.act.resize(T * ffn);
   s.xq.resize(T * widest), s.xd.resize(T * widest / kBlock), s.xs.resize(T * widest / kBlock);
   std::vector<int64_t> slots(T);
-  int64_t longest = 1;
+  std::vector<Run> runs;  // up to kRunTokens consecutive tokens of one sequence
   for (int64_t t = 0; t < T; ++t) {
     slots[t] = Where{cache, 0}.slot(tok.seq[t], tok.pos[t]);
-    longest = std::max(longest, tok.pos[t] + 1);
+    const bool extends = !runs.empty() && runs.back().t1 == t && tok.seq[t] == tok.seq[t - 1] &&
+                         tok.pos[t] == tok.pos[t - 1] + 1 && t - runs.back().t0 < kRunTokens;
+    if (extends)
+      runs.back().t1 = t + 1;
+    else
+      runs.push_back({t, t + 1});
   }
+  // attention tasks: (run, key range); a run's keys split while there are fewer runs than threads, >= 64 keys each
+  const int64_t R = static_cast<int64_t>(runs.size()), nthreads = std::max(1, threads);
+  std::vector<int64_t> task_run, task_k0, task_k1, run_first_task(R + 1);
+  int64_t partial_floats = 0;
+  std::vector<int64_t> task_offset;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = tok.pos[runs[r].t1 - 1] + 1, rows = (runs[r].t1 - runs[r].t0) * nh;
+    const int64_t splits = std::max<int64_t>(1, std::min((nthreads + R - 1) / R, n / 64));
+    run_first_task[r] = static_cast<int64_t>(task_run.size());
+    for (int64_t j = 0; j < splits; ++j) {
+      task_run.push_back(r), task_k0.push_back(n * j / splits), task_k1.push_back(n * (j + 1) / splits);
+      task_offset.push_back(partial_floats);
+      partial_floats += rows * (D + 2);
+    }
+  }
+  run_first_task[R] = static_cast<int64_t>(task_run.size());
+  std::vector<float> partial_store(partial_floats);
+  std::vector<Partial> partials;
+  for (size_t i = 0; i < task_run.size(); ++i) {
+    const int64_t rows = (runs[task_run[i]].t1 - runs[task_run[i]].t0) * nh;
+    float* base = partial_store.data() + task_offset[i];
+    partials.push_back({base, base + rows * D, base + rows * D + rows});
+  }
+  const int64_t n_tasks = static_cast<int64_t>(task_run.size());
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
 #pragma omp parallel num_threads(std::max(1, threads))
   {
-    std::vector<float> scores(longest);
+    const DenormalsAsZero ftz;  // softmax weights far below the top make denormal products, ~100 cycles each
+    std::vector<float> scores, acc;  // this thread's attention scratch (scores, a widened int8 row)
+    StageClock clock{seconds};
     for (size_t l = 0; l < m.layers.size(); ++l) {
       const NativeLayer& L = m.layers[l];
       const Where at{cache, static_cast<int64_t>(l)};
@@ -178,7 +295,9 @@ void native_layers(const NativeModel& m, const NativeCache& cache, const NativeT
         rms_norm(h + t * dim, L.attn_norm, dim, m.eps, s.xn.data() + t * dim);
         quantize_rows(s.xn.data(), dim, t, t + 1, s);
       }
+      clock.stage(kPointwise);
       matmul(L.qkv, s, T, s.qkv.data());
+      clock.stage(kMatmul);
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t) {  // RoPE on q and k, then k and v into the cache
         float* row = s.qkv.data() + t * qkv_n;
@@ -189,19 +308,22 @@ void native_layers(const NativeModel& m, const NativeCache& cache, const NativeT
           write_row(at, slots[t], head, row + (nh + nkv + head) * D, D, cache.v, cache.v_scale);
         }
       }
+      clock.stage(kPointwise);
 #pragma omp for schedule(dynamic)
-      for (int64_t task = 0; task < T * nh; ++task) {  // (token, query head); head h reads KV head h / group
-        const int64_t t = task / nh, head = task % nh, kvh = head / (nh / nkv), n = tok.pos[t] + 1;
-        const float* q = s.qkv.data() + t * qkv_n + head * D;
-        float* out = s.att.data() + (t * nh + head) * D;
-        if (D == 64)
-          attend<64>(q, at, tok.seq[t], n, kvh, D, scale, scores.data(), out);
-        else
-          attend<0>(q, at, tok.seq[t], n, kvh, D, scale, scores.data(), out);
+      for (int64_t task = 0; task < n_tasks; ++task)
+        attend_keys(runs[task_run[task]], task_k0[task], task_k1[task], s.qkv.data(), qkv_n, tok, at, nh, nkv, D,
+                    scale, scores, acc, partials[task]);
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < R; ++r) {
+        const std::vector<Partial> parts(partials.begin() + run_first_task[r], partials.begin() + run_first_task[r + 1]);
+        merge_partials(parts, (runs[r].t1 - runs[r].t0) * nh, D, s.att.data() + runs[r].t0 * nh * D);
       }
+      clock.stage(kAttention);
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t) quantize_rows(s.att.data(), nh * D, t, t + 1, s);
+      clock.stage(kPointwise);
       matmul(L.o, s, T, s.proj.data());
+      clock.stage(kMatmul);
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t) {
         float* x = h + t * dim;
@@ -210,7 +332,9 @@ void native_layers(const NativeModel& m, const NativeCache& cache, const NativeT
         rms_norm(x, L.mlp_norm, dim, m.eps, s.xn.data() + t * dim);
         quantize_rows(s.xn.data(), dim, t, t + 1, s);
       }
+      clock.stage(kPointwise);
       matmul(L.gate_up, s, T, s.gate_up.data());
+      clock.stage(kMatmul);
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t) {  // SiLU(gate) * up
         const float *g = s.gate_up.data() + t * 2 * ffn, *u = g + ffn;
@@ -218,15 +342,19 @@ void native_layers(const NativeModel& m, const NativeCache& cache, const NativeT
         for (int64_t i = 0; i < ffn; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
         quantize_rows(s.act.data(), ffn, t, t + 1, s);
       }
+      clock.stage(kPointwise);
       matmul(L.down, s, T, s.proj.data());
+      clock.stage(kMatmul);
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t) {
         float* x = h + t * dim;
         const float* d = s.proj.data() + t * dim;
         for (int64_t i = 0; i < dim; ++i) x[i] += d[i];
       }
+      clock.stage(kPointwise);
     }
   }
+  seconds[kTotal] += omp_get_wtime() - start;  // the stages, plus this call's setup and the region's start and end
 }
 
 }  // namespace minillm

@@ -55,7 +55,9 @@ struct NativeTokens {  // the step's new tokens, packed: token t of sequence seq
 // h (T, dim) float32, updated in place: every layer of `model` over the new tokens, their keys and values written
 // into `cache` first, each token attending to its sequence's positions 0..pos[t] (causal, any mix of decodes,
 // verifies and prompt chunks). `threads` threads share each matmul and the attention; small per-token work runs on one.
+// seconds[NativeStage] receives where the first thread's time went (each stage up to its closing barrier).
+enum NativeStage : int { kMatmul = 0, kAttention = 1, kPointwise = 2, kTotal = 3 };
 void native_layers(const NativeModel& model, const NativeCache& cache, const NativeTokens& tokens, float* h,
-                   int threads);
+                   int threads, double seconds[4]);
 
 }  // namespace minillm

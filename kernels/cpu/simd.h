@@ -50,6 +50,9 @@ constexpr int64_t kTile = 4;
 
 // IEEE float16 bits -> float (the scales of Q4_1 and the int8 KV cache): plain C++, so no kernel includes torch
 inline float half_to_float(uint16_t h) {
+#if defined(__F16C__) && defined(MINILLM_SIMD)
+  return _cvtsh_ss(h);  // one instruction where the CPU has it (every AVX2 build)
+#endif
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
   uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
   if (exponent == 0x1F) {
@@ -109,6 +112,7 @@ inline VecF mul_f(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
 inline VecF fma_f(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VecF load_f(const float* p) { return _mm512_loadu_ps(p); }
 inline void store_f(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+inline float sum_f(VecF v) { return _mm512_reduce_add_ps(v); }
 inline VecF load_halves(const uint16_t* p) {  // kRows fp16 -> floats
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -144,6 +148,11 @@ inline VecF mul_f(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
 inline VecF fma_f(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
 inline VecF load_f(const float* p) { return _mm256_loadu_ps(p); }
 inline void store_f(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+inline float sum_f(VecF v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
 inline VecF load_halves(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from minillm_kernels import cpu_lowbit
 from torch import Tensor, nn
+from torch.autograd.profiler import record_function
 
 from minillm.cache.paged import PagedKVCache
 from minillm.compile.fusion import FusedGateUpMLP, FusedNormBlock, FusedQKVAttention, fuse
@@ -19,6 +20,10 @@ from minillm.compress.quant import Int4Linear, Int8Linear
 from minillm.kv_cache import Int8KVCache, KVCache
 
 FORMATS = {Int4Linear: 0, Int8Linear: 1}  # kernels/cpu/lowbit.h WeightFormat
+SCOPE = "minillm::native_step"  # the profiler's name for the call (minillm.measure.breakdown splits it by stage)
+# seconds every native call in this process spent, by stage, on its first thread (native_step.h NativeStage): the
+# call is one op to the profiler, so the breakdown reads its inside here
+STAGE_SECONDS = dict.fromkeys(("matmul", "attention", "pointwise", "total"), 0.0)
 
 
 def why_not_native(model: nn.Module) -> str | None:
@@ -75,8 +80,11 @@ class NativeStep:
             return None
         seq, tables, block_size, k, v, k_scale, v_scale, strides = where
         out = h.reshape(b * s, dim).clone()  # updated in place by the step
-        self.decoder.step(out, positions.reshape(-1).contiguous(), seq, tables, block_size, k, v, k_scale, v_scale,
-                          strides, torch.get_num_threads())
+        with record_function(SCOPE):
+            seconds = self.decoder.step(out, positions.reshape(-1).contiguous(), seq, tables, block_size, k, v,
+                                        k_scale, v_scale, strides, torch.get_num_threads())
+        for stage, t in zip(STAGE_SECONDS, seconds):
+            STAGE_SECONDS[stage] += t
         return out.view(b, s, dim)
 
 

@@ -22,6 +22,8 @@ import torch
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
+from minillm.compile.native import SCOPE as NATIVE_SCOPE
+from minillm.compile.native import STAGE_SECONDS
 from minillm.measure.metrics import model_flops_per_token, timer
 
 KINDS = ("decode", "verify", "batch")
@@ -174,7 +176,7 @@ class Breakdown:
 
 def _is_scope(ev) -> bool:
     # record_function scopes (ours or a caller's) are annotations, not ops; older torch lacks the flag
-    if ev.name == _KERNEL_MATMUL:
+    if ev.name in (_KERNEL_MATMUL, NATIVE_SCOPE):
         return False
     return bool(getattr(ev, "is_user_annotation", False)) or ev.name in _SCOPES or ev.name == _STEP
 
@@ -185,7 +187,7 @@ def _charge(events) -> tuple[dict[str, float], dict[str, int], float]:
     An op is charged once, with its inclusive time, at its outermost level: aten::linear's inner aten::mm is inside
     it. An op under an attention or sampling scope goes to that scope's term whatever its name; ops outside any
     minillm::step scope (the profiler's own, a reset between steps) are left out."""
-    times, counts, step_us = dict.fromkeys(TERMS[:-1], 0.0), dict.fromkeys(TERMS[:-1], 0), 0.0
+    times, counts, step_us = dict.fromkeys((*TERMS[:-1], "native"), 0.0), dict.fromkeys(TERMS[:-1], 0), 0.0
     for ev in events:
         if ev.name == _STEP:
             step_us += ev.cpu_time_total
@@ -196,7 +198,9 @@ def _charge(events) -> tuple[dict[str, float], dict[str, int], float]:
             scope = scope or _SCOPES.get(parent.name)
             in_step = in_step or parent.name == _STEP
             parent = parent.cpu_parent
-        if in_step:
+        if in_step and ev.name == NATIVE_SCOPE:  # every layer in one C++ call: split later, by its own clock
+            times["native"] += ev.cpu_time_total
+        elif in_step:
             term = scope or classify(ev.name)
             times[term] += ev.cpu_time_total
             counts[term] += 1
@@ -243,6 +247,7 @@ def _breakdown(step, reset, repeat, n, label, bytes_read, flops, bandwidth, flop
         walls.append(t.seconds * 1e3)
         reset()
     wall = statistics.median(walls)
+    before = dict(STAGE_SECONDS)
     with _no_native_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(n):
             with record_function(_STEP):
@@ -251,6 +256,11 @@ def _breakdown(step, reset, repeat, n, label, bytes_read, flops, bandwidth, flop
     times, counts, step_us = _charge(prof.events())
     profiled = step_us / n / 1e3
     split = {k: v / n / 1e3 for k, v in times.items()}
+    native = split.pop("native")
+    inside = {k: STAGE_SECONDS[k] - before[k] for k in STAGE_SECONDS}
+    if native > 0 and inside["total"] > 0:  # the native call's own clock: its stages, the rest left to "else"
+        for stage, term in (("matmul", "matmul"), ("attention", "attention"), ("pointwise", "elementwise")):
+            split[term] += native * inside[stage] / inside["total"]
     split["else"] = max(0.0, profiled - sum(split.values()))
     total = sum(split.values())
     if total <= 0:  # a step too short for the profiler's clock: all of it is "else"
