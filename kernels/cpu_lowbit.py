@@ -305,6 +305,28 @@ def repack_int8(q: Tensor, scale: Tensor, rows: int | None = None) -> Tensor:
     return torch.from_numpy(np.concatenate([s, w], axis=-1))
 
 
+def int8_rows(packed: Tensor, rows: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Rows `rows` of an (n, k) weight kept as repack_int8's layout: (int8 weights (len, k), float32 scale per block
+    (len, k/32)). What a tied embedding reads for a few token ids, without a second copy of the stored codes."""
+    p = packed.cpu().numpy()
+    width = p.shape[2]
+    r = width // 36
+    idx = rows.cpu().numpy()
+    groups, lanes = idx // r, idx % r
+    sel = p[groups]  # (len, blocks, 36 R)
+    n_ids, blocks = sel.shape[0], sel.shape[1]
+    scales = np.ascontiguousarray(sel[..., :4 * r]).view(np.float32).reshape(n_ids, blocks, r)
+    w = sel[..., 4 * r:].reshape(n_ids, blocks, 8, r, 4)  # (id, block, chunk, lane, byte)
+    take = np.arange(n_ids)
+    q = w[take, :, :, lanes, :].reshape(n_ids, k).view(np.int8)
+    return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(scales[take, :, lanes].copy())
+
+
+def unrepack_int8(packed: Tensor, n: int, k: int) -> tuple[Tensor, Tensor]:
+    """The inverse of repack_int8: (int8 weights (n, k), float32 scale per block (n, k/32))."""
+    return int8_rows(packed, torch.arange(n), k)
+
+
 # ----------------------------------------------------------------------------------------- the calls
 
 def q4_1_matmul(x: Tensor, packed: Tensor, n: int, reference: bool = False) -> Tensor:

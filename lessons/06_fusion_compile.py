@@ -32,9 +32,15 @@
 #   cache** (preallocated, written at the token's position, attended with a mask) — or it would recompile every token.
 #   On a GPU, **CUDA graphs** (mode="reduce-overhead") also replay the whole step's kernel launches as one.
 #
+# A third way removes the ops altogether: **one native step** (`minillm/compile/native.py`,
+# `kernels/cpu/native_step.cpp`) runs every decoder layer of a step in one C++ call — the same math on the same KV
+# cache, the matmuls and attention split over the threads inside one parallel region — which is what llama.cpp does
+# for its whole graph. It runs the low-bit weights of lesson 07, so its rung is measured on the file's 4-bit model.
+#
 # This lesson: (1) where a decode step's time goes (profiler); (2) fusion: fewer ops, identical logits; (3) compiling
 # the step: compile time, zero recompiles; (4) the ladder — eager fp32 → fused → compiled, and bf16 — against the
-# roofs measured in the same run; (5) what the compiler generated; (6) what a GPU adds.
+# roofs measured in the same run; (5) what the compiler generated; (6) the last rung: eager → fused → compiled → one
+# native step on 4-bit weights; (7) what a GPU adds.
 
 # %%
 import copy
@@ -292,7 +298,90 @@ start = kernel.find("cpp_fused")
 print(kernel[start: start + 1500] if start >= 0 else kernel[:1500])
 
 # %% [markdown]
-# ## 6. On a GPU
+# ## 6. The last rung: every layer in one native call
+#
+# The same four rungs on the file's 4-bit weights (lesson 07 explains the format and its kernels; here only the ops
+# around them matter): eager, fused, compiled, and `load_model(..., native=True)`. First the eager 4-bit step's
+# breakdown — its matmuls got 4x cheaper in bytes, so the per-op share grew. *Predict before you run the next cell:*
+# the native step keeps the matmuls and attention and removes the Python/dispatch ("else") term and most of the
+# elementwise term. From the eager q4 breakdown printed below, what is the most the native step can win?
+
+# %%
+q4 = {"eager": minillm.load_model(weights="q4")[0], "fused": minillm.load_model(weights="q4", fuse=True)[0],
+      "native": minillm.load_model(weights="q4", native=True)[0]}
+q4_split = {k: step_breakdown(m, "decode", context=len(prompt_ids), repeat=pick(7, 3)) for k, m in q4.items()}
+for k, b in q4_split.items():
+    print(f"q4 {k:<7}", b.line())
+e, nat = q4_split["eager"], q4_split["native"]
+bound = e.wall_ms / (e.terms["matmul"] + e.terms["attention"])
+carried = e.terms["matmul"] - nat.terms["matmul"]
+print(f"predicted: at most {bound:.2f}x (the eager q4 step's {e.wall_ms:.2f} ms over its matmul + attention "
+      f"{e.terms['matmul'] + e.terms['attention']:.2f} ms); measured {e.wall_ms / nat.wall_ms:.2f}x "
+      f"({nat.wall_ms:.2f} ms per step), because "
+      + (f"eager's matmul term itself carried {carried:.2f} ms of per-call cost (Python, checks and allocation around "
+         f"each of its {e.op_counts['matmul']} kernel calls): the same matmuls took {nat.terms['matmul']:.2f} ms "
+         f"inside the native step" if carried > 0 else
+         f"the native step's matmuls took {nat.terms['matmul']:.2f} ms (eager: {e.terms['matmul']:.2f} ms)")
+      + f"; its per-token work took {nat.terms['elementwise']:.2f} ms and what is left outside the C++ call "
+      f"(embedding, LM head, sampling, Python) {nat.terms['else'] + nat.terms['sampling']:.2f} ms; ops dispatched "
+      f"per step: eager {e.n_ops}, native {nat.n_ops}")
+
+# %% [markdown]
+# Now the rungs' decode speed, round-robin in one run (best round each), and whether the native step's greedy
+# tokens are eager's. Both round activations to int8 per block of 32 before each matmul (lesson 07), so a last-bit
+# difference upstream can move a rounding: the cell measures how much the eager logits themselves move when the
+# embeddings are scaled by (1 + 1e-7 · noise), the noise floor a native/eager difference is judged against.
+
+# %%
+from minillm.measure.metrics import decode_tok_s
+
+rungs = dict(q4)
+if pick(True, False):  # quick mode (CI) skips compiling: section 3 showed it
+    rungs = {"eager": q4["eager"], "fused": q4["fused"], "compiled": q4["fused"], "native": q4["native"]}
+    decode_tok_s(q4["fused"], prompt_ids, 4, 1, compile=True)  # compiled once, outside the timings
+best, greedy = dict.fromkeys(rungs, 0.0), {}
+for _ in range(repeat):
+    for k, m in rungs.items():
+        rate, greedy[k] = decode_tok_s(m, prompt_ids, n_new, 1, compile=(k == "compiled"))
+        best[k] = max(best[k], rate)
+print("q4 decode tok/s (batch 1, 1 thread): " + ", ".join(f"{k} {v:.1f}" for k, v in best.items()))
+print(f"native / eager = {best['native'] / best['eager']:.2f}x, native / fused = {best['native'] / best['fused']:.2f}x"
+      + (f", compiled / eager = {best['compiled'] / best['eager']:.2f}x" if "compiled" in best else ""))
+with torch.inference_mode():
+    ids = torch.tensor([prompt_ids + greedy["eager"]])
+    ref = q4["eager"](ids)[0]
+    torch.manual_seed(0)
+    h = q4["eager"].embed_tokens(ids)
+    h = h * (1 + 1e-7 * torch.randn_like(h))
+    nudged = q4["eager"].logits(q4["eager"].run_layers(h, torch.arange(ids.shape[1])[None]))[0]
+    cache = KVCache.for_model(q4["native"], 1, ids.shape[1])
+    native_logits = q4["native"](ids, kv_cache=cache)[0]
+noise, diff = (nudged - ref).abs().mean().item(), (native_logits - ref).abs().mean().item()
+first = first_divergence(greedy["native"], greedy["eager"])
+top2 = ref[len(prompt_ids) - 1 + (first or 0)].topk(2).values
+print(f"mean |logit difference|: native vs eager {diff:.3f}, eager vs eager nudged by 1e-7 {noise:.3f} "
+      f"(the noise floor)")
+print("greedy tokens native vs eager: " + ("identical" if first is None else
+      f"first differ at new token {first} of {n_new}, where eager's top-2 margin is {float(top2[0] - top2[1]):.3f}"))
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 3.4))
+ax.bar(list(best), list(best.values()), color=["#4c72b0", "#55a868", "#c44e52", "#8172b2"][:len(best)])
+ax.set_ylabel("decode tokens/s (batch 1, q4)")
+ax.set_title("SmolLM2-135M q4: eager → fused → compiled → one native step")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Reading it: the native rung keeps exactly the work the breakdown charged to matmuls and attention and drops the
+# per-op cost around them, so its step lands near the eager step's matmul + attention terms — the bound the
+# prediction computed. What is left outside the C++ call is the embedding lookup, the LM head and sampling, a few
+# ops per step. The same call serves `generate()`, the engine's packed steps (decodes, verifies and prompt chunks in
+# one forward) and the speculative verify; `minillm bench lowbit` measures it against llama.cpp at 1 and 2 threads,
+# and lesson 14's edge profile runs it.
+
+# %% [markdown]
+# ## 7. On a GPU
 #
 # On CUDA, `compile=True` uses mode="reduce-overhead": the compiled step is recorded as a **CUDA graph** and replayed,
 # so the ~hundreds of kernels of a step cost one launch. That is where the big ratios of this technique come from

@@ -76,13 +76,14 @@ def _q8_0_tied(q, d, dtype):
 
 def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str | None = "cpu",
                attn_backend: str = "sdpa", fuse: bool = False, weights: str = "dequantized",
-               sparsity: str | None = None, native: bool = False):
+               sparsity: str | None = None, native: bool | str = False):
     """(model, tokenizer) of a known or saved model; downloads and verifies the weights on first use.
     fuse=True applies lesson 06's fusions (same logits, fewer ops per step; with weights="q4" the 4-bit rows are
     concatenated as they are); weights: see WEIGHTS ("q4" keeps the file's 4-bit layers packed); sparsity="2:4"
     prunes before any quantization (see SPARSITY and transform_weights). The order is fixed: load, prune, quantize,
     fuse. native=True (low-bit weights on a CPU) runs every layer of a step in one C++ call (lesson 06's last rung,
-    minillm.compile.native; fused first), refused with the reason where it cannot run.
+    minillm.compile.native; fused first), refused with the reason where it cannot run; native="auto" runs it where
+    it can and says on stderr why not elsewhere (no compiler, float weights: the eager layers then).
     minillm.compress.quantize.describe_arithmetic(model) says what the matmuls compute in."""
     check_weights(weights, sparsity)
     if weights == "q4" and saved_model_exists(name):
@@ -99,14 +100,22 @@ def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
         transform_weights(model, weights, sparsity, calibration_ids(tokenizer, 512) if sparsity else None)
     if fuse:
         fuse_model(model)
-    if weights == "q4" and on_cpu:  # one copy of each 4-bit layer: the kernels' layout (a no-op without them)
-        for layer in model.modules():
-            if isinstance(layer, Int4Linear):
+    if weights == "q4" and on_cpu:  # one copy of each 4-bit layer and of the Q8_0 head: the kernels' layout
+        for layer in model.modules():  # (a no-op without the kernels)
+            if isinstance(layer, (Int4Linear, Int8Linear)):
                 layer.keep_kernel_layout_only()
     if native:
-        from minillm.compile.native import enable_native
+        import sys
 
-        enable_native(model)
+        from minillm.compile.native import enable_native, why_not_native
+
+        if native not in (True, "auto"):
+            raise ValueError(f"native must be False, True or 'auto', got {native!r}")
+        why = why_not_native(model)
+        if why is None or native is True:
+            enable_native(model)  # raises with `why` when it cannot run
+        else:
+            print(f"minillm: the native step is off ({why}); the eager layers run", file=sys.stderr)
     return model, tokenizer
 
 

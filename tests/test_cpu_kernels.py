@@ -668,6 +668,24 @@ def test_a_layer_kept_in_the_kernel_layout_alone_is_the_same_layer():
         layer.to("meta")
 
 
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(1, 70), blocks=st.integers(1, 3), per_block=st.booleans(), seed=st.integers(0, 2**16))
+def test_an_int8_layer_kept_in_the_kernel_layout_alone_is_the_same_layer(n, blocks, per_block, seed):
+    """Int8Linear.keep_kernel_layout_only (the q4 model's tied Q8_0 head): weight and scale derived bit for bit,
+    embedding rows read from the layout equal the stored rows', the same matmul; both scale kinds, any row count."""
+    need_kernels()
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, 32 * blocks), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, blocks, generator=g).half() if per_block else torch.rand(n, generator=g)
+    layer = Int8Linear(q, scale)
+    x, ids = torch.randn(2, 32 * blocks, generator=g), torch.randint(0, n, (2, 3), generator=g)
+    y, emb = layer(x), layer.embedding(ids, torch.float32)
+    layer.keep_kernel_layout_only()
+    assert [name for name, _ in layer.named_buffers()] == ["kernel_weight"]
+    assert torch.equal(layer.weight, q) and torch.equal(layer.scale, scale)
+    assert torch.equal(layer(x), y) and torch.equal(layer.embedding(ids, torch.float32), emb)
+
+
 def test_q4_model_keeps_one_copy_of_its_4bit_layers():
     """load_model(weights='q4') on a CPU with the kernels: every Int4Linear holds only the kernel layout, and it
     decodes exactly the tokens of the same model rebuilt with stored codes (derived from that layout) beside it."""
@@ -679,6 +697,13 @@ def test_q4_model_keeps_one_copy_of_its_4bit_layers():
     model, tok = minillm.load_model("smollm2-135m", weights="q4", fuse=True)
     layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
     assert layers and all(m.kernel_layout_only for m in layers)
+    assert model.lm_head.kernel_layout_only  # the tied Q8_0 embedding/LM head too
+    derive = cpu_lowbit.unrepack_int8
+    cpu_lowbit.unrepack_int8 = None  # a decode step (model.device, the embedding, the head) never derives the codes
+    try:
+        minillm.generate(model, tok, tok.encode("Hi"), max_new_tokens=2)
+    finally:
+        cpu_lowbit.unrepack_int8 = derive
     stored = copy.deepcopy(model)
     for name, m in list(stored.named_modules()):
         if isinstance(m, Int4Linear):

@@ -9,6 +9,8 @@ for its longest request (HF cannot stop one row early without an EOS; useful tok
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from minillm.measure.harness import BenchResult
@@ -79,18 +81,13 @@ def hf_padded_generate(requests, max_batch: int, dtype: str, model=None) -> tupl
     return t.seconds, sum(r.max_tokens for r in requests)
 
 
-def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> BenchResult:
+def engines_side_by_side(model, tok, prompts, params, max_batch: int, rounds: int):
+    """Continuous (minillm.LLM) and static batching (StaticBatchEngine: same runner and sampler, fixed batches in
+    arrival order) on one workload: each engine's best run of `rounds` as (wall_s, outputs, engine). Both are warmed
+    up on a short slice, then alternated: this shared machine has slow phases (other jobs, first-touch effects) that
+    would otherwise land on one engine only."""
     from minillm.engine import LLM
     from minillm.engine.static import StaticBatchEngine
-    from minillm.api import load_model
-
-    n, prompt_len, output_len, max_batch = (8, (16, 32), (4, 32), 4) if quick else (64, (16, 128), (8, 256), 16)
-    model, tok = load_model("smollm2-135m", dtype=dtype, device="cpu")
-    reqs = make_workload(tok, n, prompt_len=prompt_len, output_len=output_len, output_dist="lognormal", seed=0)
-    params = [r.params() for r in reqs]
-    slo = {"slo_ttft_s": 5.0, "slo_tpot_s": 0.25}
-
-    prompts = [r.prompt_ids for r in reqs]
 
     def run_continuous():
         llm = LLM.from_model(model, tok, max_num_seqs=max_batch, max_num_batched_tokens=512)
@@ -104,19 +101,30 @@ def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> Be
             out = engine.generate(prompts, params)
         return t.seconds, out, engine
 
-    # warm-up both on a short slice, then alternate the two and keep each one's best run: this shared machine has
-    # slow phases (other jobs, first-touch effects) that would otherwise land on one engine only
-    warm = [r.params() for r in reqs[:max_batch]]
-    for p in warm:
-        p.max_tokens = min(p.max_tokens, 4)
+    warm = [dataclasses.replace(p, max_tokens=min(p.max_tokens, 4)) for p in params[:max_batch]]
     LLM.from_model(model, tok, max_num_seqs=max_batch).generate(prompts[:max_batch], warm)
     StaticBatchEngine(model, tok, max_batch=max_batch).generate(prompts[:max_batch], warm)
     cont_runs, static_runs = [], []
-    for _ in range(1 if quick else 2):
+    for _ in range(rounds):
         cont_runs.append(run_continuous())
         static_runs.append(run_static())
-    cont_wall, cont_out, llm = min(cont_runs, key=lambda r: r[0])
-    static_wall, static_out, static_engine = min(static_runs, key=lambda r: r[0])
+    return min(cont_runs, key=lambda r: r[0]), min(static_runs, key=lambda r: r[0])
+
+
+def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> BenchResult:
+    from minillm.api import load_model
+    from minillm.compile.native import why_not_native
+
+    n, prompt_len, output_len, max_batch = (8, (16, 32), (4, 32), 4) if quick else (64, (16, 128), (8, 256), 16)
+    model, tok = load_model("smollm2-135m", dtype=dtype, device="cpu")
+    reqs = make_workload(tok, n, prompt_len=prompt_len, output_len=output_len, output_dist="lognormal", seed=0)
+    params = [r.params() for r in reqs]
+    slo = {"slo_ttft_s": 5.0, "slo_tpot_s": 0.25}
+
+    prompts = [r.prompt_ids for r in reqs]
+    rounds = 1 if quick else 2
+    (cont_wall, cont_out, llm), (static_wall, static_out, static_engine) = engines_side_by_side(
+        model, tok, prompts, params, max_batch, rounds)
     cont = summarize(cont_out, cont_wall, **slo)
     static = summarize(static_out, static_wall, **slo)
 
@@ -132,12 +140,29 @@ def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> Be
     ]
     ratios = {"continuous_vs_static_throughput": cont["output_tok_per_s"] / static["output_tok_per_s"]}
     targets = {"continuous_vs_static_throughput": (">=", 2.0)}
+    native_note = None
+    q4, _ = load_model("smollm2-135m", weights="q4", device="cpu")
+    if (why := why_not_native(q4)) is None:  # the same pair on the file's 4-bit weights in one native step
+        q4, _ = load_model("smollm2-135m", weights="q4", device="cpu", native=True)
+        (qc_wall, qc_out, _), (qs_wall, qs_out, _) = engines_side_by_side(q4, tok, prompts, params, max_batch,
+                                                                           rounds)
+        qc, qs = summarize(qc_out, qc_wall, **slo), summarize(qs_out, qs_wall, **slo)
+        rows.append({"engine": "continuous, q4 native step", **{c: qc[c] for c in cols}})
+        rows.append({"engine": "static, q4 native step", **{c: qs[c] for c in cols}})
+        ratios["q4_native_continuous_vs_static"] = qc["output_tok_per_s"] / qs["output_tok_per_s"]
+        ratios["q4_native_continuous_vs_float32_continuous"] = qc["output_tok_per_s"] / cont["output_tok_per_s"]
+    else:
+        native_note = f"the q4 native-step pair did not run: {why}"
+    del q4
     if with_hf:
         hf_wall, hf_tokens = hf_padded_generate(reqs, max_batch, dtype)  # one run: it is the slowest by far
         rows.append({"engine": "transformers padded generate", "output_tok_per_s": hf_tokens / hf_wall,
                      "requests_per_s": n / hf_wall, "wall_s": hf_wall})
         ratios["continuous_vs_hf_throughput"] = cont["output_tok_per_s"] / (hf_tokens / hf_wall)
         targets["continuous_vs_hf_throughput"] = (">=", 3.0)
+        if "q4_native_continuous_vs_static" in ratios:
+            q4_cont = next(r for r in rows if r["engine"] == "continuous, q4 native step")["output_tok_per_s"]
+            ratios["q4_native_continuous_vs_hf_throughput"] = q4_cont / (hf_tokens / hf_wall)
     notes = [
         (f"{n} requests, all at t=0; prompts {prompt_len} tokens of pydoc text; outputs lognormal in {output_len} "
         f"({cont['output_tokens']} tokens in total); max batch {max_batch}; {dtype}; greedy; CPU run."),
@@ -149,6 +174,8 @@ def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> Be
          "blocks once per layer through slot indices computed once per step, then one masked SDPA call "
          "(minillm.cache.paged_attention.gathered_decode_attention)."),
         f"goodput: requests/s meeting TTFT <= {slo['slo_ttft_s']} s and TPOT <= {slo['slo_tpot_s']} s.",
+        native_note or ("the q4 native-step rows serve the same workload on the file's 4-bit weights with every layer "
+                        "of a step in one C++ call (lesson 06's last rung); transformers stays in " + dtype),
     ]
     return BenchResult(name="batching", rows=rows, ratios=ratios, targets=targets,
                        settings={"quick": quick, "dtype": dtype, "requests": n, "max_batch": max_batch,

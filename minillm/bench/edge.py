@@ -19,7 +19,7 @@ from minillm.measure.harness import BenchResult
 
 # One thread, the file's 4-bit weights kept packed (q4, fused), an int8 KV cache in a paged pool that holds one
 # context of at most 512 tokens; `minillm generate --profile edge` applies it too.
-EDGE_PROFILE = {"threads": 1, "weights": "q4", "fuse": True, "native": True, "kv_cache_dtype": "int8",
+EDGE_PROFILE = {"threads": 1, "weights": "q4", "fuse": True, "native": "auto", "kv_cache_dtype": "int8",
                 "cache": "paged", "max_context": 512}
 DEFAULT_PROFILE = {"threads": 1, "weights": "dequantized", "fuse": False, "native": False, "kv_cache_dtype": None,
                    "cache": "contiguous"}

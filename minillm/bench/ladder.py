@@ -166,7 +166,7 @@ def run(quick: bool = False) -> BenchResult:
         1  + KV cache (01), still one at a time
         2  + paged KV and continuous batching: the engine (04, 05), float32
         3  + fused layers (06)
-        4  + 4-bit weights: the file's own Q4_1 blocks (07)
+        4  + 4-bit weights: the file's own Q4_1 blocks (07), every layer of a step in one native call (06)
         5  + int8 KV cache (07)
         6  + prefix caching (12)
         7  + chunked prefill (12)
@@ -230,11 +230,11 @@ def run(quick: bool = False) -> BenchResult:
     lad.engine("3", "+ fused layers (06)", model)
     del model
 
-    q4, tok = load_model("smollm2-135m", dtype="float32", device="cpu", weights="q4", fuse=True)
+    q4, tok = load_model("smollm2-135m", dtype="float32", device="cpu", weights="q4", native=True)
     _warm(q4)
     ppl["q4"] = perplexity(q4, tok, max_tokens=size["ppl_tokens"])
     lad.serial("q4 serial", "rung 4's weights one at a time (contiguous fp32 KV)", q4, "contiguous")
-    lad.engine("4", "+ q4 weights, the file's Q4_1 (07)", q4)
+    lad.engine("4", "+ q4 weights, the file's Q4_1 (07), in the native step (06)", q4)
     lad.engine("5", "+ int8 KV cache (07)", q4, kv_cache_dtype="int8")
     lad.engine("6", "+ prefix caching (12)", q4, kv_cache_dtype="int8", enable_prefix_caching=True)
     on = {"kv_cache_dtype": "int8", "enable_prefix_caching": True, "max_num_batched_tokens": size["budget"]}

@@ -198,10 +198,46 @@ class Int8Linear(QuantizedLinear):
             raise ValueError(f"a per-row scale must be (out,) = ({self.out_features},), got {tuple(scale.shape)}")
         self.register_buffer("weight", q.contiguous())
         self.register_buffer("scale", scale.half().contiguous() if per_block else scale.float())
+        self._per_block = per_block
 
     @property
     def per_block(self) -> bool:
-        return self.scale.dim() == 2
+        return self._per_block
+
+    # ---- one copy: the CPU kernels' layout alone (the tied Q8_0 embedding/LM head of a q4 model: lesson 14's edge)
+
+    @property
+    def kernel_layout_only(self) -> bool:
+        return "kernel_weight" in self._buffers
+
+    def keep_kernel_layout_only(self) -> None:
+        """Keep this layer once, in the CPU kernels' layout, and drop the stored codes and scales (as
+        Int4Linear.keep_kernel_layout_only): the embedding's lookups read their rows from that layout
+        (cpu_lowbit.int8_rows), and weight / scale are derived when something else asks."""
+        if self.kernel_layout_only or not self.uses_cpu_kernels() or self._buffers["weight"].device.type != "cpu":
+            return
+        packed = self._kernel_pack()
+        for name in ("weight", "scale"):
+            del self._buffers[name]
+        self.register_buffer("kernel_weight", packed)
+
+    def __getattr__(self, name: str):
+        if name in ("weight", "scale") and "kernel_weight" in self.__dict__.get("_buffers", {}):
+            q, s = cpu_lowbit.unrepack_int8(self._buffers["kernel_weight"], self.out_features, self.in_features)
+            if name == "weight":
+                return q
+            return s.half() if self.__dict__["_per_block"] else s[:, 0].contiguous()
+        return super().__getattr__(name)
+
+    def _apply(self, fn, recurse=True):
+        if not self.kernel_layout_only:
+            return super()._apply(fn, recurse)
+        nn.Module._apply(self, fn, recurse)  # the uint8 layout: a cast leaves it as it is
+        if self._buffers["kernel_weight"].device.type != "cpu":
+            raise ValueError("this 8-bit layer keeps only the CPU kernels' layout (keep_kernel_layout_only): load the "
+                             "model on the device it will run on")
+        self._packed = (cpu_lowbit.rows_per_group(), self._buffers["kernel_weight"])
+        return self
 
     @classmethod
     def cat_rows(cls, layers: list[Int8Linear]) -> Int8Linear:
@@ -210,7 +246,7 @@ class Int8Linear(QuantizedLinear):
 
     @property
     def weight_storage(self) -> Tensor:
-        return self.weight
+        return self._buffers["kernel_weight"] if self.kernel_layout_only else self.weight
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -249,7 +285,11 @@ class Int8Linear(QuantizedLinear):
 
     def embedding(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         rows = ids.reshape(-1)
-        w = self._dequantize_rows(self.weight[rows], self.scale[rows])
+        if self.kernel_layout_only:  # the rows straight from the kernels' layout (scales per block of 32)
+            q, s = cpu_lowbit.int8_rows(self._buffers["kernel_weight"], rows, self.in_features)
+            w = q.float() * s.repeat_interleave(32, dim=-1)
+        else:
+            w = self._dequantize_rows(self.weight[rows], self.scale[rows])
         return w.to(dtype).reshape(*ids.shape, self.in_features)
 
 
@@ -389,7 +429,7 @@ class QuantizedEmbedding(nn.Module):
 
     @property
     def weight(self) -> Tensor:  # Transformer.device / .dtype read embed.weight
-        return torch.empty(0, dtype=self.dtype, device=self.head[0].scale.device)
+        return torch.empty(0, dtype=self.dtype, device=self.head[0].weight_storage.device)
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.head[0].embedding(ids, self.dtype)
