@@ -160,6 +160,9 @@ class Tokenizer:
         if len(tokens) != len(types):
             raise ValueError(f"{len(tokens)} tokens but {len(types)} token types")
         to_byte = gpt2_unicode_to_byte()
+        # GPT-2's characters -> their bytes in one C call per token (str.translate, then latin-1: chr(b) -> b); a raw
+        # byte GPT-2 never writes as itself maps to U+FFFF, which latin-1 refuses, as the dict lookup did
+        table = {ord(c): b for c, b in to_byte.items()} | {b: 0xFFFF for b in range(256) if chr(b) not in to_byte}
         ranks: dict[bytes, int] = {}
         specials: dict[str, int] = {}
         for i, (tok, kind) in enumerate(zip(tokens, types, strict=True)):
@@ -167,8 +170,8 @@ class Tokenizer:
                 specials[tok] = i  # written as plain text, matched only when allow_special
             elif kind == TOKEN_TYPE_NORMAL:
                 try:
-                    ranks[bytes(to_byte[c] for c in tok)] = i  # id == rank, see the module docstring
-                except KeyError as e:
+                    ranks[tok.translate(table).encode("latin-1")] = i  # id == rank, see the module docstring
+                except UnicodeEncodeError as e:
                     raise ValueError(f"token {i} {tok!r} has a character outside GPT-2's byte map") from e
             else:
                 raise ValueError(f"token {i} {tok!r} has type {kind}; known: 1 (normal), 3 (control)")
