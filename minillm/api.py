@@ -69,8 +69,8 @@ def transform_weights(model, weights: str = "dequantized", sparsity: str | None 
     return model
 
 
-def _q8_0_tied(q, d, dtype):
-    head = Int8Linear(q, d)
+def _q8_0_tied(raw, dtype):
+    head = Int8Linear.from_q8_0_kernel_layout(raw)  # the file's Q8_0 rows, straight into the kernels' one copy
     return head, QuantizedEmbedding(head, dtype)
 
 

@@ -782,3 +782,24 @@ def test_a_stale_torch_build_lock_is_cleared_under_ours(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(ext, "load", lambda **kw: seen.append((folder / "lock").exists()) or "module")
     assert cpu_lowbit._build("avx2") == "module" and seen == [False]
+
+
+def test_a_q8_0_head_built_straight_into_the_kernel_layout_is_the_stored_layer():
+    """Int8Linear.from_q8_0_kernel_layout (chunked, any row count) equals Int8Linear(q, d).keep_kernel_layout_only()
+    byte for byte, and computes the same."""
+    need_kernels()
+    import numpy as np
+
+    g = torch.Generator().manual_seed(5)
+    n, blocks = 37, 3
+    q = torch.randint(-127, 128, (n, 32 * blocks), generator=g, dtype=torch.int8)
+    d = (torch.rand(n, blocks, generator=g) / 50).half()
+    raw = np.concatenate([d.numpy().view(np.uint8).reshape(n, blocks, 2),
+                          q.numpy().view(np.uint8).reshape(n, blocks, 32)], axis=-1).reshape(n, blocks * 34)
+    direct = Int8Linear.from_q8_0_kernel_layout(raw, chunk_rows=16)
+    stored = Int8Linear(q, d)
+    stored.keep_kernel_layout_only()
+    assert torch.equal(direct.kernel_weight, stored.kernel_weight)
+    x = torch.randn(2, 32 * blocks, generator=g)
+    assert torch.equal(direct(x), stored(x)) and direct.per_block
+    assert torch.equal(direct.weight, q) and torch.equal(direct.scale, d)

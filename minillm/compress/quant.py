@@ -206,6 +206,29 @@ class Int8Linear(QuantizedLinear):
 
     # ---- one copy: the CPU kernels' layout alone (the tied Q8_0 embedding/LM head of a q4 model: lesson 14's edge)
 
+    @classmethod
+    def from_q8_0_kernel_layout(cls, raw, chunk_rows: int = 4096) -> Int8Linear:
+        """A Q8_0 layer from the file's raw rows (out, in // 32 * 34 bytes), built straight into the CPU kernels'
+        layout a few thousand rows at a time: the one copy the kernels read, without a full-size int8 copy and its
+        permuted twin on the way (they set the edge profile's load peak). Needs the kernels loaded."""
+        import numpy as np
+
+        from minillm.gguf.weights import q8_0_blocks
+
+        rows, n, k = cpu_lowbit.rows_per_group(), raw.shape[0], raw.shape[1] // 34 * 32
+        packed = torch.empty(-(-n // rows), k // 32, 36 * rows, dtype=torch.uint8)
+        step = max(rows, chunk_rows // rows * rows)
+        for r0 in range(0, n, step):
+            q, d = q8_0_blocks(np.asarray(raw[r0:r0 + step]))
+            packed[r0 // rows:-(-(r0 + len(q)) // rows)] = cpu_lowbit.repack_int8(torch.from_numpy(q),
+                                                                                 torch.from_numpy(d), rows)
+        layer = cls.__new__(cls)
+        QuantizedLinear.__init__(layer)
+        layer.out_features, layer.in_features, layer._per_block = n, k, True
+        layer.register_buffer("kernel_weight", packed)
+        layer._packed = (rows, packed)
+        return layer
+
     @property
     def kernel_layout_only(self) -> bool:
         return "kernel_weight" in self._buffers

@@ -96,7 +96,7 @@ def load_from_file(name: str = "smollm2-135m", dtype: str | torch.dtype = "float
                    attn_backend: str = "sdpa", q4_1_layer=None, q8_0_tied=None):
     """(model, tokenizer) of a known model, every tensor in `dtype`; downloads and verifies the file on first use.
     q4_1_layer(packed, d, m) -> nn.Module keeps each Q4_1 tensor packed in the layer it builds (the caller chooses
-    the layer type: minillm/api.py passes lesson 07's Int4Linear). q8_0_tied(q, d, dtype) -> (lm_head, embed) does
+    the layer type: minillm/api.py passes lesson 07's Int4Linear). q8_0_tied(raw, dtype) -> (lm_head, embed) does
     the same for a Q8_0 tied embedding (the two modules share its storage). A name saved with save_model loads from
     disk (a shipped recipe is built into the cache first, once)."""
     from minillm.gguf.tokenizer import Tokenizer
@@ -123,12 +123,9 @@ def load_from_file(name: str = "smollm2-135m", dtype: str | torch.dtype = "float
         if not cfg.tie_embeddings:
             raise ValueError("q8_0_tied keeps a tied embedding packed; this model's LM head is a separate tensor")
         from minillm.gguf.reader import release_pages
-        from minillm.gguf.weights import q8_0_blocks
 
-        q, d = q8_0_blocks(raw_embed)
+        head = q8_0_tied(raw_embed, torch_dtype)  # built from the file's blocks (q8_0_blocks) in one copy
         release_pages(raw_embed)
-        head = q8_0_tied(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(d)),
-                         torch_dtype)
     model = empty_model(cfg, attn_backend=attn_backend)
     sd = gguf_state_dict(tensors, cfg)
     if head is not None:
