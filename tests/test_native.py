@@ -24,9 +24,10 @@ pytestmark = [pytest.mark.skipif(cpu_kernels() is None, reason="the CPU low-bit 
               pytest.mark.usefixtures("one_thread")]
 
 # Logits of the tiny models are O(1). Measured over 48 runs (2 sequences, 30 + 4 tokens): native vs eager differ by
-# at most 0.041 and on average by at most 1.1e-3, where an int8 activation code flipped; a wrong position or slot
-# moves them by O(0.1-1) on average (test_native_catches_a_wrong_position)
-MEAN_TOL, MAX_TOL = 3e-3, 0.2
+# at most 0.041 and on average by at most 1.1e-3, where an int8 activation code flipped (hypothesis later found a
+# 5-token int8/int8-KV case at 3.2e-3); a wrong position or slot moves them by O(0.1-1) on average
+# (test_native_catches_a_wrong_position)
+MEAN_TOL, MAX_TOL = 6e-3, 0.2
 
 
 def assert_close_within_int8_rounding(native, eager):
@@ -109,7 +110,8 @@ def test_native_engine_step_mixes_decodes_verifies_and_chunks(specs, seed):
 
 
 def test_native_catches_a_wrong_position():
-    """The tolerance can fail: the same step with every position off by one (a RoPE / cache-slot bug) misses it."""
+    """The tolerance can fail: the same step with every position off by one (a RoPE / cache-slot bug) moves the
+    logits by 0.37 on average, 60x the tolerance."""
     model = quantized_tiny("int4")
     ids = torch.randint(0, 512, (1, 12))
     with torch.inference_mode():
