@@ -479,7 +479,13 @@ print(f"{len(layers_q)} quantized matmuls: {matmuls * 1e3:.2f} ms of a {step * 1
       f"{q4_split.terms['matmul']:.2f} ms, and the rest " + ", ".join(f"{t} {v:.2f} ms ({q4_split.shares[t]:.0%})"
                                                                        for t, v in rest.items())
       + f"; largest of the rest: {max(rest, key=rest.get)} (else = Python and dispatch between ops)")
-del q4_model
+native_model, _ = minillm.load_model(dtype="float32", weights="q4", native=True)  # lesson 06's last rung
+n_split = step_breakdown(native_model, "decode", context=pos, bandwidth=cpu.bandwidth, repeat=pick(7, 2))
+print(f"the same step in one native call (every layer in C++, lesson 06): {n_split.wall_ms:.2f} ms, "
+      f"{n_split.n_ops} ops, {q4_split.wall_ms / n_split.wall_ms:.2f}x faster; its matmuls "
+      f"{n_split.terms['matmul']:.2f} ms ({n_split.shares['matmul']:.0%} of it), the rest "
+      f"{n_split.wall_ms - n_split.terms['matmul']:.2f} ms; byte floor {n_split.byte_floor_ms:.2f} ms")
+del q4_model, native_model
 
 # %% [markdown]
 # **Beyond batch 1.** A forward of q new tokens reads the weights once for all q rows: a speculative verify of q-1
