@@ -121,7 +121,8 @@ del llm
 # **Predict before you run the next cell:** which rung gives the largest step up in throughput on this workload,
 # and by what factor? Think about what each removes: rung 0 recomputes every prefix at every token; rung 2 turns B
 # sequences' weight reads into one; rung 4 replaces 32-bit weights by 4-bit codes (the tied embedding/LM head
-# stays 8-bit: the table's memory column says how many bytes that leaves).
+# stays 8-bit: the table's memory column says how many bytes that leaves) and runs every layer of a step in one
+# native call (lesson 06's last rung: the per-op cost goes too).
 
 # %%
 ladder = recorded("ladder")
@@ -141,13 +142,13 @@ print(f"\nmeasured: the largest step is rung {best} ({rows[best]['technique']}),
       f"below; all on: x{rows[order[-1]]['gain_vs_rung0']:.0f} over rung 0 and "
       f"x{rows[order[-1]]['tok_per_s'] / rows['1']['tok_per_s']:.1f} over the KV-cache loop")
 w_before, w_after = rows["3"]["weights_MiB"], rows["4"]["weights_MiB"]
-# the same batched decode step with float32 and with q4 weights, measured now term by term (unfused both, one
-# thread, the ladder's batch): which terms the 4-bit weights shrank and which they left
+# the same batched decode step as rung 3 (float32, fused) and as rung 4 (q4 in the native step), measured now term
+# by term (one thread, the ladder's batch): which terms the 4-bit weights and the native call shrank, which they left
 width = round((ladder["series"].get("interference", {}).get("speculation_x_batching", {}).get("rows_per_step") or
                {}).get("batch", ladder["settings"]["max_num_seqs"]))
 split = {}
-for weights in ("dequantized", "q4"):
-    m, _ = minillm.load_model(weights=weights)
+for weights, kw in (("dequantized", {"fuse": True}), ("q4", {"native": True})):
+    m, _ = minillm.load_model(weights=weights, **kw)
     split[weights] = step_breakdown(m, "batch", batch=width, context=pick(256, 64), repeat=pick(5, 2))
     del m
 f32, q4 = split["dequantized"], split["q4"]
@@ -324,10 +325,10 @@ for note in edge.get("notes", []):
 # file, so its weights are page cache the OS can evict and share; minillm maps it too but converts each tensor into
 # its kernels' layout, a private copy); no Python or torch runtime (the `torch floor` row above is what importing
 # torch alone costs, which an on-device runtime such as llama.cpp, ExecuTorch or MLC does not carry); kernels for
-# the device's own integer dot products (NEON `sdot` on phones) that read one copy of the weights (minillm's 4-bit
-# layers keep only their kernel layout; the note above counts what still has two, the tied 8-bit embedding/LM head,
-# whose lookups read its rows); and a KV pool sized to the context the application needs, which
-# `minillm generate --profile edge` fixes at startup.
+# the device's own integer dot products (NEON `sdot` on phones) that read one copy of the weights (minillm's low-bit
+# layers keep only their kernel layout, the tied 8-bit embedding/LM head included: its lookups read rows of that
+# layout; the table's kernel_copy column would show a second copy); and a KV pool sized to the context the
+# application needs, which `minillm generate --profile edge` fixes at startup.
 #
 # The exercise states such a deployment as a service-level objective: what it must deliver, never how.
 
