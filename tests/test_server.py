@@ -13,6 +13,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -619,3 +621,75 @@ def test_bench_serve_quick_starts_and_stops_its_own_server(tmp_path, capsys):
     assert data["ratios"]["lost_requests"] == 0 and data["ratios"]["server_errors_5xx"] == 0
     assert data["rows"][0]["completed"] == data["rows"][0]["sent"] > 0
     assert "server_vs_inprocess_tpot" in data["ratios"]
+
+
+class _QuadraticStopMatcher:
+    """The matcher before the linear one, kept as its oracle: every stop string searched in the buffer, the tail held
+    back found by trying every prefix (quadratic in a stop string's length per token)."""
+
+    def __init__(self, stops):
+        self.stops, self.buf = stops, ""
+
+    def push(self, text, active=True):
+        self.buf += text
+        if not active:
+            out, self.buf = self.buf, ""
+            return out, False
+        hits = [i for s in self.stops if (i := self.buf.find(s)) >= 0]
+        if hits:
+            return self.buf[:min(hits)], True
+        keep = max((k for s in self.stops for k in range(1, len(s)) if self.buf.endswith(s[:k])), default=0)
+        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        return out, False
+
+
+@settings(max_examples=300, deadline=None)
+@given(stops=st.lists(st.text("ab", min_size=1, max_size=6), min_size=1, max_size=4),
+       pieces=st.lists(st.tuples(st.text("abc", max_size=5), st.booleans()), max_size=12))
+def test_stop_matcher_is_the_quadratic_one_streamed(stops, pieces):
+    """The streaming (KMP) matcher sends the same text and stops at the same place as the old matcher, for any
+    stop strings over a small alphabet (overlaps, prefixes of each other, repeats) and any chunking, min_tokens
+    (active=False) included."""
+    new, old = StopMatcher(stops), _QuadraticStopMatcher(stops)
+    for text, active in pieces:
+        a, b = new.push(text, active), old.push(text, active)
+        assert a == b, (stops, pieces)
+        if a[1]:
+            break
+
+
+def test_a_stop_string_past_the_limit_is_a_400_naming_it(server):
+    from minillm.serving.openai_protocol import MAX_STOP_CHARS
+
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1,
+                                                          "stop": ["x" * (MAX_STOP_CHARS + 1)]}, timeout=30)
+    assert r.status_code == 400 and str(MAX_STOP_CHARS) in r.json()["error"]["message"], r.text
+
+
+def test_the_longest_stop_strings_allowed_do_not_stall_health(server):
+    """Four stop strings of the largest length allowed, streamed for 16 tokens, while /health is polled: every
+    answer within 100 ms (the old matcher held the event loop for seconds per token at 249,000 characters)."""
+    import threading
+
+    from minillm.serving.openai_protocol import MAX_STOP_CHARS
+
+    stops = [("ab" * MAX_STOP_CHARS)[:MAX_STOP_CHARS - i] for i in range(4)]
+    done, worst = threading.Event(), []
+
+    def poll():
+        while not done.is_set():
+            t0 = time.perf_counter()
+            httpx.get(f"{server.url}/health", timeout=10)
+            worst.append(time.perf_counter() - t0)
+            time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ab" * 40, "max_tokens": 16,
+                                                              "stop": stops, "ignore_eos": True}, timeout=60)
+    finally:
+        done.set()
+        poller.join()
+    assert r.status_code == 200, r.text
+    assert worst and max(worst) < 0.1, f"/health took up to {max(worst) * 1e3:.0f} ms"

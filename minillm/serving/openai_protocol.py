@@ -56,6 +56,10 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+# A stop string longer than this is refused (400): matching is linear in the text either way (StopMatcher), but each
+# string's table is built per request on the event loop, and no client stops on a page of text
+MAX_STOP_CHARS = 2000
+
 # Top-level fields this server does not know are ignored with a log line, as vLLM does (clients send new ones every
 # release); these would change what the answer *is*, so ignoring them would be silently wrong: refused
 REFUSED_FIELDS = {
@@ -97,6 +101,9 @@ class _Common(_Strict):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stops):
             raise ApiError(400, "stop strings must be non-empty", param="stop")
+        if (longest := max(map(len, stops), default=0)) > MAX_STOP_CHARS:
+            raise ApiError(400, f"a stop string may be at most {MAX_STOP_CHARS} characters, got one of {longest}: "
+                                f"stop on a shorter marker (its first characters)", param="stop")
         return stops
 
 
@@ -212,31 +219,59 @@ def sampling_params(req: _Common, served: str, max_tokens: int | None, n_prompt:
         raise ApiError(400, str(e), param=name if name in type(req).model_fields else None) from None
 
 
+def _prefix_function(s: str) -> list[int]:
+    """KMP's table: pf[i] = the length of the longest proper prefix of s[:i + 1] that is also its suffix."""
+    pf, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = pf[k - 1]
+        k += s[i] == s[k]
+        pf[i] = k
+    return pf
+
+
 class StopMatcher:
-    """Cuts streamed text at the first stop string, holding back a tail that could still grow into one."""
+    """Cuts streamed text at the first stop string, holding back a tail that could still grow into one.
+
+    One streaming matcher per stop string (Knuth-Morris-Pratt): its state is how many of the string's first
+    characters the text ends with, updated per new character, so each token costs time in its own text, not in
+    the stop strings' lengths (a held-back tail re-scanned against every prefix of a 249,000-character stop string
+    once stalled the whole server for seconds per token). The tail held back is the longest state."""
 
     def __init__(self, stops: list[str]):
         self.stops, self.buf = stops, ""
+        self.tables = [_prefix_function(s) for s in stops]
+        self.states = [0] * len(stops)
 
     def push(self, text: str, active: bool = True) -> tuple[str, bool]:
         """(text that is safe to send, whether a stop string was hit). active False (before min_tokens): no stop
         string counts yet, everything goes out."""
         self.buf += text
         if not active:
+            self.states = [0] * len(self.stops)
             return self.flush(), False
-        hits = [i for s in self.stops if (i := self.buf.find(s)) >= 0]
-        if hits:
-            return self.buf[:min(hits)], True
-        keep = max((k for s in self.stops for k in range(1, len(s)) if self.buf.endswith(s[:k])), default=0)
+        first = None  # the earliest start, in buf, of a stop string completed by this text
+        base = len(self.buf) - len(text)
+        for i, (stop, table) in enumerate(zip(self.stops, self.tables)):
+            k = self.states[i]
+            for j, ch in enumerate(text):
+                while k and stop[k] != ch:
+                    k = table[k - 1]
+                k += stop[k] == ch
+                if k == len(stop):  # the first occurrence of this stop string ends here
+                    start = base + j + 1 - k
+                    first = start if first is None else min(first, start)
+                    break
+            self.states[i] = k
+        if first is not None:
+            return self.buf[:first], True
+        keep = max(self.states, default=0)
         out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
         return out, False
 
     def flush(self) -> str:
         out, self.buf = self.buf, ""
         return out
-
-
-# ---------------------------------------------------------------------------------------------------- responses
 
 
 class LogprobsWriter:
