@@ -35,9 +35,10 @@ JSON = {"content-type": "application/json"}
 
 
 @contextlib.contextmanager
-def running(llm, drain_timeout: float = 5.0, **app_options):
-    """A uvicorn server for `llm` on a free port, in a thread; stopped (drained) on exit."""
-    srv = Server(build_app(llm, MODEL, **app_options), port=0, log_level="warning", drain_timeout=drain_timeout)
+def running(llm, drain_timeout: float = 5.0, limits=None, **app_options):
+    """A uvicorn server for `llm` on a free port, in a thread; stopped (drained) on exit. limits: ConnectionLimits."""
+    srv = Server(build_app(llm, MODEL, **app_options), port=0, log_level="warning", drain_timeout=drain_timeout,
+                 limits=limits)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -641,6 +642,10 @@ class _QuadraticStopMatcher:
         keep = max((k for s in self.stops for k in range(1, len(s)) if self.buf.endswith(s[:k])), default=0)
         out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
         return out, False
+
+    def flush(self):
+        out, self.buf = self.buf, ""
+        return out
 
 
 @settings(max_examples=300, deadline=None)

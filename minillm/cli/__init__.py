@@ -131,6 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--k", type=_positive_int, default=3, help="draft tokens per step with --speculative")
     srv.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish on shutdown before they are aborted")
+    # connections (serving/connections.py): uvicorn's limits, and the header deadline uvicorn lacks (slowloris)
+    srv.add_argument("--max-connections", type=_positive_int, default=256,
+                     help="connections open at once; a request on one more gets HTTP 503 (default 256)")
+    srv.add_argument("--header-timeout", type=float, default=10.0,
+                     help="seconds a request's line and headers may take to arrive, else the connection is closed "
+                          "(slowloris; default 10)")
+    srv.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds a request's body may take to arrive; then HTTP 408 (default 30)")
+    srv.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                     help="seconds an idle connection stays open between two requests (default 5)")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1/* (default: $MINILLM_API_KEY if set, else none)")
     srv.add_argument("--allowed-hosts", default="",

@@ -80,10 +80,17 @@ def cmd_serve(args) -> int:
               "(from a checkout: pip install -e '.[serve]')", file=sys.stderr)
         return EXIT_SETUP
     from minillm.engine import LLM
+    from minillm.serving.connections import ConnectionLimits
     from minillm.serving.server import serve
 
     if args.drain_timeout < 0:
         raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    try:
+        limits = ConnectionLimits(args.max_connections, args.header_timeout, args.body_timeout,
+                                  args.keep_alive_timeout)
+    except ValueError as e:  # its message starts with the field's name: say the flag's
+        name, rest = str(e).split(" ", 1)
+        raise UsageError(f"--{name.replace('_', '-')} {rest}") from None
     machine = use_threads(args.threads)
     from minillm.speculative.decoding import SpeculativeConfig
 
@@ -102,8 +109,9 @@ def cmd_serve(args) -> int:
     print(f"minillm serve: API key {'required' if access.api_key else 'off (--api-key to require one)'}; Host "
           f"names {', '.join(access.allowed_hosts)}; web origins {', '.join(access.allowed_origins) or 'none'}; "
           f"requests without temperature are sampled at 1.0 (OpenAI's default)", flush=True)
+    print(f"minillm serve: {limits.describe()}", flush=True)
     serve(llm, args.model, host=args.host, port=args.port, max_waiting=args.max_waiting,
-          drain_timeout=args.drain_timeout, log_level=args.log_level, access=access)
+          drain_timeout=args.drain_timeout, log_level=args.log_level, access=access, limits=limits)
     return 0
 
 

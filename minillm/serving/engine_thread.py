@@ -42,8 +42,9 @@ class AsyncSink:
 class EngineThread:
     """Runs llm.step() in one background thread while requests are unfinished; other threads `post` commands."""
 
-    def __init__(self, llm, max_waiting: int):
+    def __init__(self, llm, max_waiting: int, on_retire=None):
         self.llm, self.max_waiting = llm, max_waiting
+        self.on_retire = on_retire  # called here with each retired request's RequestOutput (the server's metrics)
         self.wake = threading.Event()
         self.inbox: collections.deque = collections.deque()  # (function, args, Future), run between steps
         self.retired: collections.deque = collections.deque()  # ids whose last event went out
@@ -61,12 +62,16 @@ class EngineThread:
         self.wake.set()
         return fut
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, rid: str, sink: AsyncSink) -> list[str]:
-        """Queue params.n samples of the prompt (sample_ids(rid, n)), all into `sink`."""
-        # backpressure: a 429 at once (a load balancer can send it elsewhere), not a queue that only grows
-        if len(self.llm.scheduler.waiting) >= self.max_waiting:
-            raise QueueFull(f"{self.max_waiting} requests are already waiting for the engine: retry later")
-        ids = self.llm.add_samples(prompt_ids, params, request_id=rid, sink=sink)
+    def add(self, prompt_ids: list[int], params: SamplingParams, rid: str, sink: AsyncSink,
+            arrival_time: float | None = None) -> list[str]:
+        """Queue params.n samples of the prompt (sample_ids(rid, n)), all into `sink`. arrival_time: when the
+        request arrived (time.perf_counter()), for its time to first token; default now."""
+        # backpressure: a 429 at once (a load balancer can send it elsewhere), not a queue that only grows; the n
+        # samples all wait, so one request with a large n cannot fill the queue past the limit by itself
+        if (waiting := len(self.llm.scheduler.waiting)) + params.n > self.max_waiting:
+            raise QueueFull(f"{waiting} requests are already waiting for the engine, {self.max_waiting} may: "
+                            f"retry later")
+        ids = self.llm.add_samples(prompt_ids, params, request_id=rid, sink=sink, arrival_time=arrival_time)
         for r in ids:
             self.in_flight[r] = sink
         return ids
@@ -88,9 +93,11 @@ class EngineThread:
                 rid = self.retired.popleft()
                 self.in_flight.pop(rid, None)
                 try:  # the server streamed its output already: the engine must not keep it
-                    self.llm.pop_output(rid)
+                    out = self.llm.pop_output(rid)
                 except KeyError:
-                    pass
+                    continue
+                if self.on_retire is not None:
+                    self.on_retire(out)
             if self.error is None and self.llm.has_unfinished():
                 try:
                     self.llm.step()

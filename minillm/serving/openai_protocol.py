@@ -9,13 +9,17 @@ honoured: `_Common`. See server.py for the endpoints.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import time
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
 
 from minillm.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from minillm.serving.stop_strings import MAX_STOP_CHARS, StopMatcher  # noqa: F401  (StopMatcher: re-exported)
 
 logger = logging.getLogger("minillm.serving.openai_protocol")
 
@@ -24,9 +28,10 @@ class ApiError(Exception):
     """An error the client gets as OpenAI's {"error": {message, type, param, code}} with an HTTP status."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers  # of the response: {"connection": "close"} when the rest of the request is unread
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -56,9 +61,9 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-# A stop string longer than this is refused (400): matching is linear in the text either way (StopMatcher), but each
-# string's table is built per request on the event loop, and no client stops on a page of text
-MAX_STOP_CHARS = 2000
+# The log-probabilities one request may ask for (n x max_tokens x (top_logprobs + 1)): each is built on the event
+# loop, and a plain answer holds them all until it is sent (chat's shape: ~85 bytes of JSON each, 45 MB at the limit)
+MAX_LOGPROBS = 1 << 19
 
 # Top-level fields this server does not know are ignored with a log line, as vLLM does (clients send new ones every
 # release); these would change what the answer *is*, so ignoring them would be silently wrong: refused
@@ -151,10 +156,20 @@ class TokenizeRequest(_Strict):
 # ------------------------------------------------------------------------------------------------- requests in
 
 
-async def read_request(request, model: type[_Strict], max_bytes: int):
+async def _read_body(request, max_bytes: int) -> bytearray:
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:
+            raise ApiError(413, f"the body is over the limit of {max_bytes} bytes")
+    return body
+
+
+async def read_request(request, model: type[_Strict], max_bytes: int, timeout: float | None = None):
     """The body of a starlette Request as `model`: declared application/json (415: a browser posts text/plain to
     another site without asking, see access.py), at most max_bytes (413, counted as it arrives: a client may send
-    no Content-Length), UTF-8, JSON, valid (400 naming the field)."""
+    no Content-Length), all of it within `timeout` seconds (408: a client trickling its body holds a connection and
+    a task, see connections.py), UTF-8, JSON, valid (400 naming the field)."""
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media != "application/json":
         raise ApiError(415, f"the body must be sent as Content-Type: application/json, got {media or 'none'!r}",
@@ -162,11 +177,13 @@ async def read_request(request, model: type[_Strict], max_bytes: int):
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise ApiError(413, f"the body has {declared} bytes; the limit is {max_bytes}")
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > max_bytes:
-            raise ApiError(413, f"the body is over the limit of {max_bytes} bytes")
+    try:
+        body = await asyncio.wait_for(_read_body(request, max_bytes), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s (minillm serve --body-timeout)",
+                       code="body_timeout", headers={"connection": "close"}) from None
+    except ClientDisconnect:  # nobody will read the answer; an error, not a traceback in the log
+        raise ApiError(400, "the client left before its request body arrived") from None
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -175,10 +192,13 @@ async def read_request(request, model: type[_Strict], max_bytes: int):
         req = model.model_validate_json(text)
     except ValidationError as e:
         raise from_validation_error(e) from None
-    for name in req.model_extra or {}:
+    unknown = list(req.model_extra or {})
+    for name in unknown:
         if name in REFUSED_FIELDS:
             raise ApiError(400, f"{name!r}: {REFUSED_FIELDS[name]} is not supported by this server", param=name)
-        logger.info("ignoring the field %r this server does not know (as vLLM does)", name)
+    if unknown:  # one line, whatever their number (a line each: 100,000 of them for one 1 MiB body)
+        logger.info("ignoring %d field(s) this server does not know (as vLLM does): %s", len(unknown),
+                    ", ".join(map(repr, unknown[:5])) + (", ..." if len(unknown) > 5 else ""))
     return req
 
 
@@ -208,6 +228,10 @@ def sampling_params(req: _Common, served: str, max_tokens: int | None, n_prompt:
     max_tokens = room if max_tokens is None else max_tokens
     if req.min_tokens > max_tokens:
         raise ApiError(400, f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens")
+    if logprobs and (count := req.n * max_tokens * (top + 1)) > MAX_LOGPROBS:
+        raise ApiError(400, f"n x max_tokens x (top_logprobs + 1) = {req.n} x {max_tokens} x {top + 1} = {count} "
+                       f"log-probabilities, over this server's limit of {MAX_LOGPROBS} per request: ask for fewer "
+                       f"choices, alternatives or tokens (max_tokens)", param="logprobs")
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                               top_k=None if req.top_k in (None, 0, -1) else req.top_k, ignore_eos=req.ignore_eos,
@@ -219,59 +243,7 @@ def sampling_params(req: _Common, served: str, max_tokens: int | None, n_prompt:
         raise ApiError(400, str(e), param=name if name in type(req).model_fields else None) from None
 
 
-def _prefix_function(s: str) -> list[int]:
-    """KMP's table: pf[i] = the length of the longest proper prefix of s[:i + 1] that is also its suffix."""
-    pf, k = [0] * len(s), 0
-    for i in range(1, len(s)):
-        while k and s[i] != s[k]:
-            k = pf[k - 1]
-        k += s[i] == s[k]
-        pf[i] = k
-    return pf
-
-
-class StopMatcher:
-    """Cuts streamed text at the first stop string, holding back a tail that could still grow into one.
-
-    One streaming matcher per stop string (Knuth-Morris-Pratt): its state is how many of the string's first
-    characters the text ends with, updated per new character, so each token costs time in its own text, not in
-    the stop strings' lengths (a held-back tail re-scanned against every prefix of a 249,000-character stop string
-    once stalled the whole server for seconds per token). The tail held back is the longest state."""
-
-    def __init__(self, stops: list[str]):
-        self.stops, self.buf = stops, ""
-        self.tables = [_prefix_function(s) for s in stops]
-        self.states = [0] * len(stops)
-
-    def push(self, text: str, active: bool = True) -> tuple[str, bool]:
-        """(text that is safe to send, whether a stop string was hit). active False (before min_tokens): no stop
-        string counts yet, everything goes out."""
-        self.buf += text
-        if not active:
-            self.states = [0] * len(self.stops)
-            return self.flush(), False
-        first = None  # the earliest start, in buf, of a stop string completed by this text
-        base = len(self.buf) - len(text)
-        for i, (stop, table) in enumerate(zip(self.stops, self.tables)):
-            k = self.states[i]
-            for j, ch in enumerate(text):
-                while k and stop[k] != ch:
-                    k = table[k - 1]
-                k += stop[k] == ch
-                if k == len(stop):  # the first occurrence of this stop string ends here
-                    start = base + j + 1 - k
-                    first = start if first is None else min(first, start)
-                    break
-            self.states[i] = k
-        if first is not None:
-            return self.buf[:first], True
-        keep = max(self.states, default=0)
-        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.buf = self.buf, ""
-        return out
+# ---------------------------------------------------------------------------------------------------- responses
 
 
 class LogprobsWriter:
@@ -305,6 +277,53 @@ class LogprobsWriter:
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         return out
+
+
+def extend_logprobs(total: dict, part: dict) -> None:
+    """Append LogprobsWriter.write's `part` to `total` (one choice's logprobs so far, from write([]))."""
+    for key, values in part.items():
+        total[key].extend(values)
+
+
+_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))  # as JSONResponse writes
+
+
+def json_pieces(obj, depth: int = 0, run: int = 64):
+    """`obj` as JSONResponse would write it, in pieces of bounded size: dicts (string keys) and lists are opened down
+    to a choice's logprobs lists (depth 4), which are encoded `run` entries (tokens) at a time."""
+    if depth < 4 and isinstance(obj, dict):
+        yield "{"
+        for i, (key, value) in enumerate(obj.items()):
+            yield ("," if i else "") + _JSON.encode(key) + ":"
+            yield from json_pieces(value, depth + 1, run)
+        yield "}"
+    elif depth < 4 and isinstance(obj, list):
+        yield "["
+        for i, value in enumerate(obj):
+            if i:
+                yield ","
+            yield from json_pieces(value, depth + 1, run)
+        yield "]"
+    elif isinstance(obj, list):
+        yield "["
+        for i in range(0, len(obj), run):
+            yield ("," if i else "") + _JSON.encode(obj[i:i + run])[1:-1]
+        yield "]"
+    else:
+        yield _JSON.encode(obj)
+
+
+async def encode_json(obj, slice_s: float = 0.005) -> bytes:
+    """json_pieces encoded, letting the event loop run other requests every `slice_s` seconds: one json.dumps of a
+    large plain answer (n choices of logprobs) holds the loop, and the GIL, for as long as it takes (0.2-0.3 s for
+    64 choices of 390 tokens with 20 alternatives each, the most MAX_LOGPROBS allows)."""
+    out, t0 = [], time.perf_counter()
+    for piece in json_pieces(obj):
+        out.append(piece.encode())
+        if time.perf_counter() - t0 > slice_s:
+            await asyncio.sleep(0)
+            t0 = time.perf_counter()
+    return b"".join(out)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -3,15 +3,15 @@
     minillm serve --port 8000
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
 
-POST /v1/completions and /v1/chat/completions (Server-Sent Events with `stream: true`), GET /v1/models, /health
-and /metrics (Prometheus text), POST /tokenize; the wire format is openai_protocol.py; who may call, access.py.
-vLLM's shape (a thread steps the engine, the asyncio loop parses and streams; 429, aborts, draining): `Service`.
+POST /v1/completions, /v1/chat/completions (SSE with `stream: true`), /tokenize; GET /v1/models, /health, /metrics
+(metrics.py). Wire format: openai_protocol.py; who may call: access.py; for how long: connections.py. vLLM's
+shape (a thread steps the engine, the asyncio loop parses and streams; 429, aborts, draining): `Service`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import gc
 import json
 import logging
 import time
@@ -22,29 +22,35 @@ from typing import NamedTuple
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from minillm.engine.output import sample_ids
 from minillm.sampling import SamplingParams
 from minillm.serving.access import AccessGuard, AccessPolicy
+from minillm.serving.connections import ConnectionLimits
 from minillm.serving.engine_thread import AsyncSink, EngineThread, QueueFull
+from minillm.serving.metrics import ServerMetrics
 from minillm.serving.openai_protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
     LogprobsWriter,
-    StopMatcher,
     TokenizeRequest,
     body,
     choice,
     chunk,
+    encode_json,
+    extend_logprobs,
     read_request,
     sampling_params,
     usage,
 )
+from minillm.serving.router_endpoints import add_router_endpoints
+from minillm.serving.stop_strings import StopMatcher
 
 logger = logging.getLogger("minillm.serving.server")
+YIELD_EVERY_S = 0.005  # the most one request's work holds the event loop before other requests get a turn
 
 
 class Delta(NamedTuple):
@@ -69,6 +75,7 @@ class _Call:
     n_prompt: int
     min_tokens: int  # stop strings count from this many tokens on
     writers: list[LogprobsWriter] | None  # one per choice, when logprobs were asked for
+    finishes: list[str | None]  # each choice's finish_reason once the client has it (deltas)
 
 
 class _EventStream(StreamingResponse):
@@ -94,13 +101,13 @@ class Service:
     sharing the prompt (LLM.add_samples); logprobs come with the engine's events (LogprobsWriter).
     """
 
-    def __init__(self, llm, model_name: str, max_waiting: int):
-        self.llm, self.model_name = llm, model_name
-        self.engine = EngineThread(llm, max_waiting)
+    def __init__(self, llm, model_name: str, max_waiting: int, body_timeout: float):
+        self.llm, self.model_name, self.body_timeout = llm, model_name, body_timeout  # body: seconds, then 408
+        self.metrics = ServerMetrics()  # /metrics (metrics.py)
+        self.engine = EngineThread(llm, max_waiting, on_retire=self.metrics.retired)
         self.closing, self.open = False, 0  # open: accepted requests whose response has not ended yet
-        self.counts = collections.Counter()  # /metrics: requests, prompt and generated tokens, finish reasons
 
-    async def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+    async def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams, arrival: float) -> asyncio.Queue:
         """Queue the request's params.n sequences (sample_ids(rid, n)); their events arrive in one queue."""
         if self.closing:
             raise ApiError(503, "the server is shutting down", "server_error", code="shutting_down")
@@ -108,7 +115,7 @@ class Service:
             raise ApiError(500, f"the engine failed: {self.engine.error!r}", "server_error")
         sink = AsyncSink(asyncio.get_running_loop(), self.engine)
         try:
-            await asyncio.wrap_future(self.engine.post(self.engine.add, prompt_ids, params, rid, sink))
+            await asyncio.wrap_future(self.engine.post(self.engine.add, prompt_ids, params, rid, sink, arrival))
         except QueueFull as e:
             raise ApiError(429, str(e), "rate_limit_error", code="queue_full") from None
         except (ValueError, TypeError) as e:
@@ -132,8 +139,13 @@ class Service:
         """A Delta per engine event of the call's choices, stop strings applied (from min_tokens on); ends when
         every choice has finished."""
         index = {rid: i for i, rid in enumerate(call.ids)}
-        matchers, counts, live = [StopMatcher(call.stops) for _ in call.ids], [0] * len(call.ids), set(index.values())
+        first = StopMatcher(call.stops)  # the choices share its tables (built per request, on this loop)
+        matchers = [first] + [StopMatcher(call.stops, first.tables) for _ in call.ids[1:]]
+        counts, live, t0 = [0] * len(call.ids), set(index.values()), time.perf_counter()
         while live:
+            if time.perf_counter() - t0 > YIELD_EVERY_S:  # a backlog (n choices' events) would not yield:
+                await asyncio.sleep(0)  # get() on a queue that has an item returns without letting others run
+                t0 = time.perf_counter()
             ev = await call.queue.get()
             i = index[ev.request_id]
             if i not in live:  # a choice a stop string ended: its abort event, or tokens that were on their way
@@ -150,29 +162,33 @@ class Service:
             finish = "stop" if hit else ev.finish_reason if ev.finished else None
             if finish is not None:
                 live.discard(i)
-                self.counts["generation_tokens"] += counts[i]
-                self.counts[f"finished {finish}"] += 1
+                call.finishes[i] = finish
             yield Delta(i, text, finish, token, counts[i])
 
-    async def respond(self, request: Request, req, prompt_ids: list[int], chat: bool, max_tokens: int | None):
+    async def respond(self, request: Request, req, prompt_ids: list[int], chat: bool, max_tokens: int | None,
+                      arrival: float):
+        """arrival: when the request came in (time.perf_counter()), for its time to first token."""
         pool = self.llm.block_manager.num_blocks * self.llm.block_manager.block_size
         params = sampling_params(req, self.model_name, max_tokens, len(prompt_ids), self.llm.max_model_len, pool)
+        if params.n > self.engine.max_waiting:  # its n samples all wait in the engine's queue: it would never fit
+            raise ApiError(400, f"n is {params.n}, and this server lets {self.engine.max_waiting} requests wait "
+                           f"(minillm serve --max-waiting): ask for at most that many choices", param="n")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         ids, stops = sample_ids(rid, params.n), req.stop_strings()
         writers = [LogprobsWriter(self.llm.tokenizer, chat) for _ in ids] if params.logprobs else None
-        call = _Call(rid, ids, await self.submit(rid, prompt_ids, params), stops, chat, len(prompt_ids),
-                     params.min_tokens, writers)
-        self.counts["requests"] += 1
-        self.counts["prompt_tokens"] += len(prompt_ids)
+        call = _Call(rid, ids, await self.submit(rid, prompt_ids, params, arrival), stops, chat, len(prompt_ids),
+                     params.min_tokens, writers, [None] * len(ids))
+        self.metrics.accepted(len(ids), len(prompt_ids))
         self.open += 1
         closed = False
 
-        def close() -> None:  # idempotent
+        def close() -> None:  # idempotent; however the response ended, each choice is counted once
             nonlocal closed
             if not closed:
                 closed = True
                 self.open -= 1
                 self.abort(ids)
+                self.metrics.ended(call.finishes, failed=self.engine.error is not None)
 
         if req.stream:
             with_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -209,15 +225,18 @@ class Service:
                 yield make(None, None, usage(call.n_prompt, sum(counts)))
         yield "data: [DONE]\n\n"
 
-    async def collect(self, request, call: _Call) -> JSONResponse:
+    async def collect(self, request, call: _Call) -> Response:
+        """The whole answer: logprobs written as their tokens come, the JSON encoded in slices (encode_json), so
+        a large answer never holds the event loop for long."""
         n = len(call.ids)
-        texts, tokens, ends = [[] for _ in range(n)], [[] for _ in range(n)], [(None, 0)] * n
+        texts, ends = [[] for _ in range(n)], [(None, 0)] * n
+        logprobs = [w.write([]) for w in call.writers] if call.writers else None  # each choice's, so far
 
         async def run() -> None:
             async for d in self.deltas(call):
                 texts[d.index].append(d.text)
-                if d.token is not None:
-                    tokens[d.index].append(d.token)
+                if d.token is not None and logprobs:
+                    extend_logprobs(logprobs[d.index], call.writers[d.index].write([d.token]))
                 if d.finish is not None:
                     ends[d.index] = (d.finish, d.n)
                 if d.finish == "abort":
@@ -235,9 +254,9 @@ class Service:
         if any(finish == "abort" for finish, _ in ends):
             raise self.aborted()
         choices = [choice(call.chat, i, "".join(texts[i]), ends[i][0],
-                          call.writers[i].write(tokens[i]) if call.writers else None) for i in range(n)]
-        return JSONResponse(body(call.rid, self.model_name, call.chat, choices,
-                                 usage(call.n_prompt, sum(k for _, k in ends))))
+                          logprobs[i] if logprobs else None) for i in range(n)]
+        answer = body(call.rid, self.model_name, call.chat, choices, usage(call.n_prompt, sum(k for _, k in ends)))
+        return Response(await encode_json(answer), media_type="application/json")
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests, let those in flight finish for `timeout` s, abort the rest (their streams end with an
@@ -255,13 +274,14 @@ class Service:
 
 
 def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_body_bytes: int = 1 << 20,
-              access: AccessPolicy | None = None) -> FastAPI:
+              access: AccessPolicy | None = None, body_timeout: float = ConnectionLimits.body_timeout) -> FastAPI:
     """The FastAPI app around an `LLM` (minillm.engine.LLM or LLM.from_model); its engine thread starts and stops with
     the app (lifespan). max_waiting: requests allowed to wait in the engine before 429. access: who may call
-    (access.py; default: loopback Host names, no foreign web origin, no API key)."""
+    (access.py; default: loopback Host names, no foreign web origin, no API key). body_timeout: seconds a request's
+    body may take to arrive (408; a Server sets it from its ConnectionLimits)."""
     if llm.tokenizer is None:
         raise ValueError("the server needs an LLM with a tokenizer (LLM.from_model(model, tokenizer))")
-    svc = Service(llm, model_name, max_waiting)
+    svc = Service(llm, model_name, max_waiting, body_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -277,7 +297,7 @@ def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)  # 404 / 405 in OpenAI's shape too
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
@@ -285,7 +305,8 @@ def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = await read_request(request, CompletionRequest, max_body_bytes)
+        arrival = time.perf_counter()
+        req = await read_request(request, CompletionRequest, max_body_bytes, svc.body_timeout)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -298,18 +319,19 @@ def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_
             prompt = await asyncio.to_thread(tok.encode, prompt)
         elif not prompt:
             raise ApiError(400, "the prompt is empty", param="prompt")
-        return await svc.respond(request, req, prompt, chat=False, max_tokens=req.max_tokens)
+        return await svc.respond(request, req, prompt, chat=False, max_tokens=req.max_tokens, arrival=arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = await read_request(request, ChatRequest, max_body_bytes)
+        arrival = time.perf_counter()
+        req = await read_request(request, ChatRequest, max_body_bytes, svc.body_timeout)
         messages = [{"role": m.template_role(), "content": m.text()} for m in req.messages]
         try:  # message contents are encoded as text: "<|im_start|>" typed by a user is not a special token
             ids = await asyncio.to_thread(tok.encode_chat, messages)
         except (ValueError, TypeError) as e:
             raise ApiError(400, str(e), param="messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await svc.respond(request, req, ids, chat=True, max_tokens=max_tokens)
+        return await svc.respond(request, req, ids, chat=True, max_tokens=max_tokens, arrival=arrival)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -319,7 +341,7 @@ def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (through the chat template) -> the token ids."""
-        req = await read_request(request, TokenizeRequest, max_body_bytes)
+        req = await read_request(request, TokenizeRequest, max_body_bytes, svc.body_timeout)
         if req.messages is not None:
             ids = await asyncio.to_thread(tok.encode_chat, [{"role": m.template_role(), "content": m.text()}
                                                             for m in req.messages])
@@ -331,28 +353,8 @@ def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        """Prometheus text: what a dashboard polls (counters since start, gauges now)."""
-        c, cache = svc.counts, llm.prefix_cache_stats
-        lines = []
-
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            lines.extend([f"# HELP minillm_{name} {help_}", f"# TYPE minillm_{name} {kind}"])
-            lines.extend(f"minillm_{name}{labels} {value:g}" for labels, value in samples)
-
-        metric("requests_total", "counter", "requests accepted by the engine", [("", c["requests"])])
-        metric("prompt_tokens_total", "counter", "prompt tokens of accepted requests", [("", c["prompt_tokens"])])
-        metric("generation_tokens_total", "counter", "tokens generated", [("", c["generation_tokens"])])
-        metric("requests_finished_total", "counter", "requests ended, by finish_reason",
-               [(f'{{finish_reason="{k.split()[1]}"}}', v) for k, v in sorted(c.items()) if k.startswith("finished")])
-        metric("requests_running", "gauge", "requests in the engine", [("", len(svc.engine.in_flight))])
-        metric("requests_waiting", "gauge", "requests waiting for a slot", [("", len(llm.scheduler.waiting))])
-        used = llm.block_manager.num_blocks - llm.num_free_blocks()
-        metric("kv_blocks_used", "gauge", "KV-cache blocks holding a running sequence's tokens", [("", used)])
-        metric("kv_blocks_total", "gauge", "KV-cache blocks in the pool", [("", llm.block_manager.num_blocks)])
-        if cache is not None:
-            metric("prefix_cache_hit_rate", "gauge", "prompt tokens found in the prefix cache / prompt tokens",
-                   [("", cache.hit_rate)])
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        """Prometheus text: what a dashboard polls (counters since start, gauges now, histograms)."""
+        return PlainTextResponse(svc.metrics.render(llm), media_type="text/plain; version=0.0.4")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -364,17 +366,22 @@ def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_
                              "prefix_cache": cache.as_dict() if cache is not None else None},
                             status_code=200 if ok else 503)
 
+    add_router_endpoints(app)  # /server_info, /model_info, /get_load: a worker of sglang-router
     return app
 
 
 class Server(uvicorn.Server):
-    """uvicorn with a draining shutdown (Service.drain before uvicorn closes connections) and a ready line."""
+    """uvicorn with a draining shutdown (Service.drain before uvicorn closes connections), a ready line, and the
+    connection limits (connections.py: uvicorn's options, the header deadline it lacks, and the app's body
+    deadline)."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
-                 log_level: str = "info", announce: bool = False):
+                 log_level: str = "info", announce: bool = False, limits: ConnectionLimits | None = None):
         super().__init__(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                        timeout_graceful_shutdown=drain_timeout + 10))
+                                        timeout_graceful_shutdown=drain_timeout + 10,
+                                        **(limits := limits or ConnectionLimits()).uvicorn_options()))
         self.app, self.drain_timeout, self.announce = app, drain_timeout, announce
+        app.state.service.body_timeout = limits.body_timeout
 
     @property
     def url(self) -> str:
@@ -383,16 +390,22 @@ class Server(uvicorn.Server):
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
+        # what is alive now (model, tokenizer, imports: 200,000 objects for SmolLM2) stays alive; frozen, it leaves
+        # every later full garbage collection, which stops every thread, this event loop too (120 ms to scan it)
+        gc.collect()
+        gc.freeze()
         if self.started and self.announce:
             print(f"minillm serve: ready at {self.url}/v1", flush=True)
 
     async def shutdown(self, sockets=None) -> None:
         await self.app.state.service.drain(self.drain_timeout)
         await super().shutdown(sockets)
+        gc.unfreeze()  # a process that goes on (tests, notebooks) collects its garbage again
 
 
 def serve(llm, model_name: str = "smollm2-135m", host: str = "127.0.0.1", port: int = 8000, max_waiting: int = 64,
-          drain_timeout: float = 30.0, log_level: str = "info", access: AccessPolicy | None = None) -> None:
+          drain_timeout: float = 30.0, log_level: str = "info", access: AccessPolicy | None = None,
+          limits: ConnectionLimits | None = None) -> None:
     """Serve `llm` over HTTP until interrupted (Ctrl-C / SIGTERM drain it, see Server)."""
     Server(build_app(llm, model_name, max_waiting, access=access), host, port, drain_timeout, log_level,
-           announce=True).run()
+           announce=True, limits=limits).run()
