@@ -177,6 +177,14 @@ def test_user_content_with_template_markers_is_plain_text(client, oracle, real_m
     assert r.choices[0].message.content == want.text and want.text.strip()
 
 
+def test_a_refused_field_at_its_default_asks_for_nothing(server):
+    """Routers and SDKs send the defaults of fields this server refuses ("echo": false, "best_of": 1, null): those
+    requests are served (sglang-router adds "echo": false to every completion)."""
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "echo": False,
+                                                          "best_of": 1, "suffix": None, "model": MODEL}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_models_and_health(server):
     assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == MODEL
     h = httpx.get(server.url + "/health")
@@ -213,6 +221,7 @@ BAD = [
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": "4"}', 400, "max_tokens", "integer"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": "hot"}', 400, "temperature", "number"),
     ("/v1/completions", b'{"prompt": "hi", "best_of": 2}', 400, "best_of", "not supported"),
+    ("/v1/completions", b'{"prompt": "hi", "echo": true}', 400, "echo", "not supported"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": []}', 400, "tools",
      "tool calling"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "response_format": {}}', 400,

@@ -194,7 +194,11 @@ async def read_request(request, model: type[_Strict], max_bytes: int, timeout: f
         raise from_validation_error(e) from None
     unknown = list(req.model_extra or {})
     for name in unknown:
-        if name in REFUSED_FIELDS:
+        # refused only when it may ask for the feature: a router or SDK that sends "echo": false, "best_of": 1 or a
+        # null asks for nothing this server does not do (sglang-router adds "echo": false to every completion)
+        value = req.model_extra[name]
+        if name in REFUSED_FIELDS and value is not None and value is not False and not (name == "best_of" and
+                                                                                         value == 1):
             raise ApiError(400, f"{name!r}: {REFUSED_FIELDS[name]} is not supported by this server", param=name)
     if unknown:  # one line, whatever their number (a line each: 100,000 of them for one 1 MiB body)
         logger.info("ignoring %d field(s) this server does not know (as vLLM does): %s", len(unknown),
