@@ -373,11 +373,13 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Reading it: the native rung keeps exactly the work the breakdown charged to matmuls and attention and drops the
-# per-op cost around them, so its step lands near the eager step's matmul + attention terms — the bound the
-# prediction computed. What is left outside the C++ call is the embedding lookup, the LM head and sampling, a few
-# ops per step. The same call serves `generate()`, the engine's packed steps (decodes, verifies and prompt chunks in
-# one forward) and the speculative verify; `minillm bench lowbit` measures it against llama.cpp at 1 and 2 threads,
+# Reading it: the native rung keeps the matmuls and attention and drops the per-op cost around them. The bound the
+# prediction computed took eager's matmul term as pure matmul work; the breakdown above shows it was not (the same
+# matmuls took less inside the native step: each eager kernel call also paid its Python, checks and allocation), so
+# the measured gain can exceed that bound. What is left outside the C++ call is the embedding lookup, the LM head
+# and sampling (the native step's op count above). The same call serves `generate()`, the engine's packed steps
+# (decodes, verifies and prompt chunks in one forward) and the speculative verify; `minillm bench lowbit` measures
+# it against llama.cpp at 1 and 2 threads,
 # and lesson 14's edge profile runs it.
 
 # %% [markdown]

@@ -27,7 +27,7 @@ from minillm.serving.metrics import Histogram  # noqa: E402
 from minillm.serving.openai_protocol import MAX_LOGPROBS, MAX_STOP_CHARS, json_pieces  # noqa: E402
 from minillm.serving.stop_strings import StopMatcher  # noqa: E402
 from tests.conftest import tiny_model  # noqa: E402
-from tests.test_server import _QuadraticStopMatcher, running, sse, wait_clean  # noqa: E402
+from tests.test_server import _clean_after, _QuadraticStopMatcher, running, sse, wait_clean  # noqa: E402,F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -83,11 +83,6 @@ def server(tok):
         yield s
 
 
-@pytest.fixture(autouse=True)
-def _clean_after(request):
-    yield
-    if "server" in request.fixturenames:
-        wait_clean(request.getfixturevalue("server").llm)
 
 
 def test_the_largest_requests_allowed_do_not_stall_health(server):
