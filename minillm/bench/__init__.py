@@ -36,6 +36,7 @@ ENTRIES: dict[str, str] = {
     "prefix-cache": "minillm.bench.prefix_cache:run",
     "chunked-prefill": "minillm.bench.chunked_prefill:run",
     "disagg": "minillm.bench.disagg:run",
+    "http-router": "minillm.bench.http_router:run",
     "ladder": "minillm.bench.ladder:run",
     "edge": "minillm.bench.edge:run",
     "breakdown": "minillm.bench.breakdown:run",

@@ -47,6 +47,9 @@ from minillm.serving.openai_protocol import (
     usage,
 )
 from minillm.serving.router_endpoints import add_router_endpoints
+from minillm.serving.schema import GENERATE, SSE, WHY, ChatCompletion, Completion, Health, ModelList, TokenizeResponse
+from minillm.serving.schema import install as install_schema
+from minillm.serving.schema import responses
 from minillm.serving.stop_strings import StopMatcher
 
 logger = logging.getLogger("minillm.serving.server")
@@ -303,7 +306,7 @@ def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
         return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={200: {"model": Completion, "content": SSE}, **responses(*GENERATE)})
     async def completions(request: Request):
         arrival = time.perf_counter()
         req = await read_request(request, CompletionRequest, max_body_bytes, svc.body_timeout)
@@ -321,7 +324,8 @@ def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_
             raise ApiError(400, "the prompt is empty", param="prompt")
         return await svc.respond(request, req, prompt, chat=False, max_tokens=req.max_tokens, arrival=arrival)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletion, "content": SSE},
+                                                 **responses(*GENERATE)})
     async def chat_completions(request: Request):
         arrival = time.perf_counter()
         req = await read_request(request, ChatRequest, max_body_bytes, svc.body_timeout)
@@ -333,30 +337,34 @@ def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return await svc.respond(request, req, ids, chat=True, max_tokens=max_tokens, arrival=arrival)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=responses(401))
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "minillm",
                                             "max_model_len": llm.max_model_len}]}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=responses(400, 408, 413, 415))
     async def tokenize(request: Request) -> dict:
         """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (through the chat template) -> the token ids."""
         req = await read_request(request, TokenizeRequest, max_body_bytes, svc.body_timeout)
         if req.messages is not None:
-            ids = await asyncio.to_thread(tok.encode_chat, [{"role": m.template_role(), "content": m.text()}
-                                                            for m in req.messages])
+            try:  # the template's own checks (no messages) are the client's mistake
+                ids = await asyncio.to_thread(tok.encode_chat, [{"role": m.template_role(), "content": m.text()}
+                                                                for m in req.messages])
+            except (ValueError, TypeError) as e:
+                raise ApiError(400, str(e), param="messages") from None
         elif req.prompt is not None:
             ids = await asyncio.to_thread(tok.encode, req.prompt)
         else:
             raise ApiError(400, "give a 'prompt' (text) or 'messages' (a chat) to tokenize", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=responses())
     async def metrics() -> PlainTextResponse:
         """Prometheus text: what a dashboard polls (counters since start, gauges now, histograms)."""
         return PlainTextResponse(svc.metrics.render(llm), media_type="text/plain; version=0.0.4")
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": Health}, **responses(),
+                                   503: {"model": Health, "description": WHY[503]}})
     async def health() -> JSONResponse:
         ok = not svc.closing and svc.engine.error is None and svc.engine.is_alive()
         cache = llm.prefix_cache_stats  # None without prefix caching
@@ -367,6 +375,8 @@ def build_app(llm, model_name: str = "smollm2-135m", max_waiting: int = 64, max_
                             status_code=200 if ok else 503)
 
     add_router_endpoints(app)  # /server_info, /model_info, /get_load: a worker of sglang-router
+    install_schema(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest,
+                         "/tokenize": TokenizeRequest})  # /openapi.json: the bodies read_request validates
     return app
 
 
