@@ -47,7 +47,8 @@ def cmd_bench(args) -> int:
     from minillm.measure.hardware import bf16_status
 
     # for entries that take them
-    extra = {k: v for k, v in (("url", args.url), ("rate", args.rate), ("parts", args.parts)) if v is not None}
+    extra = {k: v for k, v in (("url", args.url), ("rate", args.rate), ("parts", args.parts),
+                               ("target", getattr(args, "target", None))) if v is not None}
     if refused := [k for k in extra if k not in inspect.signature(load_entry(args.name)).parameters]:
         raise UsageError(f"--{refused[0]} is not an option of benchmark {args.name!r}")
     print(f"minillm bench {args.name}: {use_threads(args.threads)} at start; {bf16_status()}")
