@@ -29,6 +29,7 @@ ENTRIES: dict[str, str] = {
     "quant": "minillm.bench.quant:run",
     "lowbit": "minillm.bench.lowbit:run",
     "sparsity": "minillm.bench.sparsity:run",
+    "pruning": "minillm.bench.pruning:run",
     "distill": "minillm.bench.distill:run",
     "speculative": "minillm.bench.speculative:run",
     "parallel": "minillm.bench.parallel:run",
