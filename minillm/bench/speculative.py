@@ -203,6 +203,7 @@ def run(quick: bool = False, target: str = "float32") -> BenchResult:
             ratios["student_acceptance_over_lesson09_top1"] = ratios["student_acceptance_text"] / top1
     notes.append(f"target decode alone: {rows[0]['target_tok_s']:.1f} tok/s at batch 1; greedy outputs of every "
                  f"variant and of the engine {'equal' if identical else 'DIFFER FROM'} target-only greedy")
-    return BenchResult(name="speculative" if target == "float32" else f"speculative-{target}", rows=rows, ratios=ratios, targets=targets,
+    return BenchResult(name="speculative" if target == "float32" else f"speculative-{target}", rows=rows,
+                       ratios=ratios, targets=targets,
                        settings={**{k: v for k, v in b.items() if not isinstance(v, list)}, "dtype": "float32",
                                  "target": target, "threads": torch.get_num_threads()}, notes=notes, series=curves)
