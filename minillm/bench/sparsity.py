@@ -1,8 +1,8 @@
 """`minillm bench sparsity` (lesson 08): what pruning costs in quality, and what it buys in speed, in one run.
 
 SmolLM2-135M, float32, against the unpruned model:
-1. unstructured and 2:4 curves, magnitude vs Wanda: perplexity, KL and top-1 agreement at each sparsity (no
-   speed column: a dense matmul multiplies the zeros);
+1. unstructured and 2:4 curves, magnitude vs Wanda vs SparseGPT: perplexity, KL, top-1 agreement and the seconds
+   the pruning takes at each sparsity (no speed column: a dense matmul multiplies the zeros);
 2. structured pruning (dropped blocks, fewer KV groups, narrower FFN): parameters removed, perplexity, tok/s;
 3. the 2:4 format's bytes; on CUDA, torch's semi-structured sparse matmul vs dense fp16 (CPUs have none).
 """
@@ -10,6 +10,7 @@ SmolLM2-135M, float32, against the unpruned model:
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 
@@ -20,22 +21,55 @@ from minillm.bench.quant import prefill_tok_s, quality
 SHAPES = {"wq/wo": (576, 576), "wk/wv": (192, 576), "gate/up": (1536, 576), "down": (576, 1536)}
 
 
+def pruned(ref, method: str, pattern: str, s: float, calib: list[int], **kw):
+    """A pruned copy of ref, and the seconds the pruning took (calibration passes included)."""
+    from minillm.compress.sparsegpt import prune_sparsegpt
+    from minillm.compress.sparsity import prune
+
+    model = copy.deepcopy(ref)
+    start = time.perf_counter()
+    if method == "sparsegpt":
+        prune_sparsegpt(model, s, pattern, calib_ids=calib, **kw)
+    else:
+        prune(model, s, method, pattern, calib_ids=calib)
+    return model, time.perf_counter() - start
+
+
 def unstructured_rows(ref, calib, ref_logits, chunks, quick: bool) -> tuple[list[dict], dict]:
-    """The rows, and the Wanda 2:4 model (run() checks its masks on every layer)."""
-    from minillm.compress.sparsity import prune, sparsity_of
+    """The rows, and the 2:4 models (run() checks their masks on every layer)."""
+    from minillm.compress.sparsity import sparsity_of
 
     levels = [0.5] if quick else [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
     todo = [(m, "unstructured", s) for s in levels for m in ("magnitude", "wanda")]
-    todo += [("magnitude", "2:4", 0.5), ("wanda", "2:4", 0.5)]
-    rows, wanda_2to4 = [], None
+    todo += [("sparsegpt", "unstructured", s) for s in ([0.5] if quick else [0.5, 0.6, 0.7])]
+    todo += [("magnitude", "2:4", 0.5), ("wanda", "2:4", 0.5)] + ([] if quick else [("sparsegpt", "2:4", 0.5)])
+    rows, two4 = [], []
     for method, pattern, s in todo:
-        model = copy.deepcopy(ref)
-        prune(model, s, method, pattern, calib_ids=calib)
+        model, seconds = pruned(ref, method, pattern, s, calib)
         rows.append({"variant": f"{method} {pattern} {s:.0%}", "part": "masks", "method": method,
-                     "pattern": pattern, "sparsity": sparsity_of(model), **quality(model, ref_logits, chunks)})
-        if (method, pattern) == ("wanda", "2:4"):
-            wanda_2to4 = model
-    return rows, wanda_2to4
+                     "pattern": pattern, "sparsity": sparsity_of(model), **quality(model, ref_logits, chunks),
+                     "prune_s": seconds})
+        if pattern == "2:4" and method != "magnitude":
+            two4.append(model)
+    return rows, two4
+
+
+def calibration_rows(ref, tok, calib, ref_logits, chunks) -> list[dict]:
+    """SparseGPT vs Wanda at 60% when the calibration budget or the dampening changes: with fewer calibration tokens
+    than a layer has inputs (512 vs mlp.down's 1536), H = X X^T is singular and only the dampening holds the
+    reconstruction to what the calibration text does not show. Wanda keeps one norm per channel: little to overfit."""
+    from minillm.compress.quality import calibration_ids
+
+    rows = []
+    big = calibration_ids(tok, 8 * len(calib))
+    for method, ids, damp in (("sparsegpt", calib, 0.1), ("sparsegpt", calib, 1.0), ("wanda", big, None),
+                              ("sparsegpt", big, 0.01)):
+        kw = {} if damp is None else {"damp": damp}
+        model, seconds = pruned(ref, method, "unstructured", 0.6, ids, **kw)
+        rows.append({"variant": f"{method} 60%, {len(ids)} calib tokens" + ("" if damp is None else f", damp {damp}"),
+                     "part": "calibration", "method": method, "calib_tokens": len(ids), "damp": damp,
+                     **quality(model, ref_logits, chunks), "prune_s": seconds})
+    return rows
 
 
 def structured_variants(quick: bool) -> dict[str, dict]:
@@ -125,10 +159,24 @@ def run(quick: bool = False) -> BenchResult:
     ratios = {"wanda_ppl_over_magnitude_at_50":
               by["wanda unstructured 50%"]["ppl"] / by["magnitude unstructured 50%"]["ppl"],
               "wanda_2to4_ppl_over_magnitude_2to4": by["wanda 2:4 50%"]["ppl"] / by["magnitude 2:4 50%"]["ppl"]}
-    # 2:4 masks valid on every layer of the pruned model
-    linears = [m for b in check.layers for m in b.modules() if isinstance(m, torch.nn.Linear)]
+    for s in (50, 60, 70):
+        if f"sparsegpt unstructured {s}%" in by:
+            ratios[f"sparsegpt_vs_wanda_ppl_{s}"] = (by[f"sparsegpt unstructured {s}%"]["ppl"]
+                                                     / by[f"wanda unstructured {s}%"]["ppl"])
+    if "sparsegpt 2:4 50%" in by:
+        ratios["sparsegpt_vs_wanda_ppl_2to4"] = by["sparsegpt 2:4 50%"]["ppl"] / by["wanda 2:4 50%"]["ppl"]
+    ratios["sparsegpt_vs_wanda_prune_time_50"] = (by["sparsegpt unstructured 50%"]["prune_s"]
+                                                  / by["wanda unstructured 50%"]["prune_s"])
+    # 2:4 masks valid on every layer of the pruned models (Wanda's and, in full runs, SparseGPT's)
+    linears = [m for c in check for b in c.layers for m in b.modules() if isinstance(m, torch.nn.Linear)]
     ratios["layers_2to4_valid"] = sum(is_n_m_sparse(m.weight) for m in linears) / len(linears)
     del check
+    if not quick:
+        c_rows = calibration_rows(ref, tok, calib, ref_logits, chunks)
+        rows += c_rows
+        big = {r["method"]: r for r in c_rows if r["calib_tokens"] > len(calib)}
+        ratios[f"sparsegpt_vs_wanda_ppl_60_calib_{big['wanda']['calib_tokens']}"] = (big["sparsegpt"]["ppl"]
+                                                                                    / big["wanda"]["ppl"])
     s_rows = structured_rows(ref, calib, ref_logits, chunks, ids, quick)
     dense = s_rows[0]
     for r in s_rows[1:]:
@@ -145,7 +193,9 @@ def run(quick: bool = False) -> BenchResult:
                "drop10_params_removed": (">=", 0.25), "drop10_decode_vs_dense": (">=", 1.25)}
     notes = ["float32 throughout; the reference is the unpruned model (the file's Q4_1 weights expanded)",
              "magnitude compares weights per matrix, Wanda per output row (each method's own comparison group)",
-             "unstructured and 2:4 rows have no speed column: a dense matmul multiplies the zeros"]
+             "unstructured and 2:4 rows have no speed column: a dense matmul multiplies the zeros",
+             "prune_s: seconds to prune (calibration passes included); SparseGPT damps H by 1% of its mean diagonal",
+             "SparseGPT picks its mask per row in blocks of 128 columns (Wanda: over the whole row)"]
     if torch.cuda.is_available():
         g_rows, g_ratios = gpu_semi_structured(quick)
         rows += g_rows

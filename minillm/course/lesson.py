@@ -2,14 +2,18 @@
 
 Under MINILLM_QUICK=1 (CI sets it) `QUICK` is true and `pick(full, quick)` gives the small sizes, so every
 notebook executes headless in seconds; the numbers a learner reads come from full mode on their own hardware.
-`hardware_line` names the machine above every table.
+`hardware_line` names the machine above every table; `recorded` reads a benchmark's full run from results/.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 from minillm.measure.hardware import machine_line
+
+RESULTS = Path(__file__).resolve().parents[2] / "results"
 
 QUICK = os.environ.get("MINILLM_QUICK", "") not in ("", "0")
 
@@ -34,3 +38,18 @@ def spread_line(result: dict, key: str) -> str:
                 f"records one)")
     return (f"{key} = {value:.3f}: min {spread['min']:.3f}, median {spread['median']:.3f}, max {spread['max']:.3f} "
             f"over {len(spread['runs'])} runs")
+
+
+def recorded(name: str) -> dict:
+    """The full run of `minillm bench NAME` recorded in results/NAME.json (a benchmark of many minutes is read, not
+    re-run, by a lesson in full mode); quick mode, or no such file, runs the quick benchmark now."""
+    path = RESULTS / f"{name}.json"
+    if QUICK or not path.exists():
+        from minillm.bench import run_entry
+
+        return run_entry(name, quick=True, save=False).to_dict()
+    result = json.loads(path.read_text())
+    print(f"the run recorded in results/{name}.json ({result['timestamp']}), on: {result['hardware'].get('cpu', '')}, "
+          f"{result['settings'].get('threads', '?')} thread(s), load average {result.get('load_avg_end', 0):.1f} at "
+          f"its end; rerun: minillm bench {name}")
+    return result
