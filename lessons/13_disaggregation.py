@@ -349,6 +349,55 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
+# ### The same question over HTTP: N servers behind a router users already run
+#
+# Past one machine each engine is its own `minillm serve`, and the router in front is not ours: sglang-router (a
+# Rust router on PyPI) keeps, per worker, a radix tree of the *text* it sent there (`--policy cache_aware`), where
+# ReplicaPool kept block hashes of token ids. Same idea, one level up: send a prompt where its prefix already is.
+# `minillm.cluster.http_router` starts two servers and the router on loopback; `minillm bench http-router` runs the
+# same shared-prefix chats through a fresh fleet per policy, and reads each server's prefix-cache counters from its
+# `/metrics` (the router cannot see the caches either). The recorded run:
+
+# %%
+hr = recorded("http-router")
+for note in hr["notes"]:
+    print("note:", note)
+if hr["rows"]:
+    print(f"load average {hr['load_avg_end']:.1f} on {hr['hardware']['cpu_count']} cores when the run ended: the "
+          f"hit rates are the routers' decisions, the times also the neighbours'")
+if hr["rows"]:
+    print(f"\n{'policy':<13}{'hit rate':>9}{'TTFT p50':>9}{'p99':>7}{'mean':>7}{'server TTFT':>12}  "
+          "requests per server")
+    for r in hr["rows"]:
+        print(f"{r['policy']:<13}{r['prefix_hit_rate']:>9.2f}{r['ttft_p50_s']:>9.2f}{r['ttft_p99_s']:>7.2f}"
+              f"{r['ttft_mean_s']:>7.2f}{r['server_ttft_mean_s']:>12.2f}  {r['requests_per_server']}")
+    by = {r["policy"]: r for r in hr["rows"]}
+    rr, ca = by["round_robin"], by["cache_aware"]
+    print(f"\ncache_aware found {ca['prefix_hit_rate']:.0%} of prompt tokens already cached against round-robin's "
+          f"{rr['prefix_hit_rate']:.0%}; the client's median TTFT {ca['ttft_p50_s']:.2f} s vs {rr['ttft_p50_s']:.2f} s "
+          f"({rr['ttft_p50_s'] / ca['ttft_p50_s']:.2f}x); the same greedy text for "
+          f"{ca['same_text_as_first']:.0%} of requests")
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.2))
+    names = [r["policy"] for r in hr["rows"]]
+    a1.bar(names, [r["prefix_hit_rate"] for r in hr["rows"]], color="tab:green")
+    a1.set_ylabel("prefix hit rate (servers' /metrics)")
+    a2.bar(names, [r["ttft_p50_s"] for r in hr["rows"]], color="tab:orange", label="p50")
+    a2.bar(names, [r["ttft_p99_s"] - r["ttft_p50_s"] for r in hr["rows"]], bottom=[r["ttft_p50_s"] for r in hr["rows"]],
+           color="tab:red", alpha=0.4, label="p99")
+    a2.set_ylabel("client TTFT (s)")
+    a2.legend()
+    fig.suptitle(f"{hr['settings'].get('servers', 2)} minillm serve processes behind sglang-router (recorded run)")
+    plt.tight_layout()
+    plt.show()
+
+# %% [markdown]
+# The tree a cache-aware router keeps is a *guess* of each server's cache: it never hears of evictions, and a new
+# group of prompts that matches no tree goes to the server with the fewest requests in flight — so on an idle fleet
+# the groups can pile onto one server (the requests per server above). README ("N servers behind a router") has the
+# commands, and `tests/test_http_router.py` (slow set) kills a server mid-run: the router takes it out of rotation
+# within about a second and nothing hangs.
+
+# %% [markdown]
 # ## 6. When is a small model enough?
 #
 # A cascade answers with the small model (lesson 09's distilled student) and escalates to SmolLM2 when the student's
