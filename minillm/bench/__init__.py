@@ -28,6 +28,7 @@ ENTRIES: dict[str, str] = {
     "fusion": "minillm.bench.fusion:run",
     "quant": "minillm.bench.quant:run",
     "lowbit": "minillm.bench.lowbit:run",
+    "codebook": "minillm.bench.codebook:run",
     "sparsity": "minillm.bench.sparsity:run",
     "pruning": "minillm.bench.pruning:run",
     "distill": "minillm.bench.distill:run",
