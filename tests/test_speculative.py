@@ -1086,3 +1086,27 @@ def test_shipped_draft_head_keeps_the_real_targets_greedy_output(real_model):
                    spec_stats=stats)
     assert out.token_ids == generate(model, tok, ids, max_new_tokens=24, ignore_eos=True).token_ids
     assert stats.acceptance_rate > 0.15, stats
+
+
+def test_beside_a_low_bit_target_the_head_runs_in_int8_and_keeps_greedy_output():
+    """A 4-bit target on the native step: the drafter's head is an int8 copy (its float32 weights were a third of
+    the bytes of a target step), its guesses agree with the float head's on most steps, and greedy output is still
+    the target's own."""
+    from minillm.api import load_model
+    from minillm.compress.quant import Int8Linear
+    from minillm.speculative.learned import load_draft_head
+
+    model, tok = load_model("smollm2-135m", dtype="float32", weights="q4", native="auto")
+    drafter = LearnedDrafter(model, load_draft_head())
+    assert isinstance(drafter.head.fc, Int8Linear) and drafter.head.head_int8 is not None
+    float_head = load_draft_head().bind(model)
+    f, tokens = torch.randn(16, model.config.dim), torch.randint(0, model.config.vocab_size, (16,))
+    with torch.inference_mode():
+        agree = (drafter.head(f, tokens)[1].argmax(-1) == float_head(f, tokens)[1].argmax(-1)).float().mean()
+    assert agree >= 0.75, f"the int8 head's first guess agrees with the float head's on {agree:.0%} of rows"
+    ids = tok.encode_chat([{"role": "user", "content": "Give me three tips for staying healthy."}])
+    stats = SpecStats()
+    out = generate(model, tok, ids, max_new_tokens=24, ignore_eos=True, speculative=SpeculativeConfig("learned", k=3),
+                   spec_stats=stats)
+    assert out.token_ids == generate(model, tok, ids, max_new_tokens=24, ignore_eos=True).token_ids
+    assert stats.acceptance_rate > 0.15, stats

@@ -85,6 +85,28 @@ def verify_cost(model, q_lens: list[int], context: int = 128) -> list[dict]:
     return rows
 
 
+def head_cost(model) -> dict:
+    """One learned-head guess (as the drafter runs it: int8 beside a low-bit target) and one target decode forward,
+    milliseconds, interleaved: c = head / step, the draft cost of lesson 10's (k*c + v) rule."""
+    from minillm.kv_cache import KVCache
+    from minillm.speculative.learned import draft_head_for
+
+    head = draft_head_for(model)
+    f, tok = torch.randn(1, model.config.dim, device=model.device), torch.tensor([1234], device=model.device)
+    ids = torch.randint(0, model.config.vocab_size, (1, 129), device=model.device)
+    cache = KVCache.for_model(model, 1, 130)
+    with torch.inference_mode():
+        model(ids[:, :128], kv_cache=cache)
+
+        def step():
+            model(ids[:, 128:], kv_cache=cache)
+            cache.truncate(128)
+
+        t_step = time_fn(step, warmup=2, repeat=20).median
+        t_head = time_fn(lambda: head(f, tok), warmup=2, repeat=20).median
+    return {"head_ms": t_head * 1e3, "step_ms": t_step * 1e3, "c": t_head / t_step}
+
+
 def timed(model, tok, ids: list[int], n: int, spec=None):
     from minillm.api import generate
     from minillm.speculative.decoding import SpecStats
@@ -154,6 +176,7 @@ def run(quick: bool = False, target: str = "float32") -> BenchResult:
                         setattr(stats_all, f, getattr(stats_all, f) + getattr(stats, f))
             a = stats_all.acceptance_rate
             rows.append({"draft": source, "workload": load, "k": k, "acceptance": a,
+                         "drafted_per_step": stats_all.proposed / max(stats_all.steps, 1),
                          "accepted_fraction": stats_all.accepted_fraction, "tokens_per_step": stats_all.tokens_per_step,
                          "formula_tokens_per_step": expected_tokens_per_step(a, k),
                          "target_tok_s": len(prompts) * n / t_base,
@@ -163,6 +186,16 @@ def run(quick: bool = False, target: str = "float32") -> BenchResult:
 
     cost = verify_cost(model, b["verify_q"])
     curves["verify_cost"] = cost
+    curves["head_cost"] = head_cost(model)
+    v = {c["q_tokens"]: c["vs_decode"] for c in cost}
+    for r in rows:  # lesson 10's rule with this run's c and v: tokens per step / (d*c + v(d + 1)), d the guesses
+        c = curves["head_cost"]["c"] if r["draft"].startswith("learned") else 0.0 if r["draft"] == "ngram" else None
+        d = r["drafted_per_step"]  # k, but fewer where n-grams found no match or the gate stopped a chain
+        lo = max(q for q in v if q <= d + 1)
+        hi = min((q for q in v if q >= d + 1), default=lo)
+        v_d = v[lo] if hi == lo else v[lo] + (v[hi] - v[lo]) * (d + 1 - lo) / (hi - lo)  # measured q in between
+        if c is not None:
+            r["predicted_speedup"] = r["tokens_per_step"] / (d * c + v_d)
     # the same with the file's 4-bit weights on minillm's CPU kernels (lesson 07): q rows read the weights once
     cost_q4 = cost if target == "q4-native" else verify_cost(load_model("smollm2-135m", dtype="float32",
                                                                         weights="q4")[0], b["verify_q"])
@@ -190,6 +223,7 @@ def run(quick: bool = False, target: str = "float32") -> BenchResult:
     targets = {"greedy_identical": (">=", 1.0), "ngram_grounded_speedup": (">=", 1.5),
                "q4_verify_k4_vs_decode": ("<=", 1.2)}
     ratios["learned_chat_speedup"] = best("learned", "chat")
+    ratios["learned_head_cost_c"] = curves["head_cost"]["c"]
     targets["learned_chat_speedup"] = (">=", 1.3)
     if student is not None:
         ratios["student_chat_speedup"] = best("student", "chat")

@@ -67,10 +67,10 @@ def make_drafter(config: SpeculativeConfig, target, num_blocks: int = 1024, bloc
                              f"{len(target.layers)} blocks), got {config.exit_layer}")
         drafter = ModelDrafter(target, config.exit_layer, num_blocks, block_size)
     elif config.method == "learned":
-        from minillm.speculative.learned import DRAFTER, LearnedDrafter, load_draft_head
+        from minillm.speculative.learned import DRAFTER, LearnedDrafter, draft_head_for
 
-        head = config.draft_head if isinstance(config.draft_head, torch.nn.Module) else load_draft_head(
-            config.draft_head or DRAFTER)
+        head = config.draft_head if isinstance(config.draft_head, torch.nn.Module) else draft_head_for(
+            target, str(config.draft_head or DRAFTER))
         drafter = LearnedDrafter(target, head, config.min_confidence)
     else:
         draft = config.draft_model

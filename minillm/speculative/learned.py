@@ -64,14 +64,33 @@ class DraftHead(nn.Module):
         self._lookup = [embed]  # a list: the target's module, not a submodule of the head (never saved)
         return self.to(rows.device)
 
+    def int8_copy(self) -> DraftHead:
+        """This bound head with its matmuls and LM-head rows in int8 on the CPU kernels (lesson 07): beside a 4-bit
+        target its float32 weights (23 MB: fc, the MLP, 4,096 head rows) were a third of the bytes a target step
+        reads, so a guess cost ~0.3 of a step; int8 reads a quarter of that."""
+        from minillm.compress.quant import Int8Linear, quantize_int8
+
+        if self.head is None:
+            raise RuntimeError("bind(target) first: the LM-head rows come from the target")
+        out = DraftHead(self.fc.out_features, self.gate.out_features, self.vocab_ids)
+        out.load_state_dict(self.state_dict())
+        for name in ("fc", "gate", "up", "down"):
+            setattr(out, name, Int8Linear.from_linear(getattr(self, name)))
+        out.embed, out._lookup = self.embed, self._lookup
+        out.head, out.head_int8 = self.head, Int8Linear(*quantize_int8(self.head))
+        return out.eval()
+
     def forward(self, f: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         if self.head is None:
             raise RuntimeError("bind(target) first: the head scores with the target's own embedding and LM head")
-        e = (self.embed[tokens] if self.embed is not None else self._lookup[0](tokens)).to(self.fc.weight.dtype)
+        dtype = self.mlp_norm.weight.dtype  # not fc's: an int8 copy's fc holds int8 codes
+        e = (self.embed[tokens] if self.embed is not None else self._lookup[0](tokens)).to(dtype)
         h = self.fc(torch.cat([f.to(e.dtype), e], dim=-1))
         x = self.mlp_norm(h)
         h = h + self.down(F.silu(self.gate(x)) * self.up(x))
         f_next = self.out_norm(h)  # like the target's feature: after a final RMSNorm
+        if getattr(self, "head_int8", None) is not None:
+            return f_next, self.head_int8(f_next)
         return f_next, f_next @ self.head.to(f_next.dtype).t()
 
 
@@ -98,7 +117,7 @@ class LearnedDrafter(Drafter):
     def __init__(self, target, head: DraftHead, min_confidence: float = 0.0):
         if not 0.0 <= min_confidence < 1.0:
             raise ValueError(f"min_confidence must be in [0, 1) (0: always draft k), got {min_confidence!r}")
-        self.target, self.head = target, head.bind(target).eval()
+        self.target, self.head = target, prepare(target, head)
         self.min_confidence = min_confidence
         self.features: dict[str, tuple[int, Tensor]] = {}  # key -> (position of the first row, rows (n, dim))
         self._captured: Tensor | None = None
@@ -189,6 +208,31 @@ class LearnedDrafter(Drafter):
         for i in live:  # greedy drafts are one-hot guesses (q None), as the n-gram drafter's
             out[i] = (drafts[i], torch.stack(qs[i]) if qs[i] else None)
         return out
+
+
+def prepare(target, head: DraftHead) -> DraftHead:
+    """`head` ready to draft for `target`: bound to its embedding and LM-head rows, and an int8 copy beside a
+    low-bit target on the CPU (a float32 head would cost a third of its step). Once per (target, head)."""
+    ready = getattr(head, "_ready_for", None)
+    if ready is not None and ready() is target:
+        return head
+    head = head.bind(target).eval()
+    if hasattr(target.lm_head, "embedding") and target.device.type == "cpu":
+        head = head.int8_copy()
+    head._ready_for = weakref.ref(target)
+    return head
+
+
+_READY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {name: its prepared head}
+
+
+def draft_head_for(target, name: str = DRAFTER) -> DraftHead:
+    """The saved head `name`, loaded, verified and prepared for `target` once per target: generate() makes a
+    drafter per call, and reading, hashing and quantizing the head each time cost more than a short answer."""
+    per_target = _READY.setdefault(target, {})
+    if name not in per_target:
+        per_target[name] = prepare(target, load_draft_head(name))
+    return per_target[name]
 
 
 # ---------------------------------------------------------------------------------------------- saving, loading
