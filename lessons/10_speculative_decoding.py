@@ -55,6 +55,7 @@ from minillm.bench import run_entry
 from minillm.bench.speculative import PASSAGES, verify_cost
 from minillm.compress.quality import eval_ids
 from minillm.course.lesson import QUICK, hardware_line, pick
+from minillm.course.lesson import recorded as recorded_run
 from minillm.speculative.decoding import SpecStats, SpeculativeConfig, expected_tokens_per_step, rejection_sample
 
 
@@ -487,6 +488,43 @@ for draft, load, c in (("ngram", "grounded", 0.0), ("learned", "chat", t_head / 
             pred = r["tokens_per_step"] / (r["k"] * c + vk)
             print(f"{draft:>8} k={r['k']}: {r['tokens_per_step']:.2f} tokens per step / (k·c + v = "
                   f"{r['k'] * c + vk:.2f}) -> predicted {pred:.2f}x, measured {r['speedup']:.2f}x")
+
+# %% [markdown]
+# ### After the native step: the same drafters against a 4-bit target
+#
+# Everything above verifies with the float32 eager model, where a decode step is slow and a verify of k + 1 tokens
+# costs v(k + 1) of it. Lesson 06's last rung runs the file's 4-bit weights in one native call per step: a decode
+# step several times faster. Two terms of the rule move. v falls toward 1 (the extra rows' multiply-adds are cheap
+# next to reading the weights, lesson 07), which helps. c rises: the head's cost did not shrink with the target's —
+# in float32 its 5.7M weights (23 MB) were a third of the bytes a 4-bit step reads, so beside such a target the
+# drafter runs an int8 copy of the head on the same kernels (`prepare` in speculative/learned.py). `minillm bench
+# speculative --target q4-native` measures every drafter again, with c and v from its own run:
+
+# %%
+nat = recorded_run("speculative-q4-native", quick_run=False, rerun="minillm bench speculative --target q4-native")
+hc, vq = nat["series"]["head_cost"], {c["q_tokens"]: c["vs_decode"] for c in nat["series"]["verify_cost"]}
+print(f"4-bit native target: {nat['notes'][0]}; load average {nat['load_avg_end']:.1f} on "
+      f"{nat['hardware']['cpu_count']} cores at the end of that run: its tok/s are the neighbours' too, its ratios "
+      f"less so (each variant is timed right after its own baseline)")
+print(f"a head guess {hc['head_ms']:.2f} ms vs a target decode step {hc['step_ms']:.2f} ms: c = {hc['c']:.3f}; "
+      f"v(5) = {vq.get(5, float('nan')):.2f} (float32 eager, this lesson's run: "
+      f"{v.get(5, float('nan')):.2f})")
+print(f"\n{'draft':<18}{'workload':<10}{'k':>3}{'a':>7}{'guesses/step':>13}{'tok/step':>10}{'predicted':>11}"
+      f"{'measured':>10}")
+for r in nat["rows"]:
+    pred = f"{r['predicted_speedup']:>10.2f}x" if "predicted_speedup" in r else f"{'-':>11}"
+    print(f"{r['draft']:<18}{r['workload']:<10}{r['k']:>3}{r['acceptance']:>7.2f}{r['drafted_per_step']:>13.2f}"
+          f"{r['tokens_per_step']:>10.2f}{pred}{r['speedup']:>9.2f}x")
+best_native = max((r for r in nat["rows"] if r["draft"].startswith("learned") and r["workload"] == "chat"),
+                  key=lambda r: r["speedup"])
+print(f"\nBest learned head on open chat: {best_native['draft']} k={best_native['k']}, "
+      f"{best_native['speedup']:.2f}x measured, {best_native.get('predicted_speedup', float('nan')):.2f}x predicted "
+      f"(float32 target: {result['ratios']['learned_chat_speedup']:.2f}x).")
+print(f"Tokens per step is acceptance's ceiling: at a = {best_native['acceptance']:.2f} a step yields "
+      f"{best_native['tokens_per_step']:.2f} tokens, and even at c = 0 speculation needs v(k + 1) below that; this run "
+      f"measured v(3) = {vq.get(3, float('nan')):.2f} and v(5) = {vq.get(5, float('nan')):.2f}. The student drafts "
+      f"in float32 eager beside the 4-bit target, so its c is several target steps: "
+      f"{max(r['speedup'] for r in nat['rows'] if r['draft'] == 'student'):.2f}x at best.")
 
 # %% [markdown]
 # **Exercise 10** (`exercises/ex10_speculative.py`, graded by `minillm grade 10`): the greedy acceptance rule, the

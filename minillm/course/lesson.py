@@ -40,16 +40,17 @@ def spread_line(result: dict, key: str) -> str:
             f"over {len(spread['runs'])} runs")
 
 
-def recorded(name: str) -> dict:
+def recorded(name: str, quick_run: bool = True, rerun: str | None = None) -> dict:
     """The full run of `minillm bench NAME` recorded in results/NAME.json (a benchmark of many minutes is read, not
-    re-run, by a lesson in full mode); quick mode, or no such file, runs the quick benchmark now."""
+    re-run, by a lesson in full mode); quick mode, or no such file, runs the quick benchmark now, unless quick_run is
+    False (a bench whose quick run alone takes minutes: quick mode reads the recorded file too)."""
     path = RESULTS / f"{name}.json"
-    if QUICK or not path.exists():
+    if (QUICK and quick_run) or not path.exists():
         from minillm.bench import run_entry
 
         return run_entry(name, quick=True, save=False).to_dict()
     result = json.loads(path.read_text())
     print(f"the run recorded in results/{name}.json ({result['timestamp']}), on: {result['hardware'].get('cpu', '')}, "
           f"{result['settings'].get('threads', '?')} thread(s), load average {result.get('load_avg_end', 0):.1f} at "
-          f"its end; rerun: minillm bench {name}")
+          f"its end; rerun: {rerun or 'minillm bench ' + name}")
     return result
