@@ -27,7 +27,7 @@ def budget(quick: bool) -> dict:
     if quick:
         return {"eval_tokens": 64, "window": 64, "calib_tokens": 128, "grad_window": 64, "steps": 2, "batch": 1,
                 "seq": 32, "lr": 1e-3, "rank": 4}
-    return {"eval_tokens": 512, "window": 256, "calib_tokens": 1024, "grad_window": 128, "steps": 24, "batch": 2,
+    return {"eval_tokens": 512, "window": 256, "calib_tokens": 1024, "grad_window": 128, "steps": 8, "batch": 2,
             "seq": 128, "lr": 1e-3, "rank": 8}
 
 
