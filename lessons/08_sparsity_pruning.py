@@ -171,12 +171,13 @@ x_held = layer_inputs(eval_ids(tok, pick(1024, 256)))
 big_calib = calibration_ids(tok, 8 * len(calib))
 print(f"mlp.down of block {typical} ({spread[typical]:.0f}x): {w_t.shape[1]} inputs; held-out tokens {len(x_held)}")
 print(f"{'calib tokens':>12}  {'mask':<32}{'calib error':>12}{'held-out error':>16}{'seconds':>9}")
-errors = {}
+errors, ranks = {}, {}
 for ids in (calib, big_calib):
     x_cal = layer_inputs(ids)
     acc = HessianAccumulator(w_t.shape[1])
     acc.add(x_cal)
     hess = acc.hessian
+    ranks[len(ids)] = int(torch.linalg.matrix_rank(hess))  # how many input directions the tokens pin down
     wanda_keep = unstructured_mask(wanda_scores(w_t, x_cal.pow(2).sum(0).sqrt()), 0.5)
     start = time.perf_counter()
     w_sgpt, sgpt_keep = sparsegpt_prune_weight(w_t, hess, 0.5)
@@ -194,6 +195,12 @@ for ids in (calib, big_calib):
     w_cal, w_held = errors[(len(ids), "Wanda, zeroed")]
     print(f"{len(ids)} calibration tokens ({len(ids) / w_t.shape[1]:.2f} per input): SparseGPT's error is "
           f"{s_cal / w_cal:.2f}x Wanda's on the calibration tokens, {s_held / w_held:.2f}x on held-out ones")
+(small, big) = (len(calib), len(big_calib))
+held_ratio = {n: errors[(n, "SparseGPT (its own mask)")][1] / errors[(n, "Wanda, zeroed")][1] for n in (small, big)}
+print(f"predicted by the least-squares view: below Wanda on the calibration tokens at both budgets, on held-out ones "
+      f"only with enough tokens; measured held-out {held_ratio[small]:.2f}x with {small} tokens and "
+      f"{held_ratio[big]:.2f}x with {big}, because "
+      f"H from {small} tokens has rank {ranks[small]} of {w_t.shape[1]} inputs (from {big}: {ranks[big]})")
 
 # %% [markdown]
 # Read the two ratios of each budget together. On the tokens H came from, the repair always wins: it is a least-squares

@@ -79,7 +79,10 @@ def logits_to_probs(logits: Tensor, temperature: float = 0.0, top_k: int | None 
     """
     if temperature == 0:
         return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    logits = logits.float() / temperature
+    # shifted to <= 0 first and divided by at least float32's smallest normal: a temperature of 1e-300 is greedy's
+    # limit (the others go to -inf), not inf - inf = NaN
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, torch.finfo(torch.float32).tiny)
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -88,6 +91,7 @@ def logits_to_probs(logits: Tensor, temperature: float = 0.0, top_k: int | None 
         probs = sorted_logits.softmax(dim=-1)
         # drop a token if the tokens before it already reach top_p; the first token always survives
         drop = probs.cumsum(dim=-1) - probs >= top_p
+        drop[:, 0] = False  # also when top_p is below float32's range (5e-324 compares as 0)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return logits.softmax(dim=-1)
