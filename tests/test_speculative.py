@@ -1079,7 +1079,11 @@ def test_draft_head_training_regularisers(target):
 def test_shipped_draft_head_keeps_the_real_targets_greedy_output(real_model):
     """The head in minillm/assets drafts for SmolLM2: greedy output equals target-only, and it is accepted far more
     often than chance (an untrained head: ~0)."""
-    model, tok = real_model
+    assert_learned_drafts_keep_greedy_output(*real_model)
+
+
+def assert_learned_drafts_keep_greedy_output(model, tok) -> None:
+    """The shipped head drafting for `model`: greedy output equals target-only, accepted far above chance."""
     ids = tok.encode_chat([{"role": "user", "content": "Give me three tips for staying healthy."}])
     stats = SpecStats()
     out = generate(model, tok, ids, max_new_tokens=24, ignore_eos=True, speculative=SpeculativeConfig("learned", k=3),
@@ -1104,9 +1108,4 @@ def test_beside_a_low_bit_target_the_head_runs_in_int8_and_keeps_greedy_output()
     with torch.inference_mode():
         agree = (drafter.head(f, tokens)[1].argmax(-1) == float_head(f, tokens)[1].argmax(-1)).float().mean()
     assert agree >= 0.75, f"the int8 head's first guess agrees with the float head's on {agree:.0%} of rows"
-    ids = tok.encode_chat([{"role": "user", "content": "Give me three tips for staying healthy."}])
-    stats = SpecStats()
-    out = generate(model, tok, ids, max_new_tokens=24, ignore_eos=True, speculative=SpeculativeConfig("learned", k=3),
-                   spec_stats=stats)
-    assert out.token_ids == generate(model, tok, ids, max_new_tokens=24, ignore_eos=True).token_ids
-    assert stats.acceptance_rate > 0.15, stats
+    assert_learned_drafts_keep_greedy_output(model, tok)

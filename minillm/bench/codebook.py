@@ -79,17 +79,12 @@ def weight_bytes(model, fmt: tuple) -> int:
 
 
 def run(quick: bool = False) -> BenchResult:
-    from minillm.api import load_model
-    from minillm.bench.quant import quality
+    from minillm.bench.quant import quality, reference
     from minillm.compress.codebook import CodebookLinear
-    from minillm.compress.quality import calibration_ids, eval_ids
+    from minillm.compress.quality import calibration_ids
 
     eval_len, window, n_new, repeat = (64, 64, 4, 1) if quick else (1024, 512, 32, 3)
-    ref, tok = load_model("smollm2-135m", dtype="float32")
-    ids = eval_ids(tok, eval_len)
-    chunks = [ids[i:i + window] for i in range(0, len(ids), window)]
-    with torch.inference_mode():
-        ref_logits = [ref(torch.tensor([c]))[0].float() for c in chunks]
+    ref, tok, ids, chunks, ref_logits = reference(eval_len, window)
     del ref
     calib = calibration_ids(tok, 128 if quick else 1024)
     prompt = tok.encode("The history of the printing press begins with " * 8)[:32]

@@ -16,7 +16,7 @@ import random
 import torch
 import torch.nn.functional as F
 
-from minillm.bench.quant import quality
+from minillm.bench.quant import quality, reference
 from minillm.measure.harness import BenchResult
 from minillm.measure.metrics import timer
 
@@ -69,18 +69,13 @@ def _merge_and_prune_under_lora(model, kv, ffn, rank: int) -> None:
 
 
 def run(quick: bool = False) -> BenchResult:
-    from minillm.api import load_model
     from minillm.compress.llm_pruner import lora_gradients, taylor_importance, weight_gradients
     from minillm.compress.lora import add_lora, merge_lora
     from minillm.compress.pruning import ffn_channel_importance, kv_group_importance, n_params
-    from minillm.compress.quality import calibration_ids, eval_ids
+    from minillm.compress.quality import calibration_ids
 
     b = budget(quick)
-    ref, tok = load_model("smollm2-135m", dtype="float32")
-    ids = eval_ids(tok, b["eval_tokens"])
-    chunks = [ids[i:i + b["window"]] for i in range(0, len(ids), b["window"])]
-    with torch.inference_mode():
-        ref_logits = [ref(torch.tensor([c]))[0].float() for c in chunks]
+    ref, tok, ids, chunks, ref_logits = reference(b["eval_tokens"], b["window"])
     calib = calibration_ids(tok, b["calib_tokens"])
     rows = [{"method": "dense", "params_M": n_params(ref) / 1e6, **quality(ref, ref_logits, chunks)}]
 

@@ -20,6 +20,19 @@ from minillm.measure.metrics import decode_tok_s, timer
 
 
 @torch.inference_mode()
+def reference(eval_tokens: int, window: int):
+    """The float32 reference the compression benches score against: (model, tokenizer, the held-apart eval ids, their
+    windows, the reference's logits on each window)."""
+    from minillm.api import load_model
+    from minillm.compress.quality import eval_ids
+
+    ref, tok = load_model("smollm2-135m", dtype="float32")
+    ids = eval_ids(tok, eval_tokens)
+    chunks = [ids[i:i + window] for i in range(0, len(ids), window)]
+    return ref, tok, ids, chunks, [ref(torch.tensor([c]))[0].float() for c in chunks]
+
+
+@torch.inference_mode()
 def quality(model, ref_logits: list[torch.Tensor], chunks: list[list[int]]) -> dict:
     """Perplexity, mean KL to the reference and top-1 agreement, over the same windows the reference saw."""
     from minillm.compress.quality import kl_divergence
@@ -150,16 +163,11 @@ def run(quick: bool = False) -> BenchResult:
     """The variants' table, then the int8 KV cache and torchao (when installed), then bench lowbit's parts
     (minillm/bench/lowbit.py): the CPU low-bit kernels against torch's and llama.cpp's (llama-cpp-python, an
     optional extra) at 1 and 2 threads, the verify / 16-row step, and the engine with q4 weights."""
-    from minillm.api import load_model
     from minillm.model import model_bytes
-    from minillm.compress.quality import calibration_ids, eval_ids
+    from minillm.compress.quality import calibration_ids
 
     eval_len, window, n_new, repeat = (64, 64, 8, 1) if quick else (512, 256, 64, 3)
-    ref, tok = load_model("smollm2-135m", dtype="float32")
-    ids = eval_ids(tok, eval_len)
-    chunks = [ids[i:i + window] for i in range(0, len(ids), window)]
-    with torch.inference_mode():
-        ref_logits = [ref(torch.tensor([c]))[0].float() for c in chunks]
+    ref, tok, ids, chunks, ref_logits = reference(eval_len, window)
     ref_greedy = None
     prompt = tok.encode("The history of the printing press begins with " * 8)[:32]
     calib = calibration_ids(tok, 128 if quick else 512)

@@ -16,7 +16,7 @@ import torch
 
 from minillm.measure.harness import BenchResult
 from minillm.measure.metrics import decode_tok_s
-from minillm.bench.quant import prefill_tok_s, quality
+from minillm.bench.quant import prefill_tok_s, quality, reference
 
 SHAPES = {"wq/wo": (576, 576), "wk/wv": (192, 576), "gate/up": (1536, 576), "down": (576, 1536)}
 
@@ -143,16 +143,11 @@ def gpu_semi_structured(quick: bool) -> tuple[list[dict], dict]:
 
 
 def run(quick: bool = False) -> BenchResult:
-    from minillm.api import load_model
-    from minillm.compress.quality import calibration_ids, eval_ids
+    from minillm.compress.quality import calibration_ids
     from minillm.compress.sparsity import is_n_m_sparse
 
     eval_len, window = (64, 64) if quick else (512, 256)
-    ref, tok = load_model("smollm2-135m", dtype="float32")
-    ids = eval_ids(tok, eval_len)
-    chunks = [ids[i:i + window] for i in range(0, len(ids), window)]
-    with torch.inference_mode():
-        ref_logits = [ref(torch.tensor([c]))[0].float() for c in chunks]
+    ref, tok, ids, chunks, ref_logits = reference(eval_len, window)
     calib = calibration_ids(tok, 128 if quick else 512)
     rows, check = unstructured_rows(ref, calib, ref_logits, chunks, quick)
     by = {r["variant"]: r for r in rows}
