@@ -89,7 +89,7 @@ def logits_to_probs(logits: Tensor, temperature: float = 0.0, top_k: int | None 
 
     Order matters and matches the common convention: temperature scales, top-k keeps the k largest, top-p keeps the
     smallest set of most likely tokens whose probability reaches p (always at least one). Temperature 0 (greedy) is
-    the one-hot distribution of the argmax.
+    the one-hot distribution of the argmax, and a tiny one (even 1e-300, which is 0 in float32) tends to it: never NaN.
 
     top_k None (or >= vocab) and top_p 1.0 disable those filters; rows are independent; the result sums to 1 per
     row with zeros where filtered. Example: logits [2, 1, 0, -1] at temperature 1 are probabilities [.644, .237,

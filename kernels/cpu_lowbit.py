@@ -63,10 +63,16 @@ def status() -> str:
     return _status
 
 
-def _build_folder(isa: str) -> Path:
-    from torch.utils.cpp_extension import get_default_build_root
+def _build_root() -> Path:
+    """torch.utils.cpp_extension.get_default_build_root(), without importing cpp_extension (it imports setuptools:
+    ~0.2 s of every load that finds its library built; a test holds the two equal)."""
+    import torch._appdirs
 
-    return Path(get_default_build_root()) / f"minillm_lowbit_{isa.replace('-', '_')}"
+    return Path(os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions")))
+
+
+def _build_folder(isa: str) -> Path:
+    return _build_root() / f"minillm_lowbit_{isa.replace('-', '_')}"
 
 
 def describe() -> str:
@@ -154,8 +160,23 @@ def _run_child(isa: str) -> str | None:
     return f"the probe failed ({why}): {(done.stderr or done.stdout).strip()[-200:]}"
 
 
-def _probed_marker(library: Path) -> str:
-    return f"{_digest()} {library.stat().st_mtime_ns}"
+def _probed_marker(library: Path) -> str:  # these sources, this very file, this torch (the library links to it)
+    return f"{_digest()} {library.stat().st_mtime_ns} {torch.__version__}"
+
+
+def _import_probed(isa: str):
+    """The library of `isa` if a child already ran this very build (the probe's marker matches), imported directly:
+    no compiler, ninja or cpp_extension on a load that has nothing to build. None otherwise."""
+    import importlib.util
+
+    folder = _build_folder(isa)
+    library, marker = _library(folder), folder / "probe-ok"
+    if library is None or not marker.exists() or marker.read_text().strip() != _probed_marker(library):
+        return None
+    spec = importlib.util.spec_from_file_location(folder.name, library)  # the name its PyInit_ symbol carries
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _checked(isa: str) -> str | None:
@@ -188,6 +209,11 @@ def load():
         return None
     if forced != "auto" and forced not in ISAS:
         raise ValueError(f"{ENV}={forced!r} is not one of off, auto, {', '.join(ISAS)}")
+    candidates = [forced] if forced != "auto" else supported_isas()
+    if (module := _import_probed(candidates[0])) is not None:  # the common case: built and probed before
+        _status = f"{module.isa} ({platform.machine()}): weights int4/int8, activations int8 per block of 32"
+        _module = module
+        return module
     from torch.utils.cpp_extension import is_ninja_available
 
     if shutil.which(os.environ.get("CXX", "c++")) is None:
@@ -200,7 +226,6 @@ def load():
                    "kernels (bf16 activations)")
         _say(_status)
         return None
-    candidates = [forced] if forced != "auto" else supported_isas()
     failures = []
     for isa in candidates:
         problem = _checked(isa)  # built and run in a child first: an illegal instruction kills the child, not us
@@ -230,6 +255,15 @@ BLOCK = 32  # inputs per scale
 def rows_per_group() -> int:
     """Weight rows per repacked group: one per lane of the loaded build's vectors (16 with AVX-512, else 8)."""
     return _module.rows if _module is not None else 8
+
+
+def layout_id() -> str:
+    """Names the repacked layouts the loaded build reads: its rows per group and the repack code (a cache of them,
+    minillm.gguf.converted, stands for this id only)."""
+    import inspect
+
+    code = "".join(inspect.getsource(f) for f in (_pad_rows, _by_group, repack_q4_1, repack_int8))
+    return f"{rows_per_group()} rows, repack {hashlib.sha256(code.encode()).hexdigest()[:16]}"
 
 
 def _pad_rows(a: np.ndarray, groups: int, rows: int) -> np.ndarray:

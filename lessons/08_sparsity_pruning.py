@@ -239,7 +239,7 @@ print(f"real layer: values {tuple(values.shape)} bf16 + metadata {tuple(meta.sha
 # dampening, or eight times the calibration tokens for both methods.
 
 # %%
-result = recorded("sparsity")  # `minillm bench sparsity` records it (~1 hour on 2 busy cores); quick mode runs it
+result = recorded("sparsity", quick_run=False)  # `minillm bench sparsity` records it (~1 hour on 2 busy cores)
 curve = [r for r in result["rows"] if r["part"] == "masks"]
 structured = [r for r in result["rows"] if r["part"] == "structured"]
 dense = structured[0]
@@ -285,13 +285,14 @@ for level in (50, 60, 70):
               f"({sg['ppl'] / wa['ppl']:.2f}x), {sg['prune_s'] / wa['prune_s']:.1f}x Wanda's pruning time")
 calib_rows = {(r["method"], r["calib_tokens"], r["damp"]): r for r in result["rows"] if r["part"] == "calibration"}
 if calib_rows:
+    n_cal = result["settings"]["calibration_tokens"]  # the run's (this notebook's calib may be shorter)
     n_big = max(k[1] for k in calib_rows)
     sg_big, wa_big = calib_rows[("sparsegpt", n_big, 0.01)], calib_rows[("wanda", n_big, None)]
-    sg_damp = calib_rows[("sparsegpt", len(calib), 0.1)]
+    sg_damp = calib_rows[("sparsegpt", n_cal, 0.1)]
     print(f"At 60% with {n_big} calibration tokens: SparseGPT {sg_big['ppl']:.1f} vs Wanda {wa_big['ppl']:.1f} "
-          f"({sg_big['ppl'] / wa_big['ppl']:.2f}x; with {len(calib)}: "
+          f"({sg_big['ppl'] / wa_big['ppl']:.2f}x; with {n_cal}: "
           f"{by['sparsegpt unstructured 60%']['ppl'] / by['wanda unstructured 60%']['ppl']:.2f}x); with "
-          f"{len(calib)} tokens and damp {sg_damp['damp']} instead of {sg_big['damp']}: {sg_damp['ppl']:.1f}.")
+          f"{n_cal} tokens and damp {sg_damp['damp']} instead of {sg_big['damp']}: {sg_damp['ppl']:.1f}.")
 print(f"\n{'structured variant':<34}{'removed':>8}{'ppl':>8}{'decode':>9}{'prefill':>9}")
 for r in structured:
     print(f"{r['variant']:<34}{r['params_removed']:>8.0%}{r['ppl']:>8.1f}"

@@ -55,7 +55,7 @@ from minillm.compress.chat_data import ALWAYS_HELD_OUT, chat_ids, chat_prompts, 
 from minillm.compress.distill import distillation_loss, evaluate, hidden_cosine_loss, train_ids
 from minillm.compress.lora import add_lora
 from minillm.gguf.saved import recipe_path
-from minillm.course.lesson import QUICK, hardware_line, pick
+from minillm.course.lesson import QUICK, RESULTS, hardware_line, pick
 from minillm.compress.pruning import block_importance, drop_blocks, greedy_block_drop, least_important
 from minillm.compress.quality import calibration_ids, eval_ids
 from minillm.model import model_bytes
@@ -277,12 +277,12 @@ print(f"identical: {[h['loss'] for h in straight] == [h['loss'] for h in resumed
 
 # %%
 RERUN = False
-recorded = Path("../results/distill.json")
-if QUICK or RERUN or not recorded.exists():
-    result = run_entry("distill", quick=QUICK, save=not QUICK, out="../results").to_dict()
+recorded = RESULTS / "distill.json"
+if RERUN or not recorded.exists():  # quick mode reads it too (its quick run: tests/test_bench.py, -m slow)
+    result = run_entry("distill", quick=QUICK, save=not QUICK, out=RESULTS).to_dict()
 else:
     result = json.loads(recorded.read_text())
-    print(f"the run recorded in {recorded} ({result['timestamp']}), on: {result['hardware'].get('cpu', '')} "
+    print(f"the run recorded in results/{recorded.name} ({result['timestamp']}), on: {result['hardware'].get('cpu', '')} "
           f"{result['threads']} thread(s), torch {result['versions'].get('torch', '')}")
 rows = {r["variant"]: r for r in result["rows"]}
 print(f"\n{'student':<38}{'blocks':>7}{'params':>8}{'decode':>8}{'ppl':>9}{'KL':>7}{'answers':>9}{'top-1':>7}"

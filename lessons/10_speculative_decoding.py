@@ -54,7 +54,7 @@ import minillm
 from minillm.bench import run_entry
 from minillm.bench.speculative import PASSAGES, verify_cost
 from minillm.compress.quality import eval_ids
-from minillm.course.lesson import QUICK, hardware_line, pick
+from minillm.course.lesson import QUICK, RESULTS, hardware_line, pick
 from minillm.course.lesson import recorded as recorded_run
 from minillm.speculative.decoding import SpecStats, SpeculativeConfig, expected_tokens_per_step, rejection_sample
 
@@ -322,12 +322,12 @@ for name, spec in (("target only", None), ("learned head, k=3", SpeculativeConfi
 
 # %%
 RERUN = False
-recorded = Path("../results/speculative.json")
-if QUICK or RERUN or not recorded.exists():
-    result = run_entry("speculative", quick=QUICK, save=True, out="../results").to_dict()
+recorded = RESULTS / "speculative.json"
+if RERUN or not recorded.exists():  # quick mode reads it too (its quick run: tests/test_bench.py, -m slow)
+    result = run_entry("speculative", quick=QUICK, save=True, out=RESULTS).to_dict()
 else:
     result = json.loads(recorded.read_text())
-    print(f"the run recorded in {recorded} ({result['timestamp']}), on: {result['hardware'].get('cpu', '')} "
+    print(f"the run recorded in results/{recorded.name} ({result['timestamp']}), on: {result['hardware'].get('cpu', '')} "
           f"{result['threads']} thread(s), torch {result['versions'].get('torch', '')}")
 rows = result["rows"]
 print(f"\n{'draft':<15}{'workload':<10}{'k':>3}{'a':>7}{'tok/step':>10}{'formula':>9}{'target tok/s':>14}"

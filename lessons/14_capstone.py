@@ -125,7 +125,7 @@ del llm
 # native call (lesson 06's last rung: the per-op cost goes too).
 
 # %%
-ladder = recorded("ladder")
+ladder = recorded("ladder", quick_runs=False)  # its quick run: tests/test_bench.py (-m slow)
 rows = {str(r["rung"]): r for r in ladder["rows"]}
 order = [k for k in ["0", "1", "2", "3", "4", "5", "6", "7", "8"] if k in rows]
 print(f"{'rung':<5}{'technique':<34}{'tok/s':>8}{'x rung 0':>10}{'x prev':>8}{'TTFT p50':>10}{'TPOT p50':>10}"

@@ -7,10 +7,12 @@ and which layers the model file is loaded into (fused: 06; the file's own 4-bit 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 
 import torch
+from minillm_kernels import cpu_lowbit
 
 from minillm.cache.block_allocator import blocks_needed
 from minillm.cache.paged import PagedSequenceCache
@@ -18,8 +20,10 @@ from minillm.compile.fusion import fuse as fuse_model
 from minillm.compile.torch_compile import decode_tokens_compiled
 from minillm.compress.quant import Int4Linear, Int8Linear, QuantizedEmbedding, cpu_kernels
 from minillm.decode_loop import decode_tokens
+import minillm.gguf.converted as converted_cache
 from minillm.gguf.loader import load_from_file, resolve_device
 from minillm.gguf.saved import saved_model_exists
+from minillm.gguf.weights import KNOWN_MODELS, gguf_path
 import minillm.kv_cache as kv_cache
 from minillm.request import Request, RequestOutput, finish_reason, make_request
 from minillm.sampling import SamplingParams
@@ -74,6 +78,62 @@ def _q8_0_tied(raw, dtype):
     return head, QuantizedEmbedding(head, dtype)
 
 
+def _q8_0_tied_from(layout: torch.Tensor):
+    def build(raw, dtype):  # the cached kernel layout of the file's Q8_0 rows (raw: only its shape is read)
+        head = Int8Linear.from_kernel_layout(layout, raw.shape[0], raw.shape[1] // 34 * 32)
+        return head, QuantizedEmbedding(head, dtype)
+
+    return build
+
+
+def _q4_1_from_file(name: str, raw) -> Int4Linear:
+    import numpy as np
+
+    from minillm.gguf.weights import q4_1_packed
+
+    packed, d, m = (torch.from_numpy(np.ascontiguousarray(a)) for a in q4_1_packed(raw))
+    return Int4Linear.from_packed(packed, d, m, group_size=32)
+
+
+def _q4_1_shape_only(name: str, raw) -> Int4Linear:
+    """The layer of a Q4_1 tensor with its kernel layout's shape on the meta device: its bytes come from the
+    converted cache once the model has its final structure (_fill_converted)."""
+    rows, n, k = cpu_lowbit.rows_per_group(), raw.shape[0], raw.shape[1] // 20 * 32
+    return Int4Linear.from_kernel_layout(torch.empty(-(-n // rows), k // 32, 20 * rows, dtype=torch.uint8,
+                                                     device="meta"), n, k)
+
+
+def _kernel_layouts(model) -> dict[str, torch.Tensor]:
+    return {name: m._buffers["kernel_weight"] for name, m in model.named_modules()
+            if isinstance(m, (Int4Linear, Int8Linear)) and m.kernel_layout_only}
+
+
+def _fill_converted(model, converted: dict[str, torch.Tensor]) -> str | None:
+    """Put the cached layouts in the layers that hold only their shape; None, or what did not match."""
+    for name, layout in _kernel_layouts(model).items():
+        if not layout.is_meta:
+            continue
+        cached = converted.get(name)
+        if cached is None or cached.shape != layout.shape or cached.dtype != layout.dtype:
+            return f"{name}: {None if cached is None else tuple(cached.shape)} cached, {tuple(layout.shape)} needed"
+        layer = model.get_submodule(name)
+        layer._buffers["kernel_weight"], layer._packed = cached, (cpu_lowbit.rows_per_group(), cached)
+    return None
+
+
+def _return_freed_memory() -> None:
+    """Hand the load's freed buffers (the header's ~98,000 strings, the tokenizer's build) back to the OS: glibc
+    keeps freed small blocks for reuse, and they would count in the process's RSS for its whole life."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to hand back this way
+        pass
+
+
 def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str | None = "cpu",
                attn_backend: str = "sdpa", fuse: bool = False, weights: str = "dequantized",
                sparsity: str | None = None, native: bool | str = False):
@@ -89,10 +149,18 @@ def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
     if weights == "q4" and saved_model_exists(name):
         raise ValueError(f"{name!r} is a saved float model with no file of 4-bit blocks to keep: use weights='int4' "
                          f"(its float weights quantized at load) or 'int8'")
-    q4_1_layer = (lambda packed, d, m: Int4Linear.from_packed(packed, d, m, group_size=32)) if weights == "q4" else None
+    q4_1_layer = _q4_1_from_file if weights == "q4" else None
     # the Q8_0 head stays packed only where our kernel reads it: torch has no per-block int8 matmul (CPU or GPU)
     on_cpu = resolve_device(device).type == "cpu"
     q8_0_tied = _q8_0_tied if weights == "q4" and on_cpu and cpu_kernels() is not None else None
+    # the kernels' layouts, converted once and mapped from beside the download afterwards (minillm.gguf.converted)
+    cache_key = converted = None
+    if q8_0_tied is not None and name in KNOWN_MODELS and converted_cache.enabled():
+        cache_key = (gguf_path(name), KNOWN_MODELS[name].sha256, cpu_lowbit.layout_id(), bool(fuse or native))
+        converted = converted_cache.read_converted(*cache_key)
+    if converted is not None and "lm_head" in converted:
+        q4_1_layer = _q4_1_shape_only
+        q8_0_tied = _q8_0_tied_from(converted["lm_head"])
     model, tokenizer = load_from_file(name, dtype, device, attn_backend, q4_1_layer=q4_1_layer, q8_0_tied=q8_0_tied)
     if weights in ("int8", "int4") or sparsity:
         from minillm.compress.quality import calibration_ids
@@ -104,9 +172,16 @@ def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
         for layer in model.modules():  # (a no-op without the kernels)
             if isinstance(layer, (Int4Linear, Int8Linear)):
                 layer.keep_kernel_layout_only()
+    if q4_1_layer is _q4_1_shape_only and (problem := _fill_converted(model, converted)) is not None:
+        print(f"minillm: the converted weights do not fit this model ({problem}); converting from the file",
+              file=sys.stderr)
+        converted_cache.delete_converted(*cache_key)
+        return load_model(name, dtype, device, attn_backend, fuse, weights, sparsity, native)
+    if cache_key is not None and converted is None:
+        converted_cache.write_converted(*cache_key, _kernel_layouts(model))
+    if on_cpu:
+        _return_freed_memory()
     if native:
-        import sys
-
         from minillm.compile.native import enable_native, why_not_native
 
         if native not in (True, "auto"):

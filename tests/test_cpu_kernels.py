@@ -12,6 +12,7 @@ near-tie. Kernel tests skip (saying why) where the extension cannot load; the fa
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -420,9 +421,12 @@ def test_bad_env_value_names_the_choices():
         assert choice in str(e.value)
 
 
-def test_no_compiler_says_what_to_install():
+def test_no_compiler_says_what_to_install(tmp_path):
+    """Nothing built yet and no compiler: the status says what to install (a library built and probed earlier
+    loads without one: test_a_probed_library_loads_without_cpp_extension)."""
     with kernels_env(None) as mp:
         mp.setenv("CXX", "/nonexistent/compiler")
+        mp.setattr(cpu_lowbit, "_build_folder", lambda isa: tmp_path / isa)
         clear_caches()
         assert cpu_lowbit.load() is None and quant.cpu_kernels() is None
         status = cpu_lowbit.status()
@@ -759,7 +763,8 @@ def test_a_truncated_library_is_rebuilt_once(tmp_path, monkeypatch):
     assert cpu_lowbit._checked("avx2") is None
     assert runs == [True, False]  # the second child ran with the bad library gone
     library = folder / f"{folder.name}.so"
-    assert (folder / "probe-ok").read_text().split() == [cpu_lowbit._digest(), str(library.stat().st_mtime_ns)]
+    assert (folder / "probe-ok").read_text().split() == [cpu_lowbit._digest(), str(library.stat().st_mtime_ns),
+                                                         torch.__version__]
     monkeypatch.setattr(cpu_lowbit, "_run_child", lambda isa: pytest.fail("a probed library is not probed again"))
     assert cpu_lowbit._checked("avx2") is None
 
@@ -782,6 +787,25 @@ def test_a_stale_torch_build_lock_is_cleared_under_ours(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(ext, "load", lambda **kw: seen.append((folder / "lock").exists()) or "module")
     assert cpu_lowbit._build("avx2") == "module" and seen == [False]
+
+
+def test_the_build_root_is_torchs():
+    from torch.utils.cpp_extension import get_default_build_root
+
+    assert cpu_lowbit._build_root() == Path(get_default_build_root())
+
+
+def test_a_probed_library_loads_without_cpp_extension():
+    """A load that finds its library built and probed imports it directly: torch's cpp_extension (which imports
+    setuptools) and the child probe stay out of the process."""
+    need_kernels()
+    import subprocess
+    import sys
+
+    code = ("import sys; from minillm_kernels import cpu_lowbit; m = cpu_lowbit.load(); "
+            "print(m is not None, 'torch.utils.cpp_extension' in sys.modules, 'setuptools' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["True", "False", "False"], out.stdout + out.stderr[-2000:]
 
 
 def test_a_q8_0_head_built_straight_into_the_kernel_layout_is_the_stored_layer():

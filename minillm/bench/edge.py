@@ -29,7 +29,7 @@ MiB = 2**20
 
 # One profile in a fresh process. Imports come after the clock starts: they are part of what an edge device pays.
 _CHILD = r"""
-import json, resource, sys, time
+import json, pathlib, resource, sys, time
 t_start = time.perf_counter()
 spec = json.loads(sys.argv[1])
 
@@ -104,6 +104,8 @@ else:
         memory(out, "loaded_")
         memory(out, "")
     else:
+        gguf = pathlib.Path(spec["path"])  # is the converted q4 layout beside the file (minillm.gguf.converted)?
+        out["converted_cached"] = any(gguf.parent.glob(gguf.name + ".kernels-*.pt.json"))
         t0 = time.perf_counter()
         model, tok = load_model("smollm2-135m", weights=spec["weights"], fuse=spec["fuse"], native=spec["native"])
         out["load_s"], out["ready_s"] = time.perf_counter() - t0, time.perf_counter() - t_start
@@ -145,7 +147,8 @@ def parse_child_output(stdout: str) -> dict:
 
 def run_child(spec: dict, timeout: float = 600) -> tuple[dict | None, str | None]:
     """Run one profile in a fresh process: (result, None), or (None, why it did not run)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]))
+    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]),
+               **spec.get("env", {}))
     try:
         proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], check=False, env=env,
                               capture_output=True, text=True, timeout=timeout)
@@ -190,8 +193,11 @@ def profile_row(name: str, config: str, res: dict, reference: list[int] | None) 
            "trimmed_rss_MiB": mib("trimmed_rss"), "ru_maxrss_MiB": mib("ru_maxrss"),
            "weights_MiB": mib("weights_bytes"), "kernel_copy_MiB": mib("packed_bytes"), "kv_MiB": mib("kv_bytes")}
     ids, times = res["token_ids"], res["token_times"]
+    if "converted_cached" in res:
+        row["converted_cached"] = res["converted_cached"]
     if ids:
         row["ttft_ms"] = times[0] * 1e3
+        row["first_token_s"] = res["ready_s"] + times[0]  # from the process's first line: imports, load, prefill
         row["decode_tok_s"] = decode_rate(times)
     if ids and reference is not None:
         n = min(len(ids), len(reference))
@@ -219,7 +225,8 @@ def run(quick: bool = False) -> BenchResult:
 
     results/edge.json: rows (profile, config, load_s, ready_s, peak_rss_MiB, loaded_rss_MiB, end_rss_MiB,
     trimmed_rss_MiB, ru_maxrss_MiB, weights_MiB, kernel_copy_MiB (the CPU kernels' repacked weights), kv_MiB,
-    ttft_ms, decode_tok_s, agree_fp32, first_diff, forced_agree_fp32, ppl; a skipped profile has a "skipped" reason
+    ttft_ms, first_token_s (from the child's first line), decode_tok_s, agree_fp32, first_diff, forced_agree_fp32,
+    ppl, converted_cached (the q4 layout was mapped from beside the file); a skipped profile has a "skipped" reason
     instead), ratios (edge_peak_rss_vs_fp32, edge_decode_vs_fp32, edge_peak_rss_vs_llama_cpp,
     edge_decode_vs_llama_cpp), settings, notes.
     """
@@ -236,11 +243,19 @@ def run(quick: bool = False) -> BenchResult:
     profiles = [  # the float32 default first: it is every other row's quality reference
         ("fp32 default", "fp32 weights, contiguous fp32 KV", "minillm", DEFAULT_PROFILE),
         ("edge", "q4 native step, paged int8 KV", "minillm", EDGE_PROFILE),
+        # the same, converting the file's blocks at load (the converted layout beside the file switched off)
+        ("edge, converting", "edge, MINILLM_CONVERTED_CACHE=off", "minillm",
+         {**EDGE_PROFILE, "env": {"MINILLM_CONVERTED_CACHE": "off"}}),
         ("llama.cpp", "llama-cpp-python, same GGUF", "llama.cpp", {"threads": threads}),
         ("floor", "import minillm.api, no model", "floor", {"threads": threads}),
         ("torch floor", "import torch alone", "torch", {"threads": threads}),
     ]
     rows, notes, reference, results = [], [], None, {}
+    # the edge row reads the converted q4 layout beside the file, as every load after the first does: written here
+    # if it is not there yet (the "edge, converting" row pays the conversion instead)
+    from minillm.api import load_model
+
+    load_model("smollm2-135m", weights="q4", fuse=True)
     for name, config, kind, settings in profiles:
         spec = {**base, **DEFAULT_PROFILE, **settings, "kind": kind, "reference_ids": reference}
         if kind == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:

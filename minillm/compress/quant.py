@@ -222,9 +222,19 @@ class Int8Linear(QuantizedLinear):
             q, d = q8_0_blocks(np.asarray(raw[r0:r0 + step]))
             packed[r0 // rows:-(-(r0 + len(q)) // rows)] = cpu_lowbit.repack_int8(torch.from_numpy(q),
                                                                                  torch.from_numpy(d), rows)
+        return cls.from_kernel_layout(packed, n, k)
+
+    @classmethod
+    def from_kernel_layout(cls, packed: Tensor, out_features: int, in_features: int) -> Int8Linear:
+        """A per-block layer that holds only the kernels' layout (as built by repack_int8, or mapped from a cache of
+        it: minillm.gguf.converted)."""
+        rows = packed.shape[-1] // 36
+        if packed.shape != (-(-out_features // rows), in_features // 32, 36 * rows) or packed.dtype != torch.uint8:
+            raise ValueError(f"not the kernel layout of a ({out_features}, {in_features}) Q8_0 weight: "
+                             f"{packed.dtype} {tuple(packed.shape)}")
         layer = cls.__new__(cls)
         QuantizedLinear.__init__(layer)
-        layer.out_features, layer.in_features, layer._per_block = n, k, True
+        layer.out_features, layer.in_features, layer._per_block = out_features, in_features, True
         layer.register_buffer("kernel_weight", packed)
         layer._packed = (rows, packed)
         return layer
@@ -352,6 +362,21 @@ class Int4Linear(QuantizedLinear):
         again, ~3 s of a q4 load in torch's byte ops."""
         return cls(qweight, scale, minimum, group_size, packed=True)
 
+    @classmethod
+    def from_kernel_layout(cls, packed: Tensor, out_features: int, in_features: int) -> Int4Linear:
+        """A layer that holds only the kernels' layout (repack_q4_1's, or mapped from a cache of it:
+        minillm.gguf.converted); packed may be on the meta device, a shape to fill in later (load_model)."""
+        rows = packed.shape[-1] // 20
+        if packed.shape != (-(-out_features // rows), in_features // 32, 20 * rows) or packed.dtype != torch.uint8:
+            raise ValueError(f"not the kernel layout of a ({out_features}, {in_features}) Q4_1 weight: "
+                             f"{packed.dtype} {tuple(packed.shape)}")
+        layer = cls.__new__(cls)
+        QuantizedLinear.__init__(layer)
+        layer.out_features, layer.in_features, layer.group_size, layer._cpu_pack = out_features, in_features, 32, None
+        layer.register_buffer("kernel_weight", packed)
+        layer._packed = (rows, packed)
+        return layer
+
     @property
     def weight_storage(self) -> Tensor:
         return self._buffers["kernel_weight"] if self.kernel_layout_only else self.qweight
@@ -386,6 +411,14 @@ class Int4Linear(QuantizedLinear):
         on 4-bit weights)."""
         if len({m.group_size for m in layers}) != 1:
             raise ValueError("cat_rows needs one group size across the layers")
+        if all(m.kernel_layout_only for m in layers):  # whole groups of rows stack as they are (meta ones too)
+            rows = layers[0]._packed[0]
+            if all(m._packed[0] == rows and m.out_features % rows == 0 for m in layers):
+                parts = [m._buffers["kernel_weight"] for m in layers]
+                # shapes only (load_model fills them): torch.cat on meta tensors would import torch._dynamo (~2 s)
+                stacked = (torch.empty(sum(len(p) for p in parts), *parts[0].shape[1:], dtype=torch.uint8,
+                                       device="meta") if parts[0].is_meta else torch.cat(parts))
+                return cls.from_kernel_layout(stacked, sum(m.out_features for m in layers), layers[0].in_features)
         # packed rows are whole rows of codes: concatenating them is concatenating the codes
         return cls.from_packed(torch.cat([m.qweight for m in layers]), torch.cat([m.scale for m in layers]),
                                torch.cat([m.minimum for m in layers]), layers[0].group_size)
@@ -433,6 +466,8 @@ class Int4Linear(QuantizedLinear):
         self._cpu_pack = None  # moved: rebuild torch's copy from the buffers on the next CPU call
         if not self.kernel_layout_only:
             return super()._apply(fn, recurse)
+        if self._buffers["kernel_weight"].is_meta:  # a shape only, filled in by load_model from its converted cache
+            return self
         nn.Module._apply(self, fn, recurse)  # the uint8 layout: a cast leaves it as it is
         kernel_weight = self._buffers["kernel_weight"]
         if kernel_weight.device.type != "cpu":

@@ -74,20 +74,17 @@ def gguf_state_dict(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[st
 
 
 def _q4_1_layers(sd: dict, make_layer) -> dict:
-    """Our names -> make_layer(packed, d, m) for every Q4_1 tensor (removed from sd): the file's own codes (two per
-    byte, minillm.gguf.weights.q4_1_packed), d and m."""
+    """Our names -> make_layer(name, raw) for every Q4_1 tensor (removed from sd); raw: the file's blocks, uint8
+    (out, in // 32 * 20), q/k rows already unpermuted (a row permutation keeps blocks whole)."""
     from minillm.gguf.reader import release_pages
-    from minillm.gguf.weights import q4_1_packed
 
     layers = {}
     for ours, arr in list(sd.items()):
         if arr.dtype != np.uint8:
             continue
-        codes, d, m = q4_1_packed(arr)  # q/k rows were already unpermuted: a row permutation keeps blocks whole
+        name = ours.removesuffix(".weight")
+        layers[name] = make_layer(name, arr)
         release_pages(arr)  # converted: its pages of the file map may leave memory
-        layers[ours.removesuffix(".weight")] = make_layer(
-            torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(np.ascontiguousarray(d)),
-            torch.from_numpy(np.ascontiguousarray(m)))
         del sd[ours]
     return layers
 
@@ -95,9 +92,10 @@ def _q4_1_layers(sd: dict, make_layer) -> dict:
 def load_from_file(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str | None = "cpu",
                    attn_backend: str = "sdpa", q4_1_layer=None, q8_0_tied=None):
     """(model, tokenizer) of a known model, every tensor in `dtype`; downloads and verifies the file on first use.
-    q4_1_layer(packed, d, m) -> nn.Module keeps each Q4_1 tensor packed in the layer it builds (the caller chooses
-    the layer type: minillm/api.py passes lesson 07's Int4Linear). q8_0_tied(raw, dtype) -> (lm_head, embed) does
-    the same for a Q8_0 tied embedding (the two modules share its storage). A name saved with save_model loads from
+    q4_1_layer(name, raw) -> nn.Module keeps each Q4_1 tensor packed in the layer it builds from the file's blocks
+    (the caller chooses the layer type: minillm/api.py builds lesson 07's Int4Linear; q4_1_packed reads the blocks).
+    q8_0_tied(raw, dtype) -> (lm_head, embed) does the same for a Q8_0 tied embedding (the two modules share its
+    storage). A name saved with save_model loads from
     disk (a shipped recipe is built into the cache first, once)."""
     from minillm.gguf.tokenizer import Tokenizer
     from minillm.gguf.weights import KNOWN_MODELS
@@ -148,7 +146,9 @@ def load_from_file(name: str = "smollm2-135m", dtype: str | torch.dtype = "float
         setattr(model.get_submodule(parent), child, layer.to(dev))
     if head is not None:
         model.lm_head, model.embed = head[0].to(dev), head[1]
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    # the caller's Q4_1 layers are the caller's to fill (load_model's from the converted cache hold a shape first)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+            if t.device.type == "meta" and n.rsplit(".", 1)[0] not in packed]
     if left:
         raise RuntimeError(f"weight map mismatch: {left} were not loaded")
     if packed:

@@ -90,6 +90,7 @@ class GGUFFile:
             else:
                 data = raw.reshape(*shape[:-1], shape[-1] // per_block * block_bytes)
             self.tensors[name] = TensorInfo(name, shape, ggml_type, type_name, data)
+        release_pages(buf[:start])  # the header (SmolLM2: 13 MiB, mostly the vocabulary) is parsed: out of memory
 
     # ------------------------------------------------------------------------------------------------ the header
 

@@ -380,6 +380,15 @@ def check_sampler(fn) -> None:
     expected = torch.tensor(nucleus_oracle(random_logits.tolist(), 1.0, None, 1.0), dtype=torch.float64)
     assert (freq - expected).abs().max() < 0.02, (
         "logits shifted by +1000 must sample like the unshifted ones: subtract the max before exp")
+    # a temperature of 1e-300 is 0 in float32: dividing raw logits by it gives +-inf and softmax NaN; greedy's limit
+    try:
+        tiny = fn(logits, temperature=1e-300, generator=_gen(5))
+    except RuntimeError as e:
+        raise AssertionError(f"temperature=1e-300 raised ({e}): shift the logits by their max before dividing, "
+                             "and divide by at least float32's smallest normal: a tiny temperature tends to greedy"
+                             ) from e
+    assert torch.equal(tiny, logits.argmax(-1)), (
+        "temperature=1e-300 must pick each row's argmax (greedy's limit), got other tokens")
     # the top-p boundary, exactly: four equal logits are 0.25 each (exact in float32); with top_p=0.5 the first two
     # sorted tokens already reach p, so exactly two tokens survive (a strict '>' keeps a third)
     ids = fn(torch.zeros(4000, 4), temperature=1.0, top_p=0.5, generator=_gen(11))
@@ -399,13 +408,18 @@ def test_sampler_distributions():
     forbid_calls(impl.sample_from_logits, ["minillm", "TopPLogitsWarper", "TopKLogitsWarper"])
 
 
-def _sampler(top_p_rule: str = "right", temperature_first: bool = True, top_k_keep: str = "right"):
+def _sampler(top_p_rule: str = "right", temperature_first: bool = True, top_k_keep: str = "right",
+             shift: bool = True):
     """A sampler with one mistake plugged in (for the grader's self-test)."""
 
     def sample(logits, temperature=0.0, top_k=None, top_p=1.0, generator=None):
         if temperature == 0:
             return logits.argmax(-1)
-        logits = logits.float() / temperature if temperature_first else logits.float()
+        logits = logits.float()
+        if shift:
+            logits = logits - logits.amax(-1, keepdim=True)
+        if temperature_first:
+            logits = logits / (max(temperature, torch.finfo(torch.float32).tiny) if shift else temperature)
         if top_k is not None:
             kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits <= kth if top_k_keep == "off_by_one" else logits < kth, float("-inf"))
@@ -434,8 +448,9 @@ def test_sampler_grader_accepts_a_right_variant():
 
 @grader_selftest
 @pytest.mark.parametrize("wrong", [_sampler(top_p_rule="drops_crossing_token"), _sampler(temperature_first=False),
-                                   _sampler(top_k_keep="off_by_one")],
-                         ids=["top_p_drops_crossing_token", "temperature_after_filtering", "top_k_off_by_one"])
+                                   _sampler(top_k_keep="off_by_one"), _sampler(shift=False)],
+                         ids=["top_p_drops_crossing_token", "temperature_after_filtering", "top_k_off_by_one",
+                              "tiny_temperature_unshifted"])
 def test_sampler_grader_rejects_wrong_answers(wrong):
     with pytest.raises((AssertionError, RuntimeError)):  # nan probabilities raise
         check_sampler(wrong)
