@@ -282,8 +282,9 @@ if RERUN or not recorded.exists():  # quick mode reads it too (its quick run: te
     result = run_entry("distill", quick=QUICK, save=not QUICK, out=RESULTS).to_dict()
 else:
     result = json.loads(recorded.read_text())
-    print(f"the run recorded in results/{recorded.name} ({result['timestamp']}), on: {result['hardware'].get('cpu', '')} "
-          f"{result['threads']} thread(s), torch {result['versions'].get('torch', '')}")
+    print(f"the run recorded in results/{recorded.name} ({result['timestamp']}), on: "
+          f"{result['hardware'].get('cpu', '')} {result['threads']} thread(s), "
+          f"torch {result['versions'].get('torch', '')}")
 rows = {r["variant"]: r for r in result["rows"]}
 print(f"\n{'student':<38}{'blocks':>7}{'params':>8}{'decode':>8}{'ppl':>9}{'KL':>7}{'answers':>9}{'top-1':>7}"
       f"{'train':>8}")

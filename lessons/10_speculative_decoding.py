@@ -327,8 +327,9 @@ if RERUN or not recorded.exists():  # quick mode reads it too (its quick run: te
     result = run_entry("speculative", quick=QUICK, save=True, out=RESULTS).to_dict()
 else:
     result = json.loads(recorded.read_text())
-    print(f"the run recorded in results/{recorded.name} ({result['timestamp']}), on: {result['hardware'].get('cpu', '')} "
-          f"{result['threads']} thread(s), torch {result['versions'].get('torch', '')}")
+    print(f"the run recorded in results/{recorded.name} ({result['timestamp']}), on: "
+          f"{result['hardware'].get('cpu', '')} {result['threads']} thread(s), "
+          f"torch {result['versions'].get('torch', '')}")
 rows = result["rows"]
 print(f"\n{'draft':<15}{'workload':<10}{'k':>3}{'a':>7}{'tok/step':>10}{'formula':>9}{'target tok/s':>14}"
       f"{'spec tok/s':>12}{'speedup':>9}")

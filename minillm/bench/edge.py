@@ -317,8 +317,12 @@ def run(quick: bool = False) -> BenchResult:
             f"{e['end_rss_MiB']:.0f} MiB and its peak was {e['peak_rss_MiB']:.0f} MiB"
             + (", reached while loading" if results["edge"]["loaded_peak_rss"] == results["edge"]["peak_rss"]
                else "")
-            + (f"; {held:.0f} MiB of the end RSS were freed load buffers glibc had not returned" if held is not None
-               else ""))
+            + (f"; {held:.0f} MiB of the end RSS were freed load buffers glibc had not returned" if held and held > 0
+               else "")
+            + (f"; loading the converted layout beside the file instead of converting: load "
+               f"{by['edge, converting']['load_s']:.2f} -> {e['load_s']:.2f} s, peak "
+               f"{by['edge, converting']['peak_rss_MiB']:.0f} -> {e['peak_rss_MiB']:.0f} MiB (same run)"
+               if "edge, converting" in by else ""))
     return BenchResult(name="edge", rows=rows, ratios=ratios, targets=targets, notes=notes,
                        settings={"quick": quick, "model": "smollm2-135m", "device": "cpu", "threads": threads,
                                  "n_new": n_new, "prompt_tokens": len(prompt_ids), "ppl_tokens": ppl_tokens,
