@@ -148,6 +148,23 @@ class QuantizedLinear(nn.Module):
 
     _packed: tuple[int, Tensor] | None = None  # (rows per group, the CPU kernels' repacked copy), built on demand
 
+    @classmethod
+    def _holding_kernel_layout(cls, packed: Tensor, out_features: int, in_features: int, block_bytes: int,
+                               fmt: str) -> QuantizedLinear:
+        """A bare layer of this class whose only buffer is the kernels' layout: uint8 (ceil(out / R), in // 32,
+        block_bytes * R), R rows per group; the subclass sets its own attributes."""
+        rows = packed.shape[-1] // block_bytes
+        if packed.dtype != torch.uint8 or packed.shape != (-(-out_features // max(rows, 1)), in_features // 32,
+                                                           block_bytes * rows):
+            raise ValueError(f"not the kernel layout of a ({out_features}, {in_features}) {fmt} weight: "
+                             f"{packed.dtype} {tuple(packed.shape)}")
+        layer = cls.__new__(cls)
+        QuantizedLinear.__init__(layer)
+        layer.out_features, layer.in_features = out_features, in_features
+        layer.register_buffer("kernel_weight", packed)
+        layer._packed = (rows, packed)
+        return layer
+
     def _repack(self, rows: int) -> Tensor:
         raise NotImplementedError
 
@@ -228,15 +245,8 @@ class Int8Linear(QuantizedLinear):
     def from_kernel_layout(cls, packed: Tensor, out_features: int, in_features: int) -> Int8Linear:
         """A per-block layer that holds only the kernels' layout (as built by repack_int8, or mapped from a cache of
         it: minillm.gguf.converted)."""
-        rows = packed.shape[-1] // 36
-        if packed.shape != (-(-out_features // rows), in_features // 32, 36 * rows) or packed.dtype != torch.uint8:
-            raise ValueError(f"not the kernel layout of a ({out_features}, {in_features}) Q8_0 weight: "
-                             f"{packed.dtype} {tuple(packed.shape)}")
-        layer = cls.__new__(cls)
-        QuantizedLinear.__init__(layer)
-        layer.out_features, layer.in_features, layer._per_block = out_features, in_features, True
-        layer.register_buffer("kernel_weight", packed)
-        layer._packed = (rows, packed)
+        layer = cls._holding_kernel_layout(packed, out_features, in_features, 36, "Q8_0")
+        layer._per_block = True
         return layer
 
     @property
@@ -366,15 +376,8 @@ class Int4Linear(QuantizedLinear):
     def from_kernel_layout(cls, packed: Tensor, out_features: int, in_features: int) -> Int4Linear:
         """A layer that holds only the kernels' layout (repack_q4_1's, or mapped from a cache of it:
         minillm.gguf.converted); packed may be on the meta device, a shape to fill in later (load_model)."""
-        rows = packed.shape[-1] // 20
-        if packed.shape != (-(-out_features // rows), in_features // 32, 20 * rows) or packed.dtype != torch.uint8:
-            raise ValueError(f"not the kernel layout of a ({out_features}, {in_features}) Q4_1 weight: "
-                             f"{packed.dtype} {tuple(packed.shape)}")
-        layer = cls.__new__(cls)
-        QuantizedLinear.__init__(layer)
-        layer.out_features, layer.in_features, layer.group_size, layer._cpu_pack = out_features, in_features, 32, None
-        layer.register_buffer("kernel_weight", packed)
-        layer._packed = (rows, packed)
+        layer = cls._holding_kernel_layout(packed, out_features, in_features, 20, "Q4_1")
+        layer.group_size, layer._cpu_pack = 32, None
         return layer
 
     @property
