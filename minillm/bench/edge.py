@@ -105,7 +105,8 @@ else:
         memory(out, "")
     else:
         gguf = pathlib.Path(spec["path"])  # is the converted q4 layout beside the file (minillm.gguf.converted)?
-        out["converted_cached"] = any(gguf.parent.glob(gguf.name + ".kernels-*.pt.json"))
+        if spec["weights"] == "q4" and spec.get("env", {}).get("MINILLM_CONVERTED_CACHE") != "off":
+            out["converted_cached"] = any(gguf.parent.glob(gguf.name + ".kernels-*.pt.json"))
         t0 = time.perf_counter()
         model, tok = load_model("smollm2-135m", weights=spec["weights"], fuse=spec["fuse"], native=spec["native"])
         out["load_s"], out["ready_s"] = time.perf_counter() - t0, time.perf_counter() - t_start
