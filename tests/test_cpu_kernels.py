@@ -795,6 +795,23 @@ def test_the_build_root_is_torchs():
     assert cpu_lowbit._build_root() == Path(get_default_build_root())
 
 
+def test_only_a_library_probed_for_these_sources_and_this_torch_is_imported_directly(tmp_path, monkeypatch):
+    """The direct import (no build machinery) takes a library only if its probe marker names these sources, that very
+    file and this torch; anything else goes the long way (build if needed, probe in a child)."""
+    folder = _fake_build_folder(tmp_path, monkeypatch)
+    library = folder / f"{folder.name}.so"
+    library.write_bytes(b"\x7fELF not a library")
+    marker = folder / "probe-ok"
+    for stale in (f"{cpu_lowbit._digest()} {library.stat().st_mtime_ns} 0.0.0",  # another torch
+                  f"0123456789abcdef {library.stat().st_mtime_ns} {torch.__version__}",  # other sources
+                  f"{cpu_lowbit._digest()} 1 {torch.__version__}"):  # another file (rebuilt since)
+        marker.write_text(stale + "\n")
+        assert cpu_lowbit._import_probed("avx2") is None
+    marker.write_text(cpu_lowbit._probed_marker(library) + "\n")
+    with pytest.raises(ImportError):  # it does try this one: here a fake, so the import fails
+        cpu_lowbit._import_probed("avx2")
+
+
 def test_a_probed_library_loads_without_cpp_extension():
     """A load that finds its library built and probed imports it directly: torch's cpp_extension (which imports
     setuptools) and the child probe stay out of the process."""

@@ -70,7 +70,7 @@ def delete_converted(gguf: Path, source_sha256: str, layout: str, fused: bool) -
 
 def write_converted(gguf: Path, source_sha256: str, layout: str, fused: bool, layers: dict[str, Tensor]) -> None:
     """Write the layouts and then their meta (sha256, source, layout), each under a temporary name first: a crash
-    leaves no cache, never a half one. A disk that refuses costs only the speed-up (said once on stderr)."""
+    leaves no cache, never a half one. A disk that refuses costs only the speed-up (said on stderr)."""
     path = converted_path(gguf, layout, fused)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
