@@ -102,6 +102,29 @@ def test_a_touched_but_whole_cache_is_hashed_again_and_kept(cache_dir):
     assert got is not None and path.exists()
 
 
+def test_a_read_only_cache_is_still_read(cache_dir, monkeypatch):
+    """A whole cache whose stamp is stale (copied, touched) on a disk that refuses writes: hashed, used, not
+    rewritten; and a load that cannot write one at all still loads."""
+    need_kernels()
+    load_model(weights="q4", fuse=True)
+    (path,) = cache_dir.glob("*.pt")
+    st_before = path.stat()
+    os.utime(path, ns=(st_before.st_atime_ns, st_before.st_mtime_ns + 10**9))
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(converted, "_write_text", refuse)
+    from minillm.gguf.weights import KNOWN_MODELS, gguf_path
+
+    key = (gguf_path("smollm2-135m"), KNOWN_MODELS["smollm2-135m"].sha256, cpu_lowbit.layout_id(), True)
+    assert converted.read_converted(*key) is not None
+    monkeypatch.setattr(torch, "save", refuse)
+    path.unlink()
+    model, tok = load_model(weights="q4", fuse=True)
+    assert not path.exists() and model(torch.tensor([tok.encode("Hi")])).isfinite().all()
+
+
 def test_off_writes_nothing(cache_dir, monkeypatch):
     need_kernels()
     monkeypatch.setenv(converted.ENV, "off")

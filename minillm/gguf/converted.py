@@ -53,7 +53,10 @@ def read_converted(gguf: Path, source_sha256: str, layout: str, fused: bool) -> 
             if sha256_of(path) != meta.get("sha256"):
                 raise ValueError("its sha256 is not the one recorded")
             meta["stamp"] = _stamp(path)
-            _write_text(meta_path, json.dumps(meta, indent=1) + "\n")
+            try:
+                _write_text(meta_path, json.dumps(meta, indent=1) + "\n")
+            except OSError:  # a read-only cache: hashed again next time, as weights.verify does
+                pass
         return torch.load(path, mmap=True, weights_only=True)
     except Exception as e:  # noqa: BLE001 -- a cache is never worth a failed load: rebuild it
         print(f"minillm: the converted weights {path.name} are unusable ({type(e).__name__}: {e}); deleting them, "
@@ -65,7 +68,10 @@ def read_converted(gguf: Path, source_sha256: str, layout: str, fused: bool) -> 
 def delete_converted(gguf: Path, source_sha256: str, layout: str, fused: bool) -> None:
     path = converted_path(gguf, layout, fused)
     for p in (path, Path(f"{path}.json")):
-        p.unlink(missing_ok=True)
+        try:
+            p.unlink(missing_ok=True)
+        except OSError:  # a read-only cache: it stays, and is refused again next time
+            pass
 
 
 def write_converted(gguf: Path, source_sha256: str, layout: str, fused: bool, layers: dict[str, Tensor]) -> None:
