@@ -312,6 +312,12 @@ for weights in ("dequantized", "q4"):
 # weights, an int8 KV cache and a pool for one or two contexts. `minillm bench edge` measures it in a fresh process
 # (peak RSS is everything the process touched: torch itself, the weights, the pool), beside the default float32
 # configuration and llama.cpp on the same GGUF file.
+#
+# A runtime also loads like one: the kernels read the 4-bit weights in their own interleaved layout, and building it
+# from the file's blocks costs time and a transient copy of every layer at each load. So it is done once and
+# written beside the download (`minillm/gguf/converted.py`, checked by sha256); every later load maps that file and
+# its pages come from the OS's page cache. The "edge, converting" row is the same profile with that cache switched
+# off, in the same run: the last note says what it saves.
 
 # %%
 edge = recorded("edge", quick_runs=False)

@@ -125,6 +125,21 @@ def test_a_read_only_cache_is_still_read(cache_dir, monkeypatch):
     assert not path.exists() and model(torch.tensor([tok.encode("Hi")])).isfinite().all()
 
 
+def test_two_writers_write_the_same_bytes(tmp_path, monkeypatch):
+    """Processes that miss the cache together each write it (a temporary name, then a rename): the bytes are equal,
+    so a reader that hashes one writer's file against the other's meta finds it whole."""
+    monkeypatch.setattr(converted, "converted_path", lambda gguf, layout, fused: tmp_path / "c.pt")
+    layers = {"layers.0.attn.wq": torch.arange(640, dtype=torch.uint8).reshape(1, 2, 320)}
+    key = (tmp_path / "m.gguf", "0" * 64, "16 rows, repack x", True)
+    monkeypatch.setattr(converted.os, "getpid", lambda: 1)
+    converted.write_converted(*key, layers)
+    first = (tmp_path / "c.pt").read_bytes()
+    monkeypatch.setattr(converted.os, "getpid", lambda: 2)  # another process: another temporary name
+    converted.write_converted(*key, layers)
+    assert (tmp_path / "c.pt").read_bytes() == first
+    assert torch.equal(converted.read_converted(*key)["layers.0.attn.wq"], layers["layers.0.attn.wq"])
+
+
 def test_off_writes_nothing(cache_dir, monkeypatch):
     need_kernels()
     monkeypatch.setenv(converted.ENV, "off")

@@ -80,7 +80,8 @@ def write_converted(gguf: Path, source_sha256: str, layout: str, fused: bool, la
     path = converted_path(gguf, layout, fused)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        torch.save({name: t.contiguous() for name, t in layers.items()}, tmp)
+        with open(tmp, "wb") as f:  # through a file object: the archive's inner name is fixed, so processes
+            torch.save({name: t.contiguous() for name, t in layers.items()}, f)  # racing to write write equal bytes
         os.replace(tmp, path)
         meta = {"sha256": sha256_of(path), "source_sha256": source_sha256, "layout": layout, "fused": fused,
                 "stamp": _stamp(path)}

@@ -95,8 +95,7 @@ def load_from_file(name: str = "smollm2-135m", dtype: str | torch.dtype = "float
     q4_1_layer(name, raw) -> nn.Module keeps each Q4_1 tensor packed in the layer it builds from the file's blocks
     (the caller chooses the layer type: minillm/api.py builds lesson 07's Int4Linear; q4_1_packed reads the blocks).
     q8_0_tied(raw, dtype) -> (lm_head, embed) does the same for a Q8_0 tied embedding (the two modules share its
-    storage). A name saved with save_model loads from
-    disk (a shipped recipe is built into the cache first, once)."""
+    storage). A name saved with save_model loads from disk (a shipped recipe is built into the cache first, once)."""
     from minillm.gguf.tokenizer import Tokenizer
     from minillm.gguf.weights import KNOWN_MODELS
 
