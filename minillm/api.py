@@ -144,7 +144,9 @@ def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
     fuse. native=True (low-bit weights on a CPU) runs every layer of a step in one C++ call (lesson 06's last rung,
     minillm.compile.native; fused first), refused with the reason where it cannot run; native="auto" runs it where
     it can and says on stderr why not elsewhere (no compiler, float weights: the eager layers then).
-    minillm.compress.quantize.describe_arithmetic(model) says what the matmuls compute in."""
+    minillm.compress.quantize.describe_arithmetic(model) says what the matmuls compute in. model.load_seconds: this
+    call's wall time (file, kernels, fusion, the native step)."""
+    t0 = time.perf_counter()
     check_weights(weights, sparsity)
     if weights == "q4" and saved_model_exists(name):
         raise ValueError(f"{name!r} is a saved float model with no file of 4-bit blocks to keep: use weights='int4' "
@@ -191,6 +193,7 @@ def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
             enable_native(model)  # raises with `why` when it cannot run
         else:
             print(f"minillm: the native step is off ({why}); the eager layers run", file=sys.stderr)
+    model.load_seconds = time.perf_counter() - t0
     return model, tokenizer
 
 
