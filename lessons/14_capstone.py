@@ -36,33 +36,17 @@
 # configuration that still serves (`minillm bench edge`, `minillm generate --profile edge`).
 
 # %%
-import json
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
 
 import minillm
-from minillm.bench import run_entry
 from minillm.measure import roofline
 from minillm.measure.breakdown import step_breakdown
-from minillm.course.lesson import QUICK, hardware_line, pick
+from minillm.course.lesson import hardware_line, pick, recorded
 
 torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
 print(hardware_line())
-RESULTS = Path(minillm.__file__).resolve().parent.parent / "results"
-
-
-def recorded(name: str, quick_runs: bool = True) -> dict:
-    """The full run in results/<name>.json; quick mode (and a missing file) runs the quick benchmark instead, unless
-    quick_runs is False (the edge bench: five fresh processes, whose parts tests/test_bench.py checks)."""
-    path = RESULTS / f"{name}.json"
-    if (QUICK and quick_runs) or not path.exists():
-        return run_entry(name, quick=True, save=False).to_dict()
-    result = json.loads(path.read_text())
-    print(f"the run recorded in results/{name}.json ({result['timestamp']}), on: {result['hardware'].get('cpu', '')}, "
-          f"{result['settings'].get('threads', '?')} thread(s); rerun: minillm bench {name}")
-    return result
 
 
 # %% [markdown]
@@ -125,7 +109,7 @@ del llm
 # native call (lesson 06's last rung: the per-op cost goes too).
 
 # %%
-ladder = recorded("ladder", quick_runs=False)  # its quick run: tests/test_bench.py (-m slow)
+ladder = recorded("ladder", quick_run=False)  # its quick run: tests/test_bench.py (-m slow)
 rows = {str(r["rung"]): r for r in ladder["rows"]}
 order = [k for k in ["0", "1", "2", "3", "4", "5", "6", "7", "8"] if k in rows]
 print(f"{'rung':<5}{'technique':<34}{'tok/s':>8}{'x rung 0':>10}{'x prev':>8}{'TTFT p50':>10}{'TPOT p50':>10}"
@@ -320,7 +304,7 @@ for weights in ("dequantized", "q4"):
 # off, in the same run: the last note says what it saves.
 
 # %%
-edge = recorded("edge", quick_runs=False)
+edge = recorded("edge", quick_run=False)
 for r in edge["rows"]:
     print("  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
 for note in edge.get("notes", []):

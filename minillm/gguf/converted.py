@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from minillm.gguf.weights import sha256_of
+from minillm.gguf.weights import file_stamp, sha256_of
 
 ENV = "MINILLM_CONVERTED_CACHE"
 
@@ -30,11 +30,6 @@ def enabled() -> bool:
 def converted_path(gguf: Path, layout: str, fused: bool) -> Path:
     tag = hashlib.sha256(f"{layout} {fused}".encode()).hexdigest()[:12]
     return gguf.with_name(f"{gguf.name}.kernels-{tag}.pt")
-
-
-def _stamp(path: Path) -> str:  # as weights.verify: a file whose stat still matches was the file hashed
-    st = path.stat()
-    return f"{st.st_size} {st.st_mtime_ns} {st.st_ino}"
 
 
 def read_converted(gguf: Path, source_sha256: str, layout: str, fused: bool) -> dict[str, Tensor] | None:
@@ -49,10 +44,10 @@ def read_converted(gguf: Path, source_sha256: str, layout: str, fused: bool) -> 
     if (meta.get("source_sha256"), meta.get("layout"), meta.get("fused")) != (source_sha256, layout, fused):
         return None
     try:
-        if meta.get("stamp") != _stamp(path):  # touched since it was hashed: hash it again
+        if meta.get("stamp") != file_stamp(path):  # touched since it was hashed: hash it again
             if sha256_of(path) != meta.get("sha256"):
                 raise ValueError("its sha256 is not the one recorded")
-            meta["stamp"] = _stamp(path)
+            meta["stamp"] = file_stamp(path)
             try:
                 _write_text(meta_path, json.dumps(meta, indent=1) + "\n")
             except OSError:  # a read-only cache: hashed again next time, as weights.verify does
@@ -84,7 +79,7 @@ def write_converted(gguf: Path, source_sha256: str, layout: str, fused: bool, la
             torch.save({name: t.contiguous() for name, t in layers.items()}, f)  # racing to write write equal bytes
         os.replace(tmp, path)
         meta = {"sha256": sha256_of(path), "source_sha256": source_sha256, "layout": layout, "fused": fused,
-                "stamp": _stamp(path)}
+                "stamp": file_stamp(path)}
         _write_text(Path(f"{path}.json"), json.dumps(meta, indent=1) + "\n")
     except OSError as e:
         tmp.unlink(missing_ok=True)

@@ -105,6 +105,13 @@ def read_verified(path: Path, meta_path: Path | None, how_to_fix: str) -> tuple[
     return data, meta
 
 
+def file_stamp(path: Path) -> str:
+    """Size, mtime and inode: a file whose stamp still matches is the file that was hashed (a rewrite, in place or
+    by rename, changes its mtime or inode)."""
+    st = path.stat()
+    return f"{st.st_size} {st.st_mtime_ns} {st.st_ino}"
+
+
 def verify(path: Path, src: ModelSource, remember: bool = True) -> None:
     """Raise WeightsError unless `path` has exactly the expected size and sha256.
 
@@ -112,11 +119,11 @@ def verify(path: Path, src: ModelSource, remember: bool = True) -> None:
     file with its sha256 and the file's size, mtime and inode, and a file whose stat still matches the stamp is the
     file that was hashed (a rewrite, in place or by rename, changes its mtime or inode: hashed again). remember=False
     for a temporary file (no stamp)."""
-    st = path.stat()
-    if st.st_size != src.size:
-        raise WeightsError(f"{path} is {st.st_size:,} bytes, expected {src.size:,} (truncated or wrong file)")
+    size = path.stat().st_size
+    if size != src.size:
+        raise WeightsError(f"{path} is {size:,} bytes, expected {src.size:,} (truncated or wrong file)")
     stamp = path.with_name(path.name + ".verified")
-    seen = f"{src.sha256} {st.st_size} {st.st_mtime_ns} {st.st_ino}"
+    seen = f"{src.sha256} {file_stamp(path)}"
     try:
         if remember and stamp.read_text().strip() == seen:
             return
