@@ -1,7 +1,8 @@
 """Exercise 08: sparsity and pruning (lesson 08, "fewer weights").
 
-Choose which of SmolLM2's weights to zero the Wanda way, build the 2:4 pattern that sparse tensor cores run, and
-remove whole blocks of the model. Fill in the four functions, then grade your work:
+Choose which of SmolLM2's weights to zero the Wanda way, build the 2:4 pattern that sparse tensor cores run, remove
+whole blocks of the model, and score whole heads and channels the LLM-Pruner way. Fill in the six functions, then
+grade your work:
 
     minillm grade 08
 
@@ -14,12 +15,20 @@ remove whole blocks of the model. Fill in the four functions, then grade your wo
 - 08.drop_blocks: `drop_blocks` removes blocks from model.layers in place and returns the model. The result is still
   an nn.ModuleList (so that model.to(...), state_dict() and the engine see the blocks), the remaining blocks keep
   their order, and model.config says how many there are now (ModelConfig is frozen: config.with_(n_layers=...)).
+- 08.taylor: LLM-Pruner's importance of a coupled structure, the first-order Taylor estimate of the loss change when
+  all of its weights are removed. `group_score` turns per-matrix products w * dL/dw, reshaped (groups, -1), into one
+  score per group (`vector`: |the sum over all of them|; `element`: the sum of every |w * g|). `taylor_importance`
+  finds each structure's weights: a KV group is its KV head's rows of wk and wv, the rows of wq of the query heads
+  that share it, and the columns of wo those query heads write; an FFN channel is its row of gate and up and its
+  column of down.
 
 Bad input is part of each task, and must raise ValueError before anything changes: a sparsity outside [0, 1), scores
 that are not finite (NaN, inf: check_sparsity and _check_scores below do these two), a width that n:m groups do not
 divide, an n:m without 0 < n < m, and block indices that are out of range (negative ones too), repeated, or all of
 them.
 
+08.taylor's grader builds each group's weights by hand (a mask per matrix) and checks your scores against the
+directional derivative of the loss, measured by autograd on a tiny model, and against sums over the masks.
 The graders compare with brute-force oracles written group by group (every kept score at least every dropped one,
 exactly the right count per row, per group, per matrix; ties may go either way), on random shapes and on scores full
 of ties, and check the pruned tiny model against running the kept blocks by hand. The real-model task then prunes
@@ -38,6 +47,11 @@ from torch import Tensor, nn  # noqa: F401
 # 0 <= sparsity < 1) and _check_scores (ValueError unless the scores are a 2-D matrix of finite numbers)
 from minillm.model import Transformer
 from minillm.compress.sparsity import _check_scores, check_sparsity  # noqa: F401
+
+# given for 08.taylor: RULES ("vector", "element"), _weight (the weight a layer applies, float32: W, or W + s B A
+# under a LoRA adapter) and _check_importance (ValueError on NaN or inf scores)
+from minillm.compress.llm_pruner import RULES, _weight  # noqa: F401
+from minillm.compress.pruning import _check_importance  # noqa: F401
 
 # task 08.wanda -----------------------------------------------------------------------------------------------
 
@@ -92,3 +106,31 @@ def drop_blocks(model: Transformer, drop: list[int]) -> Transformer:
     4, 5, ... in that order, config.n_layers 28; drop [30] or [1, 1] raise and leave 30 blocks.
     """
     raise NotImplementedError("task 08.drop_blocks: see the docstring; `minillm hint 08 drop_blocks` for hints")
+
+
+# task 08.taylor ----------------------------------------------------------------------------------------------
+
+
+def group_score(products: list[Tensor], rule: str) -> Tensor:
+    """products: one tensor per weight matrix of a coupled structure, w * dL/dw reshaped (groups, -1), row g holding
+    group g's weights -> (groups,): |the sum over every matrix| (`vector`) or the sum of each weight's |w * g|
+    (`element`).
+
+    ValueError for a rule not in RULES, for no products, or for products whose group counts (first dims) differ.
+    Example: products [[[1., -2.]], [[0.5]]] (one group): vector |1 - 2 + 0.5| = 0.5, element 1 + 2 + 0.5 = 3.5.
+    """
+    raise NotImplementedError("task 08.taylor: see the docstring; `minillm hint 08 taylor` for hints")
+
+
+def taylor_importance(model: Transformer, grads: dict[str, Tensor], rule: str = "element") -> tuple[Tensor, Tensor]:
+    """(KV-group importance (n_layers, n_kv_heads), FFN-channel importance (n_layers, ffn_dim)) from gradients
+    {"3.attn.wq": dL/dW of block 3's wq, ...} (every block's wq wk wv wo gate up down), float32 on the CPU.
+
+    Per block, the products _weight(layer) * grad of each matrix, grouped with group_score: KV group j is rows
+    j*hd .. (j+1)*hd - 1 of wk and wv (hd = config.head_dim), the rows of wq of its query heads (the group_size
+    consecutive heads j*group_size .., each head_dim rows) and the same columns of wo; FFN channel c is row c of gate
+    and up and column c of down. ValueError: a rule not in RULES, a fused model (no wq / gate: fuse=False), a
+    gradient whose shape is not its weight's; the scores are checked with _check_importance. Example: SmolLM2 has 9
+    query heads in 3 KV groups: group 1 is wk/wv rows 64..127 and the wq rows of heads 3, 4, 5 (192..383).
+    """
+    raise NotImplementedError("task 08.taylor: see the docstring; `minillm hint 08 taylor` for hints")

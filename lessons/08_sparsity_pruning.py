@@ -517,5 +517,7 @@ print(f"predicted 1.00x on this CPU (no 2:4 kernel: the zeros are read and multi
 
 # %% [markdown]
 # **Exercise 08** (`exercises/ex08_sparsity.py`, graded by `minillm grade 08`): Wanda scores and per-row masks, a
-# 2:4 mask, and dropping blocks from a model; the last task prunes the real model with your functions. Next, lesson 09
+# 2:4 mask, dropping blocks from a model, and LLM-Pruner's Taylor importance of a KV group and an FFN channel (graded
+# against sums over each group's weights built by hand, and against the loss's own slope from autograd); the last
+# task prunes the real model with your functions, FFN channels chosen by your importance included. Next, lesson 09
 # recovers the pruned model's quality by distilling the unpruned one into it.

@@ -47,17 +47,17 @@ import torch.nn.functional as F
 
 import minillm
 from minillm.bench import run_entry
-from minillm.measure.harness import paired_ratio
-from minillm.measure.hardware import native_bf16
-from minillm.measure.metrics import decode_tok_s
 from minillm.compress.ability import AbilityConfig, answer_batch, chat_batch_at, distill_ability
 from minillm.compress.chat_data import ALWAYS_HELD_OUT, chat_ids, chat_prompts, is_held_out, split
 from minillm.compress.distill import distillation_loss, evaluate, hidden_cosine_loss, train_ids
 from minillm.compress.lora import add_lora
-from minillm.gguf.saved import recipe_path
-from minillm.course.lesson import QUICK, RESULTS, hardware_line, pick
 from minillm.compress.pruning import block_importance, drop_blocks, greedy_block_drop, least_important
 from minillm.compress.quality import calibration_ids, eval_ids
+from minillm.course.lesson import QUICK, RESULTS, hardware_line, pick
+from minillm.gguf.saved import recipe_path
+from minillm.measure.hardware import native_bf16
+from minillm.measure.harness import paired_ratio
+from minillm.measure.metrics import decode_tok_s
 from minillm.model import model_bytes
 
 torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
@@ -421,6 +421,72 @@ for q in ("What is the capital of Japan?", "Who painted the Mona Lisa?", "Give m
         print(f"{who:>8}: {q} -> {minillm.generate(m, tok, ids, max_new_tokens=pick(20, 6)).text!r}")
 
 # %% [markdown]
+# ## 8. A specialist: the same start, one job
+#
+# The general student must keep every ability of the teacher in half its blocks, on minutes of CPU, and matches the
+# teacher's first sentence on few new prompts. The field's small models that match a large one do it on a *narrow*
+# job: DistilBERT's 97% is per task, after distilling on that task. `python -m minillm.recipes.specialist` takes the
+# same pruned start (the general student's 16 blocks, fresh LoRA) and distills it on one family of prompts only —
+# plurals and opposites ("What is the plural of knife?", "What is the antonym of wet?") — with the teacher's answers
+# as targets. It holds out whole phrasings and whole words (an adjective with its opposite), so agreement on them
+# measures the skill, not memory. The recorded run, beside the general student and the teacher:
+
+# %%
+spec = json.loads((RESULTS / "specialist.json").read_text())
+b = spec["budget"]
+print(f"recorded: python -m minillm.recipes.specialist ({b['steps']} steps of {b['batch_size']}, {b['tokens']:,} "
+      f"tokens, {b['train_s'] / 60:.1f} train-minutes on {b['threads']} threads); held-out phrasings: "
+      f"{spec['split']['held_templates']}")
+print(f"{'model':>16} {'set':>18} {'n':>4} {'answer match':>13} {'top-1':>7} {'names its word':>15}")
+for who, sets in spec["agreement"].items():
+    for name, r in sets.items():
+        value = f"{r['value_match']:>15.2f}" if "value_match" in r else ""
+        print(f"{who:>16} {name:>18} {r['n']:>4} {r['answer_match']:>13.2f} {r['top1_agree']:>7.2f} {value}")
+held = spec["agreement"]["specialist"]["in_domain_heldout"]
+print("specialist on held-out prompts, by what is new: " + ", ".join(
+    f"{k} {held[f'answer_match_{k}']:.2f} (n={held[f'n_{k}']})" for k in ("held_template", "held_entity", "held_both")))
+print(f"of the specialist's held-out misses, {(1 - held['value_match']) / (1 - held['answer_match']):.0%} name another "
+      f"word than the teacher (the rest: the teacher's word in another form)")
+print(f"the teacher names, for a word, the word it names most often for it across phrasings in "
+      f"{spec['teacher_consistency']:.0%} of its answers")
+print(f"decode, batch 1, one thread, interleaved pairs: specialist {spec['decode']['ratio_median']:.2f}x the teacher")
+countries = json.loads((RESULTS / "specialist-countries.json").read_text())["agreement"]["specialist"]
+print(f"the same recipe on country facts (results/specialist-countries.json, 80 steps): held-out answer match "
+      f"{countries['in_domain_heldout']['answer_match']:.2f}, on its training prompts "
+      f"{countries['in_domain_seen']['answer_match']:.2f}")
+specialist = minillm.load_model("smollm2-135m-specialist-words", dtype="float32")[0]
+for q in ("What is the plural of fox?", "What's the plural of fox?", "What is the opposite word of dirty?"):
+    ids = chat_ids(tok, q)
+    for who, m in (("teacher", teacher), ("specialist", specialist)):
+        print(f"{who:>10}: {q} -> {minillm.generate(m, tok, ids, max_new_tokens=pick(16, 6)).text!r}")
+
+fig, ax = plt.subplots(figsize=(6.5, 3.5))
+curve = spec["curve"]
+ax.plot([c["step"] for c in curve], [c["heldout_answer_match"] for c in curve], marker="o", label="answer match")
+ax.plot([c["step"] for c in curve], [c["heldout_top1"] for c in curve], marker=".", label="top-1 on answers")
+ax.axhline(spec["teacher_consistency"], ls="--", color="tab:red", label="the teacher's own consistency")
+ax.axhline(0.9, ls=":", color="gray", label="target 90%")
+ax.set_xlabel("training steps (8 prompts each)")
+ax.set_ylabel("on held-out in-domain prompts")
+ax.set_title("the specialist learns its job")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# How to read it. On its job the specialist agrees with the teacher far more often than the general student does,
+# on phrasings and words it never saw, and decodes faster (the lines above). It still misses the 90% target, and the
+# "names its word" column and the teacher's consistency say why: most misses are not the form of the answer but the
+# word in it, and the teacher itself does not name one word per word — asked for the plural of "fox" in two
+# phrasings, it names two different words (the examples above, where the two models part). A student that
+# learns the *rule* agrees with the teacher only where the teacher follows it; whole-answer agreement with a teacher
+# is capped by how predictable the teacher is, and this teacher's own consistency (the dashed line) sits below the
+# target. The curve also shows the budget was not the limit: more steps (a first run went to 480) raised agreement
+# on the training prompts and lowered it on held-out ones — memorising the teacher's slips does not transfer. The
+# countries run is the other half of the lesson: a country's capital is a fact stored in the blocks the student
+# dropped, and the recipe learned the answers' form (its training prompts) but not the facts it never saw. Lesson
+# 13 puts the specialist behind a router, on a workload where only part of the traffic is its job.
+#
 # **Exercise 09** (`exercises/ex09_distill.py`, graded by `minillm grade 09`): the distillation loss (graded against
 # a reference: the T² factor, the KL direction, log-softmax vs softmax, the reduction axis) and one training step
 # (graded: the loss falls on a fixed batch and the teacher receives no gradient); the last task trains the real

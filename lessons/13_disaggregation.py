@@ -35,7 +35,6 @@
 
 # %%
 import itertools
-import json
 import time
 from pathlib import Path
 
@@ -43,34 +42,22 @@ import matplotlib.pyplot as plt
 import torch
 
 import minillm
-from minillm.bench import run_entry
 from minillm.bench.chunked_prefill import mixed_workload
-from minillm.engine import LLM
-from minillm.course.lesson import hardware_line, pick
 from minillm.cache.prefix_cache import block_hashes
 from minillm.cluster.router import ReplicaState, make_router
-from minillm.sampling import SamplingParams
+from minillm.course.lesson import hardware_line, pick, recorded
+from minillm.engine import LLM
 from minillm.measure.breakdown import breakdown_of, step_breakdown
 from minillm.measure.hardware import peak_flops
 from minillm.measure.metrics import model_flops_per_token
 from minillm.measure.workload import corpus_ids, serve
+from minillm.sampling import SamplingParams
 
 torch.set_num_threads(1)  # one thread: on a shared 2-core machine a second thread mostly measures the neighbours
 print(hardware_line())
 model, tok = minillm.load_model(dtype="float32")
 cfg = model.config
 RESULTS = Path(minillm.__file__).resolve().parent.parent / "results"
-
-
-def recorded(name: str) -> dict:
-    """The full run in results/<name>.json (the numbers this lesson discusses); without one, a quick run now."""
-    path = RESULTS / f"{name}.json"
-    if not path.exists():
-        return run_entry(name, quick=True, save=False).to_dict()
-    result = json.loads(path.read_text())
-    print(f"the run recorded in results/{name}.json ({result['timestamp']}), on: {result['hardware'].get('cpu', '')}, "
-          f"{result['settings'].get('threads', '?')} thread(s) per worker; rerun: minillm bench {name}")
-    return result
 
 
 # %% [markdown]
@@ -233,7 +220,7 @@ for o, ref, s in zip(outs, reference, stats):
 # budget, and disaggregated prefill + decode with one thread each. The table is the recorded full run.
 
 # %%
-bench = recorded("disagg")
+bench = recorded("disagg", quick_run=False)
 pd_rows = [r for r in bench["rows"] if r["part"] == "pd"]
 print(f"{'mode':<22}{'TTFT p50':>9}{'p99':>7}{'TPOT p50':>10}{'p99':>8}{'ITL p99':>9}{'long TTFT':>10}{'goodput':>8}")
 for r in pd_rows:
@@ -359,7 +346,7 @@ plt.show()
 # `/metrics` (the router cannot see the caches either). The recorded run:
 
 # %%
-hr = recorded("http-router")
+hr = recorded("http-router", quick_run=False)
 for note in hr["notes"]:
     print("note:", note)
 if hr["rows"]:
@@ -467,6 +454,76 @@ ax.legend(fontsize=8)
 plt.tight_layout()
 plt.show()
 
+# %% [markdown]
+# ## 7. A cascade that pays: a specialist, and a router in front of it
+#
+# The condition above says what would pay: a small model that is right on most of what it takes (high A) and cheap.
+# A general student on a CPU budget is neither on open chat. Lesson 09's *specialist* is the same 16-block student
+# distilled on one job (plurals and opposites); on that job it agrees with SmolLM2 on held-out words and phrasings.
+# So the question changes from "is the small model sure?" to "is this request its job?", and it is asked before
+# or early in generation, so an escalated request wastes little:
+#
+# - **prompt**: a classifier over the prompt (`DomainClassifier`: logistic regression over hashed token uni- and
+#   bigrams, fit on the specialist's training prompts against other chat): microseconds, no model runs;
+# - **early**: the specialist starts every request, and after its first k tokens the least likely token's
+#   probability decides whether it goes on or stops and escalates (it wasted k tokens);
+# - **both**: the classifier, then early confidence on what it sends to the specialist.
+#
+# `minillm bench cascade` answers a workload of held-out in-domain prompts and open chat once with each model (one
+# at a time, alternating), and turns the per-request measurements into each policy's agreement and cost on a 50/50
+# mix; a live routed run checks the prediction. The recorded run:
+
+# %%
+cc = recorded("cascade", quick_run=False)
+print(f"{'policy':>66} {'agreement':>9} {'cost':>6} {'small share':>11}")
+for r in cc["rows"]:
+    print(f"{r['policy'][:66]:>66} {r['agreement']:>9.1%} {r['cost_ratio']:>6.2f} {r['small_share']:>11.0%}")
+for note in cc["notes"]:
+    print("note:", note)
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+for label, curve in cc["series"]["curve"].items():
+    axes[0].plot([c["share"] for c in curve], [c["cost_ratio"] for c in curve], marker=".", label=label)
+    axes[1].plot([c["share"] for c in curve], [c["agreement"] for c in curve], marker=".", label=label)
+axes[0].axhline(0.8, ls=":", color="gray", label="target 0.8x")
+axes[1].axhline(0.95, ls=":", color="gray", label="target 95%")
+for ax, what in zip(axes, ("cost / always-large (seconds)", "agreement with always-large")):
+    ax.set_xlabel("share of requests that are the specialist's job")
+    ax.set_ylabel(what)
+    ax.legend(fontsize=7)
+fig.suptitle("routing to a specialist: what each share of in-domain traffic buys (recorded run)")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The classifier finds the job almost perfectly, so routing *by prompt* sends the specialist every in-domain request —
+# and its agreement on them is the specialist's own, well short of 95%. Early confidence buys agreement back by
+# escalating the answers the specialist is unsure of, at the price of its first tokens. Why even a perfect router
+# saves little here, from the same run's requests:
+
+# %%
+per = cc["series"]["per_request"]
+large_in = sum(r["large_s"] for r in per if r["in_domain"])
+large_all = sum(r["large_s"] for r in per)
+small_in = sum(r["small_s"] for r in per if r["in_domain"])
+print(f"the in-domain half of the requests holds {large_in / large_all:.0%} of always-large's seconds (short answers: "
+      f"'The plural of X is Y.'); the specialist does them in {small_in / large_in:.0%} of the large model's time")
+print(f"so a router that sent it every in-domain request and nothing else would cost "
+      f"{cc['ratios']['perfect_router_cost_50_50']:.2f}x always-large on this mix (at the specialist's agreement); "
+      f"one that sent it only the answers it gets right (the oracle row) "
+      f"{next(r['cost_ratio'] for r in cc['rows'] if r['policy'].startswith('oracle')):.2f}x at full agreement")
+oracle = cc["series"]["curve"]["oracle"]
+reach = next((c["share"] for c in oracle if c["cost_ratio"] <= 0.8), None)
+print("the oracle router reaches 0.8x always-large " + (f"once {reach:.0%} of the requests are the specialist's job"
+                                                         if reach is not None else "at no share of this workload"))
+
+# %% [markdown]
+# The cost condition of section 6 holds here too, in its requests' own terms: a cascade saves at most the share of
+# the large model's seconds that its small model's job holds, times what the small model saves on it. Short,
+# templated answers are cheap for the large model already; a specialist pays most where its job is a large share of
+# the *tokens* (long structured outputs, extraction, summaries of a fixed kind), and where it agrees often enough that
+# few requests escalate. The live run checks the arithmetic: its answers are the chosen model's own, and its
+# agreement the predicted one; its seconds include what the sweep does not count (the router, a stream's setup).
+#
 # %% [markdown]
 # **Exercise 13** (`exercises/ex13_disagg.py`, graded by `minillm grade 13`, hints with `minillm hint 13`): pack a
 # sequence's KV blocks into contiguous tensors and unpack them into another pool's blocks (graded on scattered block

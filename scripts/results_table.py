@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ORDER = ["decode", "kv-cache", "gqa", "attention", "paged", "batching", "fusion", "quant", "lowbit", "sparsity",
          "pruning", "codebook", "distill", "speculative", "speculative-q4-native", "parallel", "prefix-cache",
-         "chunked-prefill", "serve", "disagg", "http-router"]
+         "chunked-prefill", "serve", "disagg", "cascade", "http-router"]
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 

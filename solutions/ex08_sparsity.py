@@ -1,5 +1,5 @@
-"""Exercise 08 (reference solutions): Wanda's importance scores, the unstructured and 2:4 masks, and dropping whole
-blocks of the model.
+"""Exercise 08 (reference solutions): Wanda's importance scores, the unstructured and 2:4 masks, dropping whole
+blocks of the model, and LLM-Pruner's first-order Taylor importance of coupled structures.
 
 Each function is a verbatim copy of minillm's own (see SAME_AS); tests/test_exercise_sync.py keeps them in sync.
 """
@@ -14,11 +14,18 @@ from torch import Tensor, nn
 from minillm.model import Transformer
 from minillm.compress.sparsity import _check_scores, check_sparsity
 
+# given for 08.taylor: RULES ("vector", "element"), _weight (the weight a layer applies, float32: W, or W + s B A
+# under a LoRA adapter) and _check_importance (ValueError on NaN or inf scores)
+from minillm.compress.llm_pruner import RULES, _weight
+from minillm.compress.pruning import _check_importance
+
 SAME_AS = {
     "wanda_scores": "minillm.compress.sparsity",
     "unstructured_mask": "minillm.compress.sparsity",
     "semi_structured_mask": "minillm.compress.sparsity",
     "drop_blocks": "minillm.compress.pruning",
+    "group_score": "minillm.compress.llm_pruner",
+    "taylor_importance": "minillm.compress.llm_pruner",
 }
 
 # task 08.wanda -----------------------------------------------------------------------------------------------
@@ -79,3 +86,50 @@ def drop_blocks(model: Transformer, drop: list[int]) -> Transformer:
     model.layers = nn.ModuleList(b for i, b in enumerate(model.layers) if i not in set(drop))
     model.config = model.config.with_(n_layers=len(model.layers))
     return model
+
+
+# task 08.taylor ----------------------------------------------------------------------------------------------
+
+
+def group_score(products: list[Tensor], rule: str) -> Tensor:
+    """products: one tensor per weight matrix of a coupled structure, w * dL/dw reshaped (groups, -1), row g holding
+    group g's weights -> (groups,): |the sum over every matrix| (`vector`: the loss change of removing the group at
+    once) or the sum of each weight's |w * g| (`element`: no cancellation between weights)."""
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES} (LLM-Pruner's vector-wise or element-wise Taylor), got {rule!r}")
+    if not products or len({p.shape[0] for p in products}) != 1:
+        raise ValueError(f"products must be one or more (groups, -1) tensors with equal group counts, got shapes "
+                         f"{[tuple(p.shape) for p in products]}")
+    if rule == "vector":
+        return sum(p.sum(1) for p in products).abs()
+    return sum(p.abs().sum(1) for p in products)
+
+
+def taylor_importance(model: Transformer, grads: dict[str, Tensor], rule: str = "element") -> tuple[Tensor, Tensor]:
+    """(KV-group importance (n_layers, n_kv_heads), FFN-channel importance (n_layers, ffn_dim)) from gradients
+    (weight_gradients or lora_gradients), in the shapes pruning.prune_kv_groups / prune_ffn_channels take."""
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES} (LLM-Pruner's vector-wise or element-wise Taylor), got {rule!r}")
+    if not all(hasattr(b.attn, "wq") and hasattr(b.mlp, "gate") for b in model.layers):
+        raise ValueError("importance is per wq/wk/wv/wo and gate/up/down: score an unfused model (fuse=False)")
+    cfg = model.config
+    hd, g, nkv = cfg.head_dim, cfg.group_size, cfg.n_kv_heads
+    kv, ffn = torch.zeros(len(model.layers), nkv), torch.zeros(len(model.layers), cfg.ffn_dim)
+    for i, b in enumerate(model.layers):
+        def wg(part: str, name: str) -> Tensor:
+            lin = getattr(getattr(b, part), name)
+            grad = grads[f"{i}.{part}.{name}"]
+            if grad.shape != lin.weight.shape:
+                raise ValueError(f"the gradient of block {i} {name} is {tuple(grad.shape)}, its weight "
+                                 f"{tuple(lin.weight.shape)}: gradients of another model")
+            return _weight(lin) * grad
+        q = wg("attn", "wq").reshape(nkv, g * hd, -1)  # a group's query heads are consecutive (head h -> h // g)
+        o = wg("attn", "wo").reshape(-1, nkv, g * hd).transpose(0, 1)  # (group, dim, its columns)
+        k, v = (wg("attn", n).reshape(nkv, hd, -1) for n in ("wk", "wv"))
+        kv[i] = group_score([t.reshape(nkv, -1) for t in (q, k, v, o)], rule).cpu()
+        gate, up = wg("mlp", "gate"), wg("mlp", "up")  # (ffn, dim): channel c is row c
+        down = wg("mlp", "down").t()  # (ffn, dim): channel c is column c of down
+        ffn[i] = group_score([gate, up, down], rule).cpu()
+    _check_importance(kv, "KV group")
+    _check_importance(ffn, "FFN channel")
+    return kv, ffn

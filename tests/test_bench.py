@@ -593,9 +593,9 @@ def test_run_entry_refuses_zero_runs():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["quant", "sparsity", "distill", "speculative"])
+@pytest.mark.parametrize("name", ["quant", "sparsity", "distill", "speculative", "cascade"])
 def test_quick_runs_the_lessons_read_recorded(name, tmp_path):
-    """Lessons 07, 08, 09 and 10 show these benches' recorded full runs in quick mode too (their quick runs alone
+    """Lessons 07, 08, 09, 10 and 13 show these benches' recorded full runs in quick mode too (their quick runs alone
     took 20-60 s of each CI run): the quick runs still run here, and give rows."""
     result = bench.run_entry(name, quick=True, out=tmp_path)
     assert result.quick and result.rows

@@ -38,6 +38,7 @@ ENTRIES: dict[str, str] = {
     "prefix-cache": "minillm.bench.prefix_cache:run",
     "chunked-prefill": "minillm.bench.chunked_prefill:run",
     "disagg": "minillm.bench.disagg:run",
+    "cascade": "minillm.bench.specialist_cascade:run",
     "http-router": "minillm.bench.http_router:run",
     "ladder": "minillm.bench.ladder:run",
     "edge": "minillm.bench.edge:run",

@@ -75,8 +75,15 @@ def _weight(lin) -> Tensor:
     return lin.weight.detach().float()
 
 
-def _score(products: list[Tensor], rule: str) -> Tensor:
-    """products: per weight matrix of the group, w * g reshaped (groups, -1) -> (groups,)."""
+def group_score(products: list[Tensor], rule: str) -> Tensor:
+    """products: one tensor per weight matrix of a coupled structure, w * dL/dw reshaped (groups, -1), row g holding
+    group g's weights -> (groups,): |the sum over every matrix| (`vector`: the loss change of removing the group at
+    once) or the sum of each weight's |w * g| (`element`: no cancellation between weights)."""
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES} (LLM-Pruner's vector-wise or element-wise Taylor), got {rule!r}")
+    if not products or len({p.shape[0] for p in products}) != 1:
+        raise ValueError(f"products must be one or more (groups, -1) tensors with equal group counts, got shapes "
+                         f"{[tuple(p.shape) for p in products]}")
     if rule == "vector":
         return sum(p.sum(1) for p in products).abs()
     return sum(p.abs().sum(1) for p in products)
@@ -103,10 +110,10 @@ def taylor_importance(model: Transformer, grads: dict[str, Tensor], rule: str = 
         q = wg("attn", "wq").reshape(nkv, g * hd, -1)  # a group's query heads are consecutive (head h -> h // g)
         o = wg("attn", "wo").reshape(-1, nkv, g * hd).transpose(0, 1)  # (group, dim, its columns)
         k, v = (wg("attn", n).reshape(nkv, hd, -1) for n in ("wk", "wv"))
-        kv[i] = _score([t.reshape(nkv, -1) for t in (q, k, v, o)], rule).cpu()
+        kv[i] = group_score([t.reshape(nkv, -1) for t in (q, k, v, o)], rule).cpu()
         gate, up = wg("mlp", "gate"), wg("mlp", "up")  # (ffn, dim): channel c is row c
         down = wg("mlp", "down").t()  # (ffn, dim): channel c is column c of down
-        ffn[i] = _score([gate, up, down], rule).cpu()
+        ffn[i] = group_score([gate, up, down], rule).cpu()
     _check_importance(kv, "KV group")
     _check_importance(ffn, "FFN channel")
     return kv, ffn

@@ -2,10 +2,11 @@
 
 The general student (recipes/student.py) must keep all of the teacher's abilities in half its blocks and matches its
 first sentence on ~12% of new chat prompts. A small model can match a large one on the job it was made for: trained
-only on country facts, the same 16-block student answers like the teacher on templates and countries it never saw,
-at the student's decode speed, removing the teacher's cost for that job (lesson 13's cascade routes it there).
+only on plurals and opposites, the same 16-block start answers like the teacher on phrasings and words it never
+saw, at the student's decode speed, removing the teacher's cost for that job (lesson 13 routes the job to it).
 
     python -m minillm.recipes.specialist   # CPU minutes: -> minillm/assets/, results/specialist.json
+    python -m minillm.recipes.specialist countries   # the finding: facts the dropped blocks held (10% held out)
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from minillm.compress.chat_data import ALWAYS_HELD_OUT, COUNTRIES, chat_ids, chat_prompts, is_held_out
+from minillm.compress.chat_data import ALWAYS_HELD_OUT, COUNTRIES, NOUNS, chat_ids, chat_prompts, is_held_out
 
-NAME = "smollm2-135m-specialist-countries"
+NAME = "smollm2-135m-specialist-words"
 GENERAL = "smollm2-135m-student"
 MORE_COUNTRIES = ["Bolivia", "Venezuela", "Ecuador", "Uruguay", "Paraguay", "Romania", "Bulgaria", "Serbia",
                   "Croatia", "the Netherlands", "Czechia", "Slovakia", "Lithuania", "Latvia", "Estonia",
@@ -28,60 +29,123 @@ MORE_COUNTRIES = ["Bolivia", "Venezuela", "Ecuador", "Uruguay", "Paraguay", "Rom
                   "Malaysia", "the Philippines", "Singapore", "Cambodia", "Mongolia", "Kazakhstan", "Algeria",
                   "Tunisia", "Libya", "Sudan", "Tanzania", "Uganda", "Senegal", "Cameroon", "Zimbabwe", "Angola",
                   "Madagascar", "Haiti", "Panama", "Costa Rica", "Guatemala", "Honduras", "Qatar", "Belarus"]
-# (fact, phrasing): several phrasings per fact, so a phrasing held out of training asks a fact the student learned
-DOMAINS: dict[str, dict] = {
-    "countries": {"entities": COUNTRIES + MORE_COUNTRIES, "templates": [
-        ("capital", "What is the capital of {}?"), ("capital", "Which city is the capital of {}?"),
-        ("capital", "Name the capital city of {}."), ("language", "What language is spoken in {}?"),
-        ("language", "What is the main language of {}?"), ("continent", "What continent is {} in?"),
-        ("continent", "On which continent is {}?"), ("currency", "What currency is used in {}?"),
-        ("currency", "What is the currency of {}?")]},
+PLURAL_NOUNS = NOUNS + [
+    "dog", "cat", "church", "glass", "dish", "watch", "fox", "class", "party", "lady", "day", "boy", "key", "toy",
+    "wife", "life", "loaf", "shelf", "half", "calf", "thief", "roof", "tomato", "echo", "piano", "photo", "radio",
+    "man", "fungus", "crisis", "apple", "tree", "car", "book", "pen", "table", "chair", "horse", "bird", "flower",
+    "house", "river", "island", "cloud", "star", "girl", "hand", "eye", "window", "door", "bottle", "brush",
+    "bench", "wish", "tax", "fly", "berry", "cherry", "puppy", "army", "monkey", "valley", "journey", "hobby",
+    "candle", "friend", "teacher", "doctor", "farmer", "king", "queen", "lion", "tiger", "goat", "ship", "boat",
+    "train", "road", "bridge", "village", "garden", "forest", "mountain", "lake", "desk", "lamp", "clock", "cup",
+    "plate", "spoon", "shoe", "hat", "coat", "dress", "match", "kiss", "body", "country", "family", "penny",
+    "animal", "pencil", "computer", "phone", "letter", "garage", "kitchen", "bedroom", "student", "nurse",
+    "singer", "painter", "soldier", "pilot", "banana", "orange", "lemon", "onion", "carrot", "egg", "cake",
+    "cookie", "sandwich", "glove", "scarf", "boot", "ring", "wheel", "engine", "planet", "ocean", "beach",
+    "desert", "storm", "butterfly", "rabbit", "turtle", "snake", "eagle", "basket", "blanket", "button"]
+# an adjective and its opposite are one entity: holding out "hot" alone would still train "cold -> hot"
+ANTONYM_PAIRS = [
+    ("happy", "sad"), ("big", "small"), ("fast", "slow"), ("hot", "cold"), ("bright", "dark"), ("easy", "hard"),
+    ("old", "young"), ("strong", "weak"), ("rich", "poor"), ("quiet", "loud"), ("clean", "dirty"),
+    ("early", "late"), ("kind", "cruel"), ("brave", "cowardly"), ("calm", "angry"), ("tall", "short"),
+    ("wide", "narrow"), ("heavy", "light"), ("wet", "dry"), ("full", "empty"), ("thick", "thin"), ("high", "low"),
+    ("deep", "shallow"), ("soft", "rough"), ("sweet", "sour"), ("true", "false"), ("good", "bad"), ("new", "used"),
+    ("cheap", "expensive"), ("safe", "dangerous"), ("near", "far"), ("right", "wrong"), ("polite", "rude"),
+    ("alive", "dead"), ("awake", "asleep"), ("healthy", "sick"), ("simple", "complex"), ("beautiful", "ugly"),
+    ("tidy", "messy"), ("sharp", "dull"), ("loose", "tight"), ("warm", "cool"), ("busy", "idle"),
+    ("honest", "dishonest"), ("lazy", "hardworking"), ("generous", "selfish"), ("patient", "impatient"),
+    ("careful", "careless"), ("modern", "ancient"), ("positive", "negative"), ("public", "private"),
+    ("friendly", "hostile"), ("smart", "stupid"), ("funny", "serious"), ("happy-go-lucky", "gloomy"),
+    ("open", "closed"), ("visible", "invisible"), ("strict", "lenient"), ("wild", "tame"), ("fresh", "stale")]
+# (fact, phrasing): several phrasings per fact, so a phrasing held out of training asks a fact the student learned;
+# a group's entities are asked with the group's phrasings. "words": phrasings the teacher answers in one form
+# (probed on 24-30 words each: 96-100% one form; phrasings the teacher answers in two forms, such as "Give the
+# plural of the word X." with and without quotes, are left out: no student can learn a coin toss).
+DOMAINS: dict[str, list[dict]] = {
+    "words": [
+        {"entities": PLURAL_NOUNS, "templates": [
+            ("plural", "What is the plural of {}?"), ("plural", "What is the plural form of {}?"),
+            ("plural", "What is the correct plural of {}?"), ("plural", "What's the plural of {}?"),
+            ("plural", "Tell me the plural of {}.")]},
+        {"entities": ANTONYM_PAIRS, "templates": [
+            ("opposite", "What is the opposite of {}?"), ("opposite", "What is the antonym of {}?"),
+            ("opposite", "What word means the opposite of {}?"), ("opposite", "What is the opposite word of {}?"),
+            ("opposite", "Tell me the opposite of {}."), ("opposite", "What's the opposite of {}?")]}],
+    "countries": [  # kept as the finding: the teacher's country answers are facts it holds unevenly (10% held out)
+        {"entities": COUNTRIES + MORE_COUNTRIES, "templates": [
+            ("capital", "What is the capital of {}?"), ("capital", "Which city is the capital of {}?"),
+            ("capital", "Name the capital city of {}."), ("language", "What language is spoken in {}?"),
+            ("language", "What is the main language of {}?"), ("continent", "What continent is {} in?"),
+            ("continent", "On which continent is {}?"), ("currency", "What currency is used in {}?"),
+            ("currency", "What is the currency of {}?")]}],
 }
 
 
-def domain_prompts(domain: str = "countries") -> list[tuple[str, int, str]]:
-    """Every (prompt, template id, entity) of `domain`, in a fixed order."""
+def _groups(domain: str) -> list[dict]:
     if domain not in DOMAINS:
         raise ValueError(f"unknown domain {domain!r}: the specialist knows {sorted(DOMAINS)}")
-    d = DOMAINS[domain]
-    return [(t.format(e), i, e) for e in d["entities"] for i, (_, t) in enumerate(d["templates"])]
+    return DOMAINS[domain]
 
 
-def held_out_parts(domain: str = "countries", template_share: float = 0.25, entity_share: float = 0.25,
+def templates(domain: str = "words") -> list[tuple[str, str]]:
+    """The domain's (fact, phrasing) in order: a template id indexes this list."""
+    return [t for g in _groups(domain) for t in g["templates"]]
+
+
+def _units(group: dict) -> list[tuple[str, ...]]:
+    """A group's entities as units held out together (an antonym pair is one unit)."""
+    return [e if isinstance(e, tuple) else (e,) for e in group["entities"]]
+
+
+def domain_prompts(domain: str = "words") -> list[tuple[str, int, str]]:
+    """Every (prompt, template id, entity) of `domain`, in a fixed order."""
+    out, first = [], 0
+    for g in _groups(domain):
+        for unit in _units(g):
+            out += [(t.format(e), first + i, e) for e in unit for i, (_, t) in enumerate(g["templates"])]
+        first += len(g["templates"])
+    return out
+
+
+def held_out_parts(domain: str = "words", template_share: float = 0.25, entity_share: float = 0.25,
                    seed: int = 0) -> tuple[set[int], set[str]]:
     """(held-out template ids, held-out entities), drawn from `seed`. At most one phrasing per fact is held out (the
-    skill, not an untaught fact, is measured); an entity that lessons 10/13 measure on is always held out."""
+    skill, not an untaught fact, is measured); a share of each group's entities is held out (an antonym pair
+    together); an entity that lessons 10/13 measure on is always held out (with its pair)."""
     for what, share in (("template_share", template_share), ("entity_share", entity_share)):
         if not 0 < share < 1:
             raise ValueError(f"{what} must be in (0, 1), got {share!r}")
-    prompts, d = domain_prompts(domain), DOMAINS[domain]
     rng = random.Random(seed)
     facts: dict[str, list[int]] = {}
-    for i, (fact, _) in enumerate(d["templates"]):
+    for i, (fact, _) in enumerate(templates(domain)):
         facts.setdefault(fact, []).append(i)
     can = [rng.choice(ids) for ids in facts.values() if len(ids) > 1]
-    n_t = max(1, min(len(can), round(template_share * len(d["templates"]))))
-    templates = set(rng.sample(can, n_t))
-    always = {e for p, _, e in prompts if p in ALWAYS_HELD_OUT}
-    rest = [e for e in d["entities"] if e not in always]
-    n_e = max(0, round(entity_share * len(d["entities"])) - len(always))
-    return templates, always | set(rng.sample(rest, n_e))
+    n_t = max(1, min(len(can), round(template_share * len(templates(domain)))))
+    held_templates = set(rng.sample(can, n_t))
+    always = {e for p, _, e in domain_prompts(domain) if p in ALWAYS_HELD_OUT}
+    entities: set[str] = set()
+    for g in _groups(domain):
+        units = _units(g)
+        fixed = [u for u in units if set(u) & always]
+        rest = [u for u in units if not set(u) & always]
+        n_e = max(0, round(entity_share * len(units)) - len(fixed))
+        entities |= {e for u in fixed + rng.sample(rest, n_e) for e in u}
+    return held_templates, entities
 
 
-def domain_split(domain: str = "countries", template_share: float = 0.25, entity_share: float = 0.25,
+def domain_split(domain: str = "words", template_share: float = 0.25, entity_share: float = 0.25,
                  seed: int = 0) -> dict[str, list[tuple[str, int, str]]]:
     """{"train", "held_template", "held_entity", "held_both"}: the domain's (prompt, template id, entity), split so
     that training sees no held-out phrasing and no held-out entity; the three held-out parts are in-domain held-out."""
-    templates, entities = held_out_parts(domain, template_share, entity_share, seed)
+    held_t, held_e = held_out_parts(domain, template_share, entity_share, seed)
     out: dict[str, list] = {"train": [], "held_template": [], "held_entity": [], "held_both": []}
     for row in domain_prompts(domain):
         key = {(False, False): "train", (True, False): "held_template", (False, True): "held_entity",
-               (True, True): "held_both"}[(row[1] in templates, row[2] in entities)]
+               (True, True): "held_both"}[(row[1] in held_t, row[2] in held_e)]
         out[key].append(row)
     return out
 
 
-def out_of_domain(domain: str = "countries", n: int = 64, seed: int = 0) -> list[str]:
+def out_of_domain(domain: str = "words", n: int = 64, seed: int = 0) -> list[str]:
     """Chat prompts of other kinds, held out of the general student's training too: every prompt lessons 10/13
     measure on, then a seeded sample of the rest of chat_data's held-out split (none of the domain's prompts)."""
     mine = {p for p, _, _ in domain_prompts(domain)}
@@ -93,10 +157,12 @@ def out_of_domain(domain: str = "countries", n: int = 64, seed: int = 0) -> list
 
 # ----------------------------------------------------------------------------------------------- the recipe
 
-# a laptop's CPU minutes: 80 steps of 8 short examples (~30k tokens through teacher and student)
-BUDGET = {"steps": 80, "batch_size": 8, "seq_len": 96, "lora_rank": 16, "lr": 2e-3, "max_answer": 48,
-          "checkpoints": [20, 40, 80], "curve_prompts": 24, "seen_measured": 32, "ood_measured": 48,
-          "teacher_measured": 16, "heldout_measured": 96, "decode_pairs": 3}  # None: every held-out prompt
+# a laptop's CPU minutes: 200 steps of 8 short examples (~110k tokens through teacher and student, ~4 minutes on
+# 2 cores: a first run to 480 steps overfit after ~100, held-out match 0.58 -> 0.42 on its curve prompts); the curve
+# is measured at each checkpoint
+BUDGET = {"steps": 200, "batch_size": 8, "seq_len": 96, "lora_rank": 16, "lr": 2e-3, "max_answer": 48,
+          "checkpoints": [25, 50, 100, 150, 200], "curve_prompts": 48, "seen_measured": 48, "ood_measured": 48,
+          "teacher_measured": 16, "heldout_measured": 192, "decode_pairs": 3}  # None: every held-out prompt
 
 
 def pruned_start(teacher, rank: int):
@@ -131,6 +197,38 @@ def agreement(model, tok, examples: list) -> dict:
             "matched": r["matched"]}
 
 
+def answer_value(text: str) -> str | None:
+    """What a words answer says, without its form: "The plural form of knife is knives." -> "knives" (the words
+    after the last " is ", lower-cased, quotes and the full stop dropped); None without " is "."""
+    head, sep, value = text.partition(". ")[0].rpartition(" is ")
+    return value.strip(' ."\'').lower() or None if sep else None
+
+
+def value_match(model, tok, examples: list) -> float:
+    """The share of prompts whose greedy first sentence says the teacher's value (answer_value), in any form."""
+    from minillm.compress.ability import first_sentence
+    from minillm.engine.llm import LLM
+    from minillm.sampling import SamplingParams
+
+    outs = LLM.from_model(model, tok, max_num_seqs=32).generate([p for p, _ in examples], SamplingParams(max_tokens=40))
+    said = [answer_value(tok.decode(first_sentence(o.token_ids, tok))) for o in outs]
+    want = [answer_value(tok.decode(first_sentence(a, tok))) for _, a in examples]
+    return sum(x is not None and x == y for x, y in zip(said, want)) / max(len(examples), 1)
+
+
+def teacher_consistency(rows: list[tuple[str, int, str]], answers: dict, tok) -> float:
+    """How often the teacher names, for a word, the value it names most often for that word across phrasings: a
+    ceiling on any student that gives one answer per word (the teacher's own answers disagree with each other)."""
+    from collections import Counter
+
+    from minillm.compress.ability import first_sentence
+
+    by: dict[str, list] = {}
+    for p, _, e in rows:
+        by.setdefault(e, []).append(answer_value(tok.decode(first_sentence(answers[p], tok))))
+    return sum(Counter(v).most_common(1)[0][1] for v in by.values()) / max(sum(map(len, by.values())), 1)
+
+
 def decode_speed(model, teacher, ids: list[int], n_new: int = 64, pairs: int = 5) -> dict:
     """Decode tok/s at batch 1 on one thread, model and teacher timed in interleaved pairs (the order alternates)."""
     from minillm.measure.metrics import decode_tok_s
@@ -150,7 +248,7 @@ def decode_speed(model, teacher, ids: list[int], n_new: int = 64, pairs: int = 5
             "ratio_median": ratios[pairs // 2], "ratios": ratios, "pairs": pairs, "n_new": n_new, "threads": 1}
 
 
-def run(domain: str = "countries", budget: dict | None = None, out: str | Path = "results/specialist.json",
+def run(domain: str = "words", budget: dict | None = None, out: str | Path | None = None,
         ship: bool = True, seed: int = 0) -> dict:
     """Teacher answers -> train the specialist (curve at b["checkpoints"]) -> ship it -> measure all three models on
     the three sets -> results JSON. Every held-out prompt is one the specialist never trained on."""
@@ -162,6 +260,8 @@ def run(domain: str = "countries", budget: dict | None = None, out: str | Path =
     from minillm.recipes.student import ship_student
 
     b = {**BUDGET, **(budget or {})}
+    name = NAME if domain == "words" else f"smollm2-135m-specialist-{domain}"  # the words specialist is shipped
+    out = out or ("results/specialist.json" if domain == "words" else f"results/specialist-{domain}.json")
     torch.manual_seed(seed)
     teacher, tok = load_model("smollm2-135m", dtype="float32")
     parts = domain_split(domain, seed=seed)
@@ -170,7 +270,7 @@ def run(domain: str = "countries", budget: dict | None = None, out: str | Path =
     answers = dict(zip(prompts, teacher_answers(teacher, tok, prompts, b["max_answer"],
                                                 cache=answers_path(f"specialist_{domain}_answers.json"))))
     answers.update(zip(ood, teacher_answers(teacher, tok, ood, 64, cache=answers_path("specialist_ood.json"))))
-    ex = lambda ps: [(chat_ids(tok, p), answers[p]) for p in ps if answers[p]]  # noqa: E731
+    ex = lambda ps: [(chat_ids(tok, p), answers[p]) for p in ps if answers[p]]
     held_rows = [(p, k) for k in ("held_template", "held_entity", "held_both") for p, _, _ in parts[k] if answers[p]]
     train = ex([p for p, _, _ in parts["train"]])
     rng = random.Random(seed)
@@ -209,13 +309,13 @@ def run(domain: str = "countries", budget: dict | None = None, out: str | Path =
     sizes = {k: len(v) for k, v in parts.items()} | {"out_of_domain": len(sets["out_of_domain"]),
                                                       "in_domain_seen_measured": len(sets["in_domain_seen"]),
                                                       "in_domain_heldout_measured": len(held_rows)}
-    templates, entities = held_out_parts(domain, seed=seed)
-    split_info = {"domain": domain, "held_templates": [DOMAINS[domain]["templates"][i][1] for i in sorted(templates)],
+    held_t, entities = held_out_parts(domain, seed=seed)
+    split_info = {"domain": domain, "held_templates": [templates(domain)[i][1] for i in sorted(held_t)],
                   "held_entities": sorted(entities), "sizes": sizes, "seed": seed}
     if ship:
         ship_student(student, dropped, {"command": "python -m minillm.recipes.specialist", "budget": budget_out,
-                                        "split": split_info, "curve": curve}, name=NAME)
-        specialist, _ = load_model(NAME, dtype="float32")  # what ships: the fp16 factors, rebuilt
+                                        "split": split_info, "curve": curve}, name=name)
+        specialist, _ = load_model(name, dtype="float32")  # what ships: the fp16 factors, rebuilt
     else:
         specialist = merged(student)
     Path(out).parent.mkdir(parents=True, exist_ok=True)  # what is known so far (the measurement below takes minutes)
@@ -234,20 +334,27 @@ def run(domain: str = "countries", budget: dict | None = None, out: str | Path =
                     m = [x for x, (_, kind) in zip(r["matched"], held_rows) if kind == k]
                     table[name][set_name][f"answer_match_{k}"] = sum(m) / max(len(m), 1)
                     table[name][set_name][f"n_{k}"] = len(m)
+                if domain == "words":  # form vs content: does it name the teacher's word, in any form?
+                    table[name][set_name]["value_match"] = value_match(model, tok, examples)
             print(f"{name:16s} {set_name:18s} answer match {r['answer_match']:.3f}  top-1 {r['top1_agree']:.3f}",
                   flush=True)
+    consistency = teacher_consistency(domain_prompts(domain), answers, tok) if domain == "words" else None
     speed = decode_speed(specialist, teacher, chat_ids(tok, held_rows[0][0]), 32, b["decode_pairs"])
     print(f"decode: specialist {speed['specialist_tok_s']:.1f} tok/s, teacher {speed['teacher_tok_s']:.1f} tok/s "
           f"(x{speed['ratio_median']:.2f})", flush=True)
-    result = {"domain": domain, "agreement": table, "decode": speed, "budget": budget_out, "curve": curve,
-              "split": split_info, "recipe": NAME if ship else None,
+    result = {"domain": domain, "agreement": table, "decode": speed, "teacher_consistency": consistency,
+              "budget": budget_out, "curve": curve,
+              "split": split_info, "recipe": name if ship else None,
               "notes": ["answer_match: greedy answer starts with the teacher's first sentence (exact tokens); "
                         "top1_agree: teacher-forced on the teacher's answers",
                         f"in_domain_heldout: {len(sets['in_domain_heldout'])} sampled domain prompts with a held-out "
                         "phrasing or a held-out country (or both); "
                         f"in_domain_seen: {len(sets['in_domain_seen'])} sampled training prompts; out_of_domain: "
                         "lesson 10/13's prompts + chat_data held-out prompts of other kinds",
-                        f"curve: answer match on {len(curve_set)} of the held-out prompts, merged float32 LoRA"]}
+                        f"curve: answer match on {len(curve_set)} of the held-out prompts, merged float32 LoRA",
+                        "value_match: the greedy first sentence names the teacher's word (answer_value), in any form; "
+                        "teacher_consistency: the share of the teacher's answers naming the word it names most often "
+                        "for that word across phrasings (a ceiling for a student that gives one answer per word)"]}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=1))
     return result

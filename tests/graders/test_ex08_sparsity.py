@@ -413,6 +413,202 @@ def test_drop_blocks_bad_input():
             f"config.n_layers {model.config.n_layers}): check every index before removing anything")
 
 
+# ============================================================================================== task 08.taylor
+
+
+def taylor_model(n_heads: int, n_kv: int, seed: int, lora: bool = False) -> Transformer:
+    """A tiny float64 model (head_dim 8); with `lora`, adapters whose B is not zero (their update counts)."""
+    from minillm.compress.lora import add_lora
+
+    cfg = ModelConfig(vocab_size=96, dim=8 * n_heads, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv, ffn_dim=24,
+                      max_seq_len=64)
+    torch.manual_seed(seed)
+    m = Transformer(cfg).double().eval().requires_grad_(False)
+    for q in m.parameters():
+        q.data.normal_(0, 0.3)
+    if lora:
+        add_lora(m, rank=2, alpha=4.0)
+        for mod in m.modules():
+            if hasattr(mod, "B") and hasattr(mod, "A"):
+                mod.A.data.normal_(0, 0.3)
+                mod.B.data.normal_(0, 0.3)
+    return m
+
+
+NAMES = [("attn", "wq"), ("attn", "wk"), ("attn", "wv"), ("attn", "wo"), ("mlp", "gate"), ("mlp", "up"),
+         ("mlp", "down")]
+
+
+def applied_weight(lin) -> Tensor:
+    """The weight a layer applies, written here: W, plus s B A under an adapter."""
+    if hasattr(lin, "A"):
+        return (lin.base.weight + lin.scale * lin.B @ lin.A).detach().double()
+    return lin.weight.detach().double()
+
+
+def group_masks(cfg, j: int) -> dict[str, Tensor]:
+    """KV group j's weights, one bool mask per matrix, row by row from the definition."""
+    hd, g = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
+    q_rows = [h * hd + r for h in range(j * g, (j + 1) * g) for r in range(hd)]
+    kv_rows = list(range(j * hd, (j + 1) * hd))
+    masks = {}
+    for name, rows, cols in (("wq", q_rows, None), ("wk", kv_rows, None), ("wv", kv_rows, None), ("wo", None, q_rows)):
+        shape = (cfg.n_heads * hd if name in ("wq", "wo") else cfg.n_kv_heads * hd, cfg.dim)
+        m = torch.zeros(shape if name != "wo" else (cfg.dim, cfg.n_heads * hd), dtype=torch.bool)
+        if rows is not None:
+            m[rows, :] = True
+        else:
+            m[:, cols] = True
+        masks[name] = m
+    return masks
+
+
+def channel_masks(cfg, c: int) -> dict[str, Tensor]:
+    masks = {n: torch.zeros(cfg.ffn_dim, cfg.dim, dtype=torch.bool) for n in ("gate", "up")}
+    for n in ("gate", "up"):
+        masks[n][c] = True
+    masks["down"] = torch.zeros(cfg.dim, cfg.ffn_dim, dtype=torch.bool)
+    masks["down"][:, c] = True
+    return masks
+
+
+def oracle_importance(model, grads, rule: str) -> tuple[Tensor, Tensor]:
+    cfg = model.config
+    kv, ffn = torch.zeros(cfg.n_layers, cfg.n_kv_heads, dtype=torch.float64), torch.zeros(cfg.n_layers, cfg.ffn_dim,
+                                                                                         dtype=torch.float64)
+    for i, b in enumerate(model.layers):
+        prod = {n: applied_weight(getattr(getattr(b, part), n)) * grads[f"{i}.{part}.{n}"].double()
+                for part, n in NAMES}
+        for j in range(cfg.n_kv_heads):
+            vals = torch.cat([prod[n][m] for n, m in group_masks(cfg, j).items()])
+            kv[i, j] = vals.sum().abs() if rule == "vector" else vals.abs().sum()
+        # channel c is row c of gate and up and column c of down: sum along those, every channel at once
+        if rule == "vector":
+            ffn[i] = (prod["gate"].sum(1) + prod["up"].sum(1) + prod["down"].sum(0)).abs()
+        else:
+            ffn[i] = prod["gate"].abs().sum(1) + prod["up"].abs().sum(1) + prod["down"].abs().sum(0)
+    return kv, ffn
+
+
+def random_grads(model, seed: int) -> dict[str, Tensor]:
+    g = _gen(seed)
+    return {f"{i}.{part}.{n}": torch.randn(getattr(getattr(b, part), n).weight.shape, generator=g)
+            for i, b in enumerate(model.layers) for part, n in NAMES}
+
+
+def check_taylor(n_heads: int, n_kv: int, rule: str, seed: int, lora: bool = False) -> None:
+    model = taylor_model(n_heads, n_kv, seed, lora)
+    grads = random_grads(model, seed)
+    what = (f"taylor_importance(model, grads, {rule!r}) on {n_heads} query heads in {n_kv} KV groups"
+            + (", LoRA adapters on every matmul" if lora else ""))
+    kv, ffn = impl.taylor_importance(model, grads, rule)
+    cfg = model.config
+    assert isinstance(kv, Tensor) and isinstance(ffn, Tensor), f"{what}: return two tensors (kv, ffn)"
+    assert kv.shape == (cfg.n_layers, n_kv) and ffn.shape == (cfg.n_layers, cfg.ffn_dim), (
+        f"{what}: shapes {tuple(kv.shape)} and {tuple(ffn.shape)}, expected ({cfg.n_layers}, {n_kv}) and "
+        f"({cfg.n_layers}, {cfg.ffn_dim})")
+    assert kv.dtype == ffn.dtype == torch.float32, f"{what}: float32 scores, got {kv.dtype} and {ffn.dtype}"
+    want_kv, want_ffn = oracle_importance(model, grads, rule)
+    for got, want, kind in ((kv, want_kv, "KV group"), (ffn, want_ffn, "FFN channel")):
+        bad = ~torch.isclose(got.double(), want, rtol=1e-4, atol=1e-6)
+        if bad.any():
+            i, j = (int(x) for x in bad.nonzero()[0])
+            hint = (" (adapters: score the weight the layer applies, W + s B A: the given _weight)" if lora else
+                    " (which rows of wq, which columns of wo and down belong to it?)")
+            raise AssertionError(f"{what}: block {i} {kind} {j} scores {float(got[i, j]):.6g}, expected "
+                                 f"{float(want[i, j]):.6g}{hint}")
+
+
+@pytest.mark.task_08_taylor
+def test_group_score():
+    prods = [torch.tensor([[1.0, -2.0], [3.0, 4.0]]), torch.tensor([[0.5], [-8.0]])]
+    for rule, want in (("vector", [0.5, 1.0]), ("element", [3.5, 15.0])):
+        got = impl.group_score([p.clone() for p in prods], rule)
+        assert isinstance(got, Tensor) and got.shape == (2,), f"group_score(..., {rule!r}): one score per group"
+        assert torch.allclose(got, torch.tensor(want)), (
+            f"group_score({[p.tolist() for p in prods]}, {rule!r}) = {got.tolist()}, expected {want} ("
+            + ("|the sum of every product of the group|" if rule == "vector" else "the sum of every |product|") + ")")
+    for prods, why in (([], "no products"), ([torch.ones(2, 3), torch.ones(3, 3)], "2 groups in one, 3 in another")):
+        for rule in RULES_08:
+            must_refuse(impl.group_score, prods, rule, what=f"group_score: {why}")
+    for rule in ("Vector", "l2", ""):
+        must_refuse(impl.group_score, [torch.ones(2, 2)], rule, what=f"group_score with rule {rule!r}")
+    forbid_calls(impl.group_score, ["group_score", "taylor_importance", "llm_pruner"])
+
+
+RULES_08 = ("vector", "element")
+
+
+@pytest.mark.task_08_taylor
+@pytest.mark.parametrize("heads", [(4, 2), (6, 2), (3, 3), (4, 1)])
+@pytest.mark.parametrize("rule", RULES_08)
+def test_taylor_importance(heads, rule):
+    check_taylor(*heads, rule, seed=sum(heads))
+
+
+@pytest.mark.task_08_taylor
+@pytest.mark.parametrize("rule", RULES_08)
+def test_taylor_importance_scores_the_applied_weight_under_lora(rule):
+    check_taylor(6, 2, rule, seed=5, lora=True)
+    forbid_calls(impl.taylor_importance, ["taylor_importance", "llm_pruner"])
+
+
+@pytest.mark.task_08_taylor
+def test_taylor_vector_rule_is_the_loss_slope_of_the_group():
+    """With real gradients, vector(group) = |dL/ds| where s scales every weight of the group: autograd's oracle."""
+    from torch.func import functional_call
+
+    model = taylor_model(6, 2, seed=9)
+    cfg = model.config
+    ids = torch.tensor([[(5 * i + 1) % 96 for i in range(24)]])
+    base = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(params: dict) -> Tensor:
+        logits = functional_call(model, params, (ids[:, :-1],)).double()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[0, 1:])
+
+    with torch.enable_grad():
+        leaves = {k: v.clone().requires_grad_(True) for k, v in base.items()}
+        loss(leaves).backward()
+        grads = {f"{i}.{part}.{n}": leaves[f"layers.{i}.{part}.{n}.weight"].grad for i in range(cfg.n_layers)
+                 for part, n in NAMES}
+        kv, ffn = impl.taylor_importance(model, grads, "vector")
+        cases = [("KV group", j, group_masks(cfg, j), kv) for j in range(cfg.n_kv_heads)]
+        cases += [("FFN channel", c, channel_masks(cfg, c), ffn) for c in (0, 5, 23)]
+        for i in range(cfg.n_layers):
+            for kind, idx, masks, got in cases:
+                s = torch.ones((), dtype=torch.float64, requires_grad=True)
+                params = dict(base)
+                for n, m in masks.items():  # the group's weights times s, every other weight as it is
+                    key = f"layers.{i}.{'attn' if n.startswith('w') else 'mlp'}.{n}.weight"
+                    params[key] = torch.where(m, base[key] * s, base[key])
+                (slope,) = torch.autograd.grad(loss(params), s)
+                assert float(got[i, idx]) == pytest.approx(abs(float(slope)), rel=1e-4, abs=1e-7), (
+                    f"taylor_importance(..., 'vector'): block {i} {kind} {idx} scores {float(got[i, idx]):.6g}, but "
+                    f"the loss changes at {abs(float(slope)):.6g} per unit scaling of that group's weights")
+
+
+@pytest.mark.task_08_taylor
+def test_taylor_importance_bad_input():
+    from minillm.compile.fusion import fuse
+
+    model = taylor_model(4, 2, seed=1)
+    grads = random_grads(model, 1)
+    for rule in ("Element", "taylor", ""):
+        must_refuse(impl.taylor_importance, model, grads, rule, what=f"taylor_importance with rule {rule!r}")
+    bad = dict(grads)
+    bad["1.mlp.down"] = grads["1.mlp.down"].t().contiguous()
+    must_refuse(impl.taylor_importance, model, bad, "element",
+                what="taylor_importance with block 1's down gradient transposed (another model's shape)")
+    fused = fuse(taylor_model(4, 2, seed=1).float())
+    must_refuse(impl.taylor_importance, fused, grads, "element",
+                what="taylor_importance on a fused model (no wq/wk/wv or gate/up to score: fuse=False)")
+    nan = dict(grads)
+    nan["0.attn.wk"] = grads["0.attn.wk"].clone()
+    nan["0.attn.wk"][0, 0] = float("nan")
+    must_refuse(impl.taylor_importance, model, nan, "element", what="taylor_importance with a NaN gradient")
+
+
 # ============================================================================================ the real model
 
 
@@ -524,3 +720,41 @@ def test_your_drop_blocks_on_smollm2(real_model):
         f"config.n_layers is {m.config.n_layers} with {len(m.layers)} blocks in the model")
     assert out.token_ids and served.token_ids == out.token_ids, (
         f"the engine served {tok.decode(served.token_ids)!r}, generate() gave {out.text!r}")
+
+
+_TAYLOR_LIMIT = 2.0  # the reference (element rule, 20% of every block's FFN channels): 17.2 -> 25.7 (1.49x)
+
+
+@pytest.mark.task_08_real_model
+def test_your_taylor_channels_on_smollm2(real_model):
+    """LLM-Pruner on SmolLM2 with your taylor_importance: the scores on real gradients (128 calibration tokens) equal
+    the grader's sums over each group's weights, and removing the 20% least important FFN channels of every block
+    by them keeps the perplexity within 2x the dense model's."""
+    from minillm.compress.llm_pruner import weight_gradients
+    from minillm.compress.pruning import prune_ffn_channels
+    from minillm.compress.quality import calibration_ids, perplexity
+
+    model, tok = real_model
+
+    @one_thread
+    def run():
+        m = copy.deepcopy(model)
+        grads = weight_gradients(m, calibration_ids(tok, _CALIB_TOKENS), window=_CALIB_TOKENS)
+        kv, ffn = impl.taylor_importance(m, grads, "element")
+        want_kv, want_ffn = oracle_importance(m, grads, "element")
+        keep = m.config.ffn_dim - m.config.ffn_dim // 5
+        prune_ffn_channels(m, keep, ffn)
+        ppl = perplexity(m, tok, max_tokens=_PPL_TOKENS, window=_PPL_TOKENS)
+        return m, kv, ffn, want_kv, want_ffn, ppl, minillm.generate(m, tok, _SAYS, max_new_tokens=8).text
+
+    m, kv, ffn, want_kv, want_ffn, ppl, text = run()
+    base = _dense_perplexity(model, tok)
+    print(f"\ndense: perplexity {base:.2f}; FFN channels cut to {m.config.ffn_dim} by your Taylor importance: "
+          f"perplexity {ppl:.2f} ({ppl / base:.2f}x). Your pruned model now says: {_SAYS!r} ->{text!r}")
+    for got, want, kind in ((kv, want_kv, "KV group"), (ffn, want_ffn, "FFN channel")):
+        assert got.shape == want.shape and torch.allclose(got.double(), want, rtol=1e-3, atol=1e-7), (
+            f"your {kind} importance on SmolLM2 differs from the sum over each group's weights (largest gap "
+            f"{(got.double() - want).abs().max().item():.3g})")
+    assert math.isfinite(ppl) and ppl <= base * _TAYLOR_LIMIT, (
+        f"with 20% of every block's FFN channels removed by your importance, perplexity is {ppl:.2f}, the dense "
+        f"model's {base:.2f}: more than {_TAYLOR_LIMIT:g}x")
