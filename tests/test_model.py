@@ -33,7 +33,12 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def hf_model():
-    transformers = pytest.importorskip("transformers")
+    from minillm.measure.peers import import_transformers
+
+    try:
+        transformers = import_transformers()
+    except ImportError:
+        pytest.skip("the peer is not installed: pip install -e '.[dev]' (transformers, accelerate)")
     pytest.importorskip("accelerate")
     from minillm.gguf.weights import gguf_path
 

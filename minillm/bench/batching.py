@@ -24,7 +24,9 @@ def hf_llama_from(model):
     transformers' rotate-half layout, so the names are all that change."""
     import re
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from minillm.measure.peers import import_transformers
+
+    LlamaConfig, LlamaForCausalLM = (getattr(import_transformers(), n) for n in ("LlamaConfig", "LlamaForCausalLM"))
 
     c = model.config
     cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim,
@@ -54,8 +56,9 @@ def hf_padded_generate(requests, max_batch: int, dtype: str, model=None) -> tupl
     """transformers' padded batch generate: (wall seconds, useful output tokens). transformers reads the GGUF itself,
     or with `model` (quick mode) runs on that minillm model's weights (`hf_llama_from`)."""
     if model is None:
-        from transformers import AutoModelForCausalLM
+        from minillm.measure.peers import import_transformers
 
+        AutoModelForCausalLM = import_transformers().AutoModelForCausalLM
         from minillm.gguf.weights import gguf_path
 
         path = gguf_path()

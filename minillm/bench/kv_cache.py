@@ -25,9 +25,11 @@ def prompt_ids(tokenizer, n: int = PROMPT_LEN) -> list[int]:
 
 
 def hf_model(dtype: torch.dtype):
-    import transformers
+    from minillm.measure.peers import import_transformers
 
     from minillm.gguf.weights import gguf_path
+
+    transformers = import_transformers()
 
     transformers.logging.set_verbosity_error()
     path = gguf_path()

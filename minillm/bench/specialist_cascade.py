@@ -1,13 +1,9 @@
 """`minillm bench cascade` (lesson 13): a mixed workload routed to the specialist or SmolLM2, per request.
 
-Large: SmolLM2-135M. Small: the words specialist (recipes/specialist.py: 16 blocks, distilled on plurals and
-opposites only). Workload: the specialist's held-out in-domain prompts (phrasings and words it never trained on)
-and open chat of other kinds, each answered once by both models, greedy, one at a time, alternating which goes
-first. Per request: the classifier's score, the specialist's early confidence after k tokens, whether its answer
-agrees with the large model's, and the seconds of each (the specialist's first k tokens from its token times).
-`domain_router.policy_cost` turns those into each policy's agreement and cost on a 50/50 mix and over every share
-(the what-if curve); one live routed run checks the prediction. Target (issue 41): the cheapest policy at >= 95%
-agreement costs <= 0.8x always-large's seconds on the 50/50 mix.
+The words specialist (recipes/specialist.py) and SmolLM2 each answer held-out in-domain prompts and open chat once,
+greedy, one at a time, alternating. Per request: the classifier's score, the specialist's early confidence after k
+tokens, agreement, seconds. `domain_router.policy_cost` gives each policy's agreement and cost on a 50/50 mix and
+over every share; one live routed run checks it. Target (issue 41): <= 0.8x always-large at >= 95% agreement.
 """
 
 from __future__ import annotations

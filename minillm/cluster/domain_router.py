@@ -1,18 +1,10 @@
 """Routing a mixed workload to a specialist (lesson 13): the small model takes its own job, the large one the rest.
 
-Lesson 13's cascade runs the small model on every request and escalates when it is unsure; with a general student
-that agrees with the teacher on ~10% of open chat, nearly everything escalates and pays twice. A specialist
-(recipes/specialist.py) agrees with the teacher on its narrow job, so the question becomes *which requests are its
-job*, decided before or early in generation:
-
-  "prompt"  a classifier over the prompt (`DomainClassifier`: logistic regression over hashed token uni/bigrams,
-            trained on the specialist's training prompts against other chat): microseconds, no model runs;
-  "early"   the specialist starts every request; after its first `k` tokens the least likely one's probability
-            decides: go on, or stop and escalate (the k tokens are what an escalation wasted);
-  "both"    the classifier first, early confidence on what it sends to the specialist.
-
-`RoutedCascade.generate` answers one request at a time and records who answered and what it cost; `policy_cost`
-turns per-request measurements into any policy's agreement and seconds without running a model again.
+Lesson 13's cascade runs a general student on every request and escalates when unsure: it agrees too rarely to pay.
+A specialist (recipes/specialist.py) agrees on its narrow job, so the router asks *is this its job?*, before or
+early in generation (ROUTES): "prompt", a classifier over the prompt (`DomainClassifier`, no model runs); "early",
+the specialist's least likely of its first k tokens (an escalation wastes k tokens); "both". `policy_cost` turns
+per-request measurements into any policy's agreement and seconds without running a model again.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """A specialist student (lessons 09 and 13): the general student's pruned start, distilled on ONE narrow job.
 
-The general student (recipes/student.py) must keep all of the teacher's abilities in half its blocks and matches its
-first sentence on ~12% of new chat prompts. A small model can match a large one on the job it was made for: trained
-only on plurals and opposites, the same 16-block start answers like the teacher on phrasings and words it never
-saw, at the student's decode speed, removing the teacher's cost for that job (lesson 13 routes the job to it).
+The general student matches the teacher's first sentence on ~12% of new chat prompts. Trained only on plurals and
+opposites, the same 16-block start answers like the teacher on phrasings and words it never saw, at the student's
+speed (lesson 13 routes the job to it). The countries domain is kept as the finding: facts the dropped blocks held.
 
-    python -m minillm.recipes.specialist   # CPU minutes: -> minillm/assets/, results/specialist.json
-    python -m minillm.recipes.specialist countries   # the finding: facts the dropped blocks held (10% held out)
+    python -m minillm.recipes.specialist [countries]   # CPU minutes: -> minillm/assets/, results/specialist*.json
 """
 
 from __future__ import annotations
