@@ -421,6 +421,37 @@ for q in ("What is the capital of Japan?", "Who painted the Mona Lisa?", "Give m
         print(f"{who:>8}: {q} -> {minillm.generate(m, tok, ids, max_new_tokens=pick(20, 6)).text!r}")
 
 # %% [markdown]
+# ### How far more tokens take it
+#
+# The shipped student stopped at the bench's budget with its answer match still rising. `python -m
+# minillm.recipes.student_curve` continues from what shipped (fresh adapters on its weights, the same data and mix)
+# and measures the same held-out prompts as it goes. The recorded run:
+
+# %%
+curve_path = RESULTS / "distill-curve.json"
+if curve_path.exists():
+    sc = json.loads(curve_path.read_text())
+    pts = sc["curve"]
+    for c in pts:
+        print(f"step {c['step']:>4}: {c['tokens']:>9,} training tokens, {c['train_s'] / 60:5.1f} CPU-min: answer match "
+              f"{c['answer_match']:.3f}, top-1 {c['top1']:.3f}")
+    gain = (pts[-1]["answer_match"] - pts[0]["answer_match"]) / (pts[-1]["tokens"] - pts[0]["tokens"]) * 1e6
+    rate = (pts[-1]["tokens"] - pts[0]["tokens"]) / (pts[-1]["train_s"] - pts[0]["train_s"])
+    print(f"answer match moved {gain:+.3f} per million tokens past the ship, at {rate:,.0f} training tokens/s on "
+          f"this CPU ({sc['threads']} threads): another million tokens is {1e6 / rate / 3600:.1f} hours here")
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    ax.plot([c["tokens"] for c in pts], [c["answer_match"] for c in pts], marker="o", label="answer match")
+    ax.plot([c["tokens"] for c in pts], [c["top1"] for c in pts], marker=".", label="top-1 on answers")
+    ax.axvline(sc["shipped"]["train_tokens"], ls=":", color="gray", label="shipped")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel(f"held-out ({sc['heldout']} prompts)")
+    ax.legend(fontsize=8)
+    plt.tight_layout()
+    plt.show()
+else:
+    print("no recorded curve: python -m minillm.recipes.student_curve")
+
+# %% [markdown]
 # ## 8. A specialist: the same start, one job
 #
 # The general student must keep every ability of the teacher in half its blocks, on minutes of CPU, and matches the

@@ -104,3 +104,11 @@ def test_the_shipped_specialist_loads_and_follows_the_teacher_on_unseen_words():
     answers = teacher_answers(teacher, tok, [p for p, _, _ in rows], 48, progress=False)
     # measured (results/specialist.json): top-1 0.82 on held-out prompts, the general student 0.78
     assert retained_ability(specialist, tok, list(zip(prompts, answers)))["top1_agree"] >= 0.7
+
+
+def test_the_student_curve_refuses_a_budget_it_cannot_run():
+    from minillm.recipes.student_curve import run
+
+    for steps, every in ((0, 1), (10, 0), (10, 20), (10.5, 5), (10, "5")):
+        with pytest.raises(ValueError, match="0 < every <= steps"):
+            run(steps, every)
