@@ -424,7 +424,7 @@ for q in ("What is the capital of Japan?", "Who painted the Mona Lisa?", "Give m
 # ### How far more tokens take it
 #
 # The shipped student stopped at the bench's budget with its answer match still rising. `python -m
-# minillm.recipes.student_curve` continues from what shipped (fresh adapters on its weights, the same data and mix)
+# minillm.bench.distill_curve` continues from what shipped (fresh adapters on its weights, the same data and mix)
 # and measures the same held-out prompts as it goes. The recorded run:
 
 # %%
@@ -449,7 +449,7 @@ if curve_path.exists():
     plt.tight_layout()
     plt.show()
 else:
-    print("no recorded curve: python -m minillm.recipes.student_curve")
+    print("no recorded curve: python -m minillm.bench.distill_curve")
 
 # %% [markdown]
 # ## 8. A specialist: the same start, one job

@@ -107,7 +107,7 @@ def test_the_shipped_specialist_loads_and_follows_the_teacher_on_unseen_words():
 
 
 def test_the_student_curve_refuses_a_budget_it_cannot_run():
-    from minillm.recipes.student_curve import run
+    from minillm.bench.distill_curve import run
 
     for steps, every in ((0, 1), (10, 0), (10, 20), (10.5, 5), (10, "5")):
         with pytest.raises(ValueError, match="0 < every <= steps"):

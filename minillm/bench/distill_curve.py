@@ -1,10 +1,10 @@
-"""The general student keeps training (lesson 09): its answer match and top-1 against training tokens, past the ship.
+"""The general student past the ship (lesson 09): held-out answer match and top-1 against training tokens.
 
 `minillm bench distill` ships the 16-block student after 300 steps (433k tokens, ~25 CPU-minutes), its held-out
 answer match still rising. This continues from what shipped (fresh LoRA adapters on the shipped weights, the same
 data and mix) and measures the same held-out prompts every `every` steps, so the curve shows what more tokens buy.
 
-    nice python -m minillm.recipes.student_curve [steps] [every]   # -> results/distill-curve.json
+    nice python -m minillm.bench.distill_curve [steps] [every]   # -> results/distill-curve.json
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def run(steps: int = 480, every: int = 120, out: str | Path = "results/distill-c
                                          "curve": curve, "heldout": facts["heldout_measured"],
                                          "threads": torch.get_num_threads(), "budget": {
                                              k: b[k] for k in ("batch_size", "seq_len", "lora_rank")},
-                                         "command": f"python -m minillm.recipes.student_curve {steps} {every}"},
+                                         "command": f"python -m minillm.bench.distill_curve {steps} {every}"},
                                         indent=1))
 
     point(0)
