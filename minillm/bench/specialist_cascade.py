@@ -50,7 +50,8 @@ def _threshold_for(route: str, k_rows: dict, min_agreement: float = 0.95) -> tup
 
 def measure(quick: bool = False, threads: int = 1) -> dict:
     from minillm.api import load_model
-    from minillm.cluster.domain_router import DomainClassifier, Measured, RoutedCascade, mixed, policy_cost
+    from minillm.cluster.domain_router import (DomainClassifier, Measured, RoutedCascade, early_confidence,
+                                               mixed, policy_cost)
     from minillm.compress.chat_data import chat_ids, chat_prompts, split
     from minillm.engine import LLM
     from minillm.recipes.specialist import NAME, domain_prompts, domain_split, out_of_domain
@@ -94,12 +95,9 @@ def measure(quick: bool = False, threads: int = 1) -> dict:
     exact = [s.token_ids == g.token_ids for s, g in zip(outs["small"], outs["large"])]
 
     def rows_at(k: int) -> tuple[list, list]:
-        import math
-
         rows = []
         for i, (s, g) in enumerate(zip(outs["small"], outs["large"])):
-            lp = s.logprobs[:k]
-            early = min(1.0, math.exp(min(lp)))
+            early = early_confidence(s.logprobs, k)  # what the live router computes
             # seconds up to the k-th token: its share of the measured wall time, by the engine's token clock
             k_s = secs["small"][i] * s.token_times[min(k, len(s.token_times)) - 1] / s.token_times[-1]
             rows.append(Measured(kinds[i], scores[i], early, agree[i], secs["small"][i], k_s, secs["large"][i]))
