@@ -202,6 +202,22 @@ def test_simd_equals_the_scalar_reference(m, blocks, n, kind, seed):
         assert ((y.double() - ref.double()).abs() <= 1e-5 * terms + 1e-35).all()
 
 
+@pytest.mark.parametrize("sign", ["plus", "minus", "halves"])
+def test_q4_sums_at_the_largest_codes_do_not_saturate(sign):
+    """Every code 15 against activations at +-127: the most an int16 partial sum of the AVX2 path holds (8 chunks x 2
+    products x 15 x 127 = 30480 of 32767). A sum that saturated or wrapped would be thousands off."""
+    need_kernels()
+    n, k = 19, 32 * 5
+    codes = torch.full((n, k), 15, dtype=torch.uint8)
+    scale, minimum = torch.ones(n, k // 32).half(), torch.zeros(n, k // 32).half()
+    x = {"plus": torch.ones(3, k), "minus": -torch.ones(3, k),
+         "halves": torch.cat([torch.ones(3, k // 2), -torch.ones(3, k // 2)], 1)}[sign]
+    expected = (15 * x.sum(1, keepdim=True)).expand(3, n)
+    for reference in (False, True):
+        y = cpu_lowbit.q4_1_matmul(x, cpu_lowbit.repack_q4_1(codes, scale, minimum), n, reference=reference)
+        torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-3)
+
+
 # ------------------------------------------------------------------------------------------------ the layers
 
 @contextlib.contextmanager

@@ -70,14 +70,8 @@ void q4_1_group_simd(const uint8_t* group, const QuantizedRows& x, int64_t m0, f
     for (int t = 0; t < MT; ++t) {
       const int64_t row = m0 + t;
       const int8_t* q = x.q + row * x.K + b * kBlock;
-      // two independent sums: one chain of 8 dependent vpdpbusd (4-5 cycles each) bounded the loop, not memory
-      VecI even = zero_i(), odd = zero_i();
-      for (int j = 0; j < 8; j += 2) {
-        even = dot_add(even, codes[j], broadcast4(q + 4 * j));
-        odd = dot_add(odd, codes[j + 1], broadcast4(q + 4 * j + 4));
-      }
       const VecF scale = mul_f(d, set1_f(x.d[row * x.blocks + b]));
-      acc[t] = fma_f(to_float(add_i(even, odd)), scale, acc[t]);
+      acc[t] = fma_f(to_float(dot_block_u4(codes, q)), scale, acc[t]);
       acc[t] = fma_f(m, set1_f(x.s[row * x.blocks + b]), acc[t]);
     }
   }

@@ -96,7 +96,7 @@ def load_from_file(name: str = "smollm2-135m", dtype: str | torch.dtype = "float
     (the caller chooses the layer type: minillm/api.py builds lesson 07's Int4Linear; q4_1_packed reads the blocks).
     q8_0_tied(raw, dtype) -> (lm_head, embed) does the same for a Q8_0 tied embedding (the two modules share its
     storage). A name saved with save_model loads from disk (a shipped recipe is built into the cache first, once)."""
-    from minillm.gguf.tokenizer import Tokenizer
+    from minillm.gguf.tokenizer_cache import tokenizer_of
     from minillm.gguf.weights import KNOWN_MODELS
 
     if name not in KNOWN_MODELS:
@@ -153,7 +153,7 @@ def load_from_file(name: str = "smollm2-135m", dtype: str | torch.dtype = "float
     if packed:
         model.quant_scheme = "q4_1 (from the file)" + (", q8_0 embedding/head" if head is not None else "")
     model.load_seconds = time.perf_counter() - t0
-    return model, Tokenizer.from_gguf_metadata(meta)
+    return model, tokenizer_of(name, meta)
 
 
 def load_spec(spec, dtype: str = "float32", device: torch.device | str = "cpu"):
@@ -171,7 +171,7 @@ def load_spec(spec, dtype: str = "float32", device: torch.device | str = "cpu"):
 def describe_spec(spec) -> tuple[ModelConfig, Tokenizer | None]:
     """(config, tokenizer) of a spec without loading its weights: what a process that only checks and tokenizes
     prompts for its workers needs."""
-    from minillm.gguf.tokenizer import Tokenizer
+    from minillm.gguf.tokenizer_cache import tokenizer_of
 
     if isinstance(spec, dict):
         tok = describe_spec(spec["tokenizer"])[1] if spec.get("tokenizer") is not None else None
@@ -188,4 +188,4 @@ def describe_spec(spec) -> tuple[ModelConfig, Tokenizer | None]:
         return cfg, describe_spec(base)[1]
     model_source(spec)  # unknown names fail here, before any download
     meta = read_gguf_metadata(gguf_path(spec))
-    return ModelConfig.from_gguf_metadata(meta), Tokenizer.from_gguf_metadata(meta)
+    return ModelConfig.from_gguf_metadata(meta), tokenizer_of(spec, meta)

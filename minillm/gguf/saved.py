@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 
 from minillm.config import ModelConfig
-from minillm.gguf.weights import (KNOWN_MODELS, cache_dir, gguf_path, model_source, read_gguf_metadata, read_verified,
-                                  write_with_digest)
+from minillm.gguf.weights import KNOWN_MODELS, cache_dir, model_source, read_verified, write_with_digest
 from minillm.model import Transformer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -108,9 +107,9 @@ def load_saved(name: str, dtype: torch.dtype | str | None = None, device: torch.
     dtype = dtype or meta["dtype"]
     model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype).eval().requires_grad_(False)
     model.saved_info = meta["info"]
-    from minillm.gguf.tokenizer import Tokenizer
+    from minillm.gguf.tokenizer_cache import tokenizer_of
 
-    return model, Tokenizer.from_gguf_metadata(read_gguf_metadata(gguf_path(meta["base"])))
+    return model, tokenizer_of(meta["base"])
 
 
 # ------------------------------------------------------------------------------------- a student, as a recipe

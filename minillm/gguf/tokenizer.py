@@ -108,7 +108,7 @@ class Tokenizer:
 
     def __init__(self, encoding: tiktoken.Encoding, special_tokens: dict[str, int],
                  missing_bytes: Iterable[int], eos_id: int, bos_id: int | None = None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, ranges_checked: bool = False):
         self._enc = encoding
         self.vocab_size: int = encoding.n_vocab
         self.eos_id = eos_id
@@ -124,9 +124,10 @@ class Tokenizer:
         by_length = sorted(self.special_tokens, key=len, reverse=True)  # longest first: no prefix wins early
         self._special_split = re.compile(f"({'|'.join(map(re.escape, by_length))})") if by_length else None
         # Characters whose UTF-8 holds a missing byte. The dropping rule relies on all being "other" to the
-        # pre-tokenizer: check it once here (~0.1 s) rather than produce wrong ids for some other vocabulary.
+        # pre-tokenizer: check it once here (~0.1 s; ranges_checked: a cached state says this regex version did)
+        # rather than produce wrong ids for some other vocabulary.
         ranges = [r for b in self.missing_bytes for r in _codepoint_ranges_using_byte(b)]
-        for lo, hi in ranges:
+        for lo, hi in [] if ranges_checked else ranges:
             if _NOT_OTHER.search("".join(map(chr, range(lo, hi + 1)))):
                 raise ValueError(f"characters U+{lo:04X}-U+{hi:04X} have no tokens but are letters, "
                                           f"numbers or spaces: dropping their bytes is not supported")
@@ -197,6 +198,32 @@ class Tokenizer:
         bos = meta.get("tokenizer.ggml.bos_token_id")
         return cls(encoding, specials, missing, eos_id=int(eos), bos_id=bos,
                    chat_template=meta.get("tokenizer.chat_template"))
+
+    def state(self) -> dict:
+        """What from_state rebuilds this tokenizer from (JSON-ready; minillm.gguf.tokenizer_cache keeps it): each
+        id's bytes as latin-1 text (None for a special token), the specials, the stop and start ids, the template."""
+        by_id: list[str | None] = [None] * self.vocab_size
+        for piece, rank in self._enc._mergeable_ranks.items():
+            by_id[rank] = piece.decode("latin-1")
+        return {"pre": self._enc.name.removeprefix("gguf-"), "tokens": by_id, "special_tokens": self.special_tokens,
+                "eos_id": self.eos_id, "bos_id": self.bos_id, "chat_template": self.chat_template,
+                "ranges_checked_by": f"regex {regex.__version__}"}
+
+    @classmethod
+    def from_state(cls, state: dict) -> Tokenizer:
+        """The tokenizer state() described, without the GGUF's vocabulary strings and merge checks."""
+        pre, tokens, specials = state["pre"], state["tokens"], state["special_tokens"]
+        if pre not in PRE_TOKENIZER_PATTERNS or not isinstance(tokens, list) or not isinstance(specials, dict):
+            raise ValueError(f"not a tokenizer state (pre-tokenizer {pre!r})")
+        ranks = {piece.encode("latin-1"): i for i, piece in enumerate(tokens) if piece is not None}
+        if len(ranks) + len(specials) != len(tokens) or any(tokens[i] is not None for i in specials.values()):
+            raise ValueError("its tokens and special tokens do not cover each id once")
+        encoding = tiktoken.Encoding(f"gguf-{pre}", pat_str=PRE_TOKENIZER_PATTERNS[pre], mergeable_ranks=ranks,
+                                     special_tokens=specials)
+        missing = set(range(256)) - {piece[0] for piece in ranks if len(piece) == 1}
+        return cls(encoding, specials, missing, eos_id=int(state["eos_id"]), bos_id=state["bos_id"],
+                   chat_template=state["chat_template"],
+                   ranges_checked=state.get("ranges_checked_by") == f"regex {regex.__version__}")
 
     # ---- encoding -----------------------------------------------------------------------------------------
 
