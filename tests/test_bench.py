@@ -593,7 +593,7 @@ def test_run_entry_refuses_zero_runs():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["quant", "sparsity", "distill", "speculative", "cascade"])
+@pytest.mark.parametrize("name", ["quant", "sparsity", "distill", "speculative", "cascade", "drafter-domains"])
 def test_quick_runs_the_lessons_read_recorded(name, tmp_path):
     """Lessons 07, 08, 09, 10 and 13 show these benches' recorded full runs in quick mode too (their quick runs alone
     took 20-60 s of each CI run): the quick runs still run here, and give rows."""

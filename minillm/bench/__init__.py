@@ -33,6 +33,7 @@ ENTRIES: dict[str, str] = {
     "pruning": "minillm.bench.pruning:run",
     "distill": "minillm.bench.distill:run",
     "speculative": "minillm.bench.speculative:run",
+    "drafter-domains": "minillm.bench.drafter_domains:run",
     "parallel": "minillm.bench.parallel:run",
     "serve": "minillm.bench.serve:run",
     "prefix-cache": "minillm.bench.prefix_cache:run",
