@@ -312,8 +312,9 @@ for note in edge.get("notes", []):
 
 # %% [markdown]
 # What an on-device deployment needs beyond this: weights used where they lie in the file (llama.cpp maps the GGUF
-# file, so its weights are page cache the OS can evict and share; minillm maps it too but converts each tensor into
-# its kernels' layout, a private copy); no Python or torch runtime (the `torch floor` row above is what importing
+# file, so its weights are page cache the OS can evict and share; minillm converts the file's blocks into its
+# kernels' layout once and maps that converted file afterwards, page cache too, with the tokenizer kept beside it);
+# no Python or torch runtime (the `torch floor` row above is what importing
 # torch alone costs, which an on-device runtime such as llama.cpp, ExecuTorch or MLC does not carry); kernels for
 # the device's own integer dot products (NEON `sdot` on phones) that read one copy of the weights (minillm's low-bit
 # layers keep only their kernel layout, the tied 8-bit embedding/LM head included: its lookups read rows of that

@@ -134,3 +134,16 @@ def test_a_string_array_cut_short_is_a_truncated_file(tmp_path):
         path.write_bytes(head[:cut])
         with pytest.raises(GGUFError, match="truncated"):
             GGUFFile(path)
+
+
+def test_loads_read_the_cache_beside_the_download(monkeypatch):
+    """describe_spec (the server's front process) and load_from_file take the tokenizer from beside the verified file
+    once it is there: nothing builds it from the GGUF's vocabulary again."""
+    from minillm.gguf.loader import describe_spec
+
+    monkeypatch.delenv("MINILLM_CONVERTED_CACHE", raising=False)
+    first = describe_spec("smollm2-135m")[1]  # writes the cache if this machine has none yet
+    assert tokenizer_cache.cache_path(gguf_path()).exists()
+    monkeypatch.setattr(Tokenizer, "from_gguf_metadata", classmethod(lambda cls, meta: _no_metadata()))
+    again = describe_spec("smollm2-135m")[1]
+    assert again.encode("The capital of France") == first.encode("The capital of France")

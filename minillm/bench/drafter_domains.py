@@ -5,8 +5,8 @@ The shipped head drafts open chat at ~0.3 acceptance (results/speculative-q4-nat
 pay. A narrow job answers in a few fixed forms ("The plural of fox is foxes."), which a 3.3M-weight head can learn
 from the target's own answers in CPU minutes. Both heads draft on held-out prompts of the job (unseen phrasings and
 words, recipes/specialist.domain_split) and on open chat; per row: acceptance, tokens per step, the target-only and
-speculative seconds of the same prompts, and lesson 10's prediction tokens/step / (d c + v(d + 1)) from this run's
-head cost c and verify cost v."""
+speculative seconds of the same prompts (also without each prompt's prefill and first token, which both pay alike),
+and lesson 10's prediction tokens/step / (d c + v(d + 1)) from this run's head cost c and verify cost v."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def run(quick: bool = False) -> BenchResult:
     from minillm.recipes.small_model import answers_path, teacher_answers
     from minillm.recipes.specialist import domain_split
     from minillm.speculative.decoding import SpecStats, SpeculativeConfig
-    from minillm.speculative.learned import DRAFTER, load_draft_head
+    from minillm.speculative.learned import DRAFTER, load_draft_head, prepare
     from minillm.speculative.train_drafter import guess_accuracy, target_features, train_draft_head
 
     b, rng = budget(quick), random.Random(0)
@@ -72,8 +72,13 @@ def run(quick: bool = False) -> BenchResult:
              "open chat": [tok.encode_chat([{"role": "user", "content": p}]) for p in CHAT[:b["chat"]]]}
     c = head_cost(target)["c"]
     v = {r["q_tokens"]: r["vs_decode"] for r in verify_cost(target, [1, 2, 3, 4, 5])}
+    # each prompt's prefill and first token, in both runs alike: the rule below counts decode steps only
+    first_token = {load: sum(timed(target, tok, ids, 1)[1] for ids in prompts) for load, prompts in loads.items()}
     rows, identical = [], True
-    for name, head in (("shipped", shipped), ("tuned on words", tuned)):
+    # prepared once (bound to the target, an int8 copy beside a low-bit one), as draft_head_for does for a name:
+    # prepared per call, each short answer would pay the copy
+    heads = {"shipped": prepare(target, shipped), "tuned on words": prepare(target, tuned)}
+    for name, head in heads.items():
         for k in b["k"]:
             for load, prompts in loads.items():
                 t_base = t_spec = 0.0
@@ -88,10 +93,12 @@ def run(quick: bool = False) -> BenchResult:
                 v_d = v.get(round(d) + 1, v[max(v)])
                 rows.append({"head": name, "workload": load, "k": k, "acceptance": stats.acceptance_rate,
                              "drafted_per_step": d, "tokens_per_step": per_step, "target_s": t_base,
-                             "spec_s": t_spec, "speedup": t_base / t_spec,
+                             "spec_s": t_spec, "speedup": t_base / t_spec, "first_token_s": first_token[load],
+                             "speedup_after_first_token": (t_base - first_token[load]) / (t_spec - first_token[load]),
                              "predicted_speedup": per_step / (d * c + v_d)})
                 print(f"  {name:>15s} k={k} {load:>17s}: a={rows[-1]['acceptance']:.2f} {per_step:.2f} tok/step "
-                      f"{t_base / t_spec:.2f}x (predicted {rows[-1]['predicted_speedup']:.2f}x)", flush=True)
+                      f"{t_base / t_spec:.2f}x, {rows[-1]['speedup_after_first_token']:.2f}x after the first token "
+                      f"(predicted {rows[-1]['predicted_speedup']:.2f}x)", flush=True)
 
     def best(head: str, load: str, key: str = "speedup") -> float:
         return max(r[key] for r in rows if r["head"] == head and r["workload"] == load)
