@@ -169,6 +169,30 @@ def test_native_step_checks_its_input():
     decoder.step(h, pos, seq, torch.tensor([[0]], dtype=torch.int32), 8, k, k.clone(), e, e, strides, 1)  # fine
 
 
+@settings(max_examples=10, deadline=None)
+@given(kind=st.sampled_from(["contiguous", "paged"]), int8_kv=st.booleans(), prompt=st.integers(1, 30),
+       k=st.integers(1, 16), seed=st.integers(0, 99))
+def test_a_verify_step_equals_its_decode_steps_bit_for_bit(kind, int8_kv, prompt, k, seed):
+    """Speculative decoding is exactly the target's greedy output only if a forward over k new tokens gives each
+    position the logits k one-token steps give it: the attention of a several-token run must do the same arithmetic
+    per (row, key) as a single token's (kernels/cpu/native_step.cpp scores_by_key, values_by_row)."""
+    model = tiny_model(0, dim=384, n_heads=6, n_kv_heads=2)  # head_dim 64 in groups of 3, as SmolLM2
+    # the LM head on the kernels too (a float head's 1-row and k-row matmuls are different BLAS calls)
+    quantize(model, "int4", group_size=32, include_head=True)
+    enable_native(model)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt + k), generator=g)
+    kv = torch.int8 if int8_kv else None
+    with torch.inference_mode():
+        one = make_cache(kind, model, prompt + k, kv_dtype=kv)
+        model(ids[:, :prompt], kv_cache=one)
+        verify = model(ids[:, prompt:], kv_cache=one)
+        each = make_cache(kind, model, prompt + k, kv_dtype=kv)
+        model(ids[:, :prompt], kv_cache=each)
+        steps = torch.cat([model(ids[:, prompt + i:prompt + i + 1], kv_cache=each) for i in range(k)], dim=1)
+    assert torch.equal(verify, steps), (verify - steps).abs().max()
+
+
 def test_native_survives_a_cast_and_threads_agree():
     model = quantized_tiny("int8")
     enable_native(model)

@@ -354,11 +354,9 @@ def test_structured_bad_input():
 def test_save_and_load_round_trip_exactly(tmp_path, monkeypatch):
     from minillm.gguf import loader, saved
     monkeypatch.setattr(saved, "saved_model_dir", lambda name: tmp_path / name)
-    monkeypatch.setattr(saved, "read_gguf_metadata", lambda path: {})
-    monkeypatch.setattr(saved, "gguf_path", lambda name: None)
-    import minillm.gguf.tokenizer
+    import minillm.gguf.tokenizer_cache
 
-    monkeypatch.setattr(minillm.gguf.tokenizer.Tokenizer, "from_gguf_metadata", classmethod(lambda cls, meta: "tok"))
+    monkeypatch.setattr(minillm.gguf.tokenizer_cache, "tokenizer_of", lambda name: "tok")
     m = tiny_model()
     prune_structured(m, CALIB, drop_n_blocks=1, kv_groups=1, ffn_dim=96, window=32)
     folder = saved.save_model(m, "pruned", info={"dropped": [2]})

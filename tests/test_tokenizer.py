@@ -146,7 +146,8 @@ _awkward = st.lists(st.one_of(st.characters(),
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(_awkward)
 def test_oracle_random_text(tok, ref, s):
-    assert tok.encode(s) == ref.encode(s, add_special_tokens=False).ids
+    # the oracle takes only UTF-8 text: a lone surrogate reaches it as the U+FFFD that encode() makes of it
+    assert tok.encode(s) == ref.encode(re.sub("[\ud800-\udfff]", "\ufffd", s), add_special_tokens=False).ids
 
 
 # ---- the vocabulary and the missing bytes ------------------------------------------------------------------

@@ -156,6 +156,77 @@ struct Partial {  // one task's share of a run's attention: every query row over
   float* l;       // (rows,) sum of e^(s - m)
 };
 
+#if defined(MINILLM_SIMD)
+// Pass 1 of attend_keys. One (query row, key) dot is a chain of D / lanes dependent FMAs that ends in a horizontal
+// sum, and a run of 16 tokens has 48 query rows per KV head. Here each KV head's rows are
+// laid out once transposed and pre-scaled (qt: lane = row), and each cached key, widened once, multiplies a vector
+// of rows per FMA: no horizontal sums, and independent chains. Rows of tokens that do not see a key get a score too,
+// which no softmax reads (as in the per-pair path, only the first `seen` scores of a row are read).
+void scores_by_key(int64_t k0, int64_t k1, int64_t seq, int64_t first, int64_t tokens, const float* q, int64_t qkv_n,
+                   const Where& at, int64_t nh, int64_t nkv, int64_t D, float scale, float* scores,
+                   std::vector<float>& qt, std::vector<float>& widened) {
+  const int64_t group = nh / nkv, count = tokens * group, P = (count + kRows - 1) / kRows * kRows, n = k1 - k0;
+  qt.assign(nkv * D * P, 0.f);
+  for (int64_t h = 0; h < nkv; ++h)
+    for (int64_t i = 0; i < count; ++i) {
+      const float* row = q + (i / group) * qkv_n + (h * group + i % group) * D;
+      for (int64_t d = 0; d < D; ++d) qt[(h * D + d) * P + i] = row[d] * scale;
+    }
+  widened.resize(D);
+  std::vector<int64_t> row_of(count);  // lane i of KV head h is score row row_of[i] + h * group
+  for (int64_t i = 0; i < count; ++i) row_of[i] = (i / group) * nh + i % group;
+  alignas(64) float lanes[kRows];
+  for (int64_t p = k0; p < k1; ++p) {
+    const int64_t slot = at.slot(seq, p), seen_from = std::max<int64_t>(0, p - first) * group / kRows * kRows;
+    for (int64_t h = 0; h < nkv; ++h) {
+      const float* key = cached_row(at, at.c.k, at.c.k_scale, slot, h, D, widened.data());
+      const float* qh = qt.data() + h * D * P;
+      for (int64_t v = seen_from; v < count; v += kRows) {
+        VecF even = zero_f(), odd = zero_f();  // two chains per vector of rows
+        for (int64_t d = 0; d < D; d += 2) {
+          even = fma_f(set1_f(key[d]), load_f(qh + d * P + v), even);
+          odd = fma_f(set1_f(key[d + 1]), load_f(qh + (d + 1) * P + v), odd);
+        }
+        store_f(lanes, add_f(even, odd));
+        float* column = scores + h * group * n + p - k0;
+        for (int64_t j = 0; j < std::min<int64_t>(kRows, count - v); ++j) column[row_of[v + j] * n] = lanes[j];
+      }
+    }
+  }
+}
+
+// Pass 2 of attend_keys: the task's value rows staged once as floats (an int8 row widened once, not once
+// per query row that reads it), then each output row keeps its D sums in NV registers over its visible keys, where
+// the per-pair path loaded and stored them back for every key.
+template <int NV>
+void values_by_row(int64_t k0, int64_t k1, int64_t seq, int64_t first, int64_t rows, int64_t nh, int64_t nkv,
+                   const Where& at, const float* scores, std::vector<float>& staged, float* acc) {
+  constexpr int64_t D = NV * kRows;
+  const int64_t n = k1 - k0, group = nh / nkv;
+  staged.resize(n * nkv * D);
+  for (int64_t p = k0; p < k1; ++p) {
+    const int64_t slot = at.slot(seq, p);
+    for (int64_t h = 0; h < nkv; ++h) {
+      float* dst = staged.data() + ((p - k0) * nkv + h) * D;
+      const float* v = cached_row(at, at.c.v, at.c.v_scale, slot, h, D, dst);
+      if (v != dst) std::copy(v, v + D, dst);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t h = (r % nh) / group, seen = std::min(k1, first + r / nh + 1) - k0;
+    const float* sc = scores + r * n;
+    VecF sum[NV];
+    for (int j = 0; j < NV; ++j) sum[j] = zero_f();
+    for (int64_t i = 0; i < seen; ++i) {
+      const VecF w = set1_f(sc[i]);
+      const float* v = staged.data() + (i * nkv + h) * D;
+      for (int j = 0; j < NV; ++j) sum[j] = fma_f(w, load_f(v + j * kRows), sum[j]);
+    }
+    for (int j = 0; j < NV; ++j) store_f(acc + r * D + j * kRows, sum[j]);
+  }
+}
+#endif
+
 // Attention of every query head of `run`'s tokens over keys [k0, k1) of its sequence (token t sees 0..pos[t]),
 // unnormalised. All heads in one task: in a paged pool a slot holds every KV head's row side by side, so a task
 // reads each slot's bytes once and in order (one task per KV head read a third of every slot and ran 3x slower, the
@@ -163,7 +234,7 @@ struct Partial {  // one task's share of a run's attention: every query row over
 // flash-decoding split, merged by merge_partials.
 void attend_keys(const Run& run, int64_t k0, int64_t k1, const float* qkv, int64_t qkv_n, const NativeTokens& tok,
                  const Where& at, int64_t nh, int64_t nkv, int64_t D, float scale, std::vector<float>& scores,
-                 std::vector<float>& widened, const Partial& out) {
+                 std::vector<float>& widened, std::vector<float>& qt, const Partial& out) {
   const NativeCache& c = at.c;
   const int64_t seq = tok.seq[run.t0], first = tok.pos[run.t0], rows = (run.t1 - run.t0) * nh, n = k1 - k0;
   const int64_t group = nh / nkv;
@@ -171,15 +242,23 @@ void attend_keys(const Run& run, int64_t k0, int64_t k1, const float* qkv, int64
   widened.resize(D);
   auto query = [&](int64_t r) { return qkv + (run.t0 + r / nh) * qkv_n + (r % nh) * D; };
   auto first_row = [&](int64_t p) { return std::max<int64_t>(0, p - first) * nh; };  // rows of tokens that see p
-  for (int64_t p = k0; p < k1; ++p) {  // pass 1: scores
-    const int64_t slot = at.slot(seq, p);
-    for (int64_t h = 0; h < nkv; ++h) {
-      const float* key = cached_row(at, c.k, c.k_scale, slot, h, D, widened.data());
-      for (int64_t r = first_row(p); r < rows; r += nh)
-        for (int64_t g = h * group; g < (h + 1) * group; ++g)
-          scores[(r + g) * n + p - k0] = dot(query(r + g), key, D) * scale;
+  const int64_t tokens = run.t1 - run.t0;
+#if defined(MINILLM_SIMD)
+  // every run, one token or many, takes the same arithmetic per (row, key): a verify step's logits then equal the
+  // decode steps' bit for bit, and speculative decoding stays exactly the target's greedy output
+  if (D % 2 == 0)
+    scores_by_key(k0, k1, seq, first, tokens, query(0), qkv_n, at, nh, nkv, D, scale, scores.data(), qt, widened);
+  else
+#endif
+    for (int64_t p = k0; p < k1; ++p) {  // pass 1: scores, one (query row, key) dot at a time
+      const int64_t slot = at.slot(seq, p);
+      for (int64_t h = 0; h < nkv; ++h) {
+        const float* key = cached_row(at, c.k, c.k_scale, slot, h, D, widened.data());
+        for (int64_t r = first_row(p); r < rows; r += nh)
+          for (int64_t g = h * group; g < (h + 1) * group; ++g)
+            scores[(r + g) * n + p - k0] = dot(query(r + g), key, D) * scale;
+      }
     }
-  }
   for (int64_t r = 0; r < rows; ++r) {  // softmax numerators over the row's keys in this range
     float* sc = scores.data() + r * n;
     const int64_t seen = std::min(k1, first + r / nh + 1) - k0;
@@ -194,7 +273,11 @@ void attend_keys(const Run& run, int64_t k0, int64_t k1, const float* qkv, int64
     out.l[r] = sum;  // 0 when no key of the range is visible to the row
     std::fill(out.acc + r * D, out.acc + (r + 1) * D, 0.f);
   }
-  for (int64_t p = k0; p < k1; ++p) {  // pass 2: the weighted sum of the values
+#if defined(MINILLM_SIMD)
+  if (D == 8 * kRows) return values_by_row<8>(k0, k1, seq, first, rows, nh, nkv, at, scores.data(), qt, out.acc);
+  if (D == 4 * kRows) return values_by_row<4>(k0, k1, seq, first, rows, nh, nkv, at, scores.data(), qt, out.acc);
+#endif
+  for (int64_t p = k0; p < k1; ++p) {  // pass 2: the weighted sum of the values, one (row, key) pair at a time
     const int64_t slot = at.slot(seq, p);
     for (int64_t h = 0; h < nkv; ++h) {
       const float* value = cached_row(at, c.v, c.v_scale, slot, h, D, widened.data());
@@ -285,7 +368,7 @@ void native_layers(const NativeModel& m, const NativeCache& cache, const NativeT
 #pragma omp parallel num_threads(std::max(1, threads))
   {
     const DenormalsAsZero ftz;  // softmax weights far below the top make denormal products, ~100 cycles each
-    std::vector<float> scores, acc;  // this thread's attention scratch (scores, a widened int8 row)
+    std::vector<float> scores, acc, qt;  // this thread's attention scratch (scores, a widened int8 row, rows^T)
     StageClock clock{seconds};
     for (size_t l = 0; l < m.layers.size(); ++l) {
       const NativeLayer& L = m.layers[l];
@@ -312,7 +395,7 @@ void native_layers(const NativeModel& m, const NativeCache& cache, const NativeT
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < n_tasks; ++task)
         attend_keys(runs[task_run[task]], task_k0[task], task_k1[task], s.qkv.data(), qkv_n, tok, at, nh, nkv, D,
-                    scale, scores, acc, partials[task]);
+                    scale, scores, acc, qt, partials[task]);
 #pragma omp for schedule(static)
       for (int64_t r = 0; r < R; ++r) {
         const std::vector<Partial> parts(partials.begin() + run_first_task[r], partials.begin() + run_first_task[r + 1]);

@@ -110,6 +110,7 @@ inline VecF to_float(VecI a) { return _mm512_cvtepi32_ps(a); }
 inline VecF zero_f() { return _mm512_setzero_ps(); }
 inline VecF set1_f(float v) { return _mm512_set1_ps(v); }
 inline VecF mul_f(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+inline VecF add_f(VecF a, VecF b) { return _mm512_add_ps(a, b); }
 inline VecF fma_f(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VecF load_f(const float* p) { return _mm512_loadu_ps(p); }
 inline void store_f(float* p, VecF v) { _mm512_storeu_ps(p, v); }
@@ -156,6 +157,7 @@ inline VecF to_float(VecI a) { return _mm256_cvtepi32_ps(a); }
 inline VecF zero_f() { return _mm256_setzero_ps(); }
 inline VecF set1_f(float v) { return _mm256_set1_ps(v); }
 inline VecF mul_f(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+inline VecF add_f(VecF a, VecF b) { return _mm256_add_ps(a, b); }
 inline VecF fma_f(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
 inline VecF load_f(const float* p) { return _mm256_loadu_ps(p); }
 inline void store_f(float* p, VecF v) { _mm256_storeu_ps(p, v); }

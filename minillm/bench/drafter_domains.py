@@ -1,12 +1,10 @@
-"""`minillm bench drafter-domains`: acceptance of lesson 10's learned head by domain, and the same head tuned on the
-specialist's job (issue 41, item 3), verified by the 4-bit target in its native step.
+"""`minillm bench drafter-domains`: lesson 10's learned head by domain, and the same head tuned on the specialist's
+job (issue 41, item 3), verified by the 4-bit target in its native step.
 
-The shipped head drafts open chat at ~0.3 acceptance (results/speculative-q4-native.json): too low for k guesses to
-pay. A narrow job answers in a few fixed forms ("The plural of fox is foxes."), which a 3.3M-weight head can learn
-from the target's own answers in CPU minutes. Both heads draft on held-out prompts of the job (unseen phrasings and
-words, recipes/specialist.domain_split) and on open chat; per row: acceptance, tokens per step, the target-only and
-speculative seconds of the same prompts (also without each prompt's prefill and first token, which both pay alike),
-and lesson 10's prediction tokens/step / (d c + v(d + 1)) from this run's head cost c and verify cost v."""
+The shipped head accepts ~0.3 on open chat, too few for k guesses to pay; a narrow job answers in a few fixed forms
+("The plural of fox is foxes."), which a 3.3M-weight head learns from the target's own answers in CPU minutes. Both
+heads draft on held-out prompts of the job and on open chat: acceptance, tokens per step, seconds against
+target-only (also without each prompt's prefill), and lesson 10's prediction tokens/step / (d c + v(d + 1))."""
 
 from __future__ import annotations
 
