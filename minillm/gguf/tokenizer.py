@@ -202,9 +202,8 @@ class Tokenizer:
     def state(self) -> dict:
         """What from_state rebuilds this tokenizer from (JSON-ready; minillm.gguf.tokenizer_cache keeps it): each
         id's bytes as latin-1 text (None for a special token), the specials, the stop and start ids, the template."""
-        by_id: list[str | None] = [None] * self.vocab_size
-        for piece, rank in self._enc._mergeable_ranks.items():
-            by_id[rank] = piece.decode("latin-1")
+        by_id: list[str | None] = [None if i in self.special_ids else self._enc.decode_single_token_bytes(i).decode(
+            "latin-1") for i in range(self.vocab_size)]
         return {"pre": self._enc.name.removeprefix("gguf-"), "tokens": by_id, "special_tokens": self.special_tokens,
                 "eos_id": self.eos_id, "bos_id": self.bos_id, "chat_template": self.chat_template,
                 "ranges_checked_by": f"regex {regex.__version__}"}
