@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "simd.h"
+
 namespace minillm {
 
 constexpr int64_t kBlock = 32;  // weights (and activations) per scale
@@ -25,12 +27,24 @@ inline void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d, floa
     // written so the compiler vectorizes it (a per-token cost of the native step): a max reduction, not std::fmax
     // (a library call for its NaN rules), and the finiteness test as one sum, NaN if any value is NaN or infinite
     float amax = 0.f, poison = 0.f;
+#if defined(MINILLM_SIMD)
+    // in lane vectors by hand: GCC left some inlined copies of the pragma loop below scalar (a per-token cost)
+    VecF top = zero_f(), nan_or_inf = zero_f();
+    for (int i = 0; i < kBlock; i += kRows) {
+      const VecF v = load_f(xb + i);
+      top = max_f(top, abs_f(v));  // a NaN may be dropped here: nan_or_inf carries it
+      nan_or_inf = fma_f(v, zero_f(), nan_or_inf);
+    }
+    amax = max_of(top);
+    poison = sum_f(nan_or_inf);
+#else
 #pragma omp simd reduction(max : amax) reduction(+ : poison)
     for (int i = 0; i < kBlock; ++i) {
       const float a = std::fabs(xb[i]);
       amax = a > amax ? a : amax;
       poison += xb[i] * 0.f;
     }
+#endif
     const bool finite = poison == 0.f;
     // an all-zero block: codes 0, any scale is exact; a block below ~1e-36 (127 / amax overflows) counts as zero
     const float inv = finite && amax > 0.f && std::isfinite(127.f / amax) ? 127.f / amax : 0.f;

@@ -115,6 +115,9 @@ inline VecF fma_f(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VecF load_f(const float* p) { return _mm512_loadu_ps(p); }
 inline void store_f(float* p, VecF v) { _mm512_storeu_ps(p, v); }
 inline float sum_f(VecF v) { return _mm512_reduce_add_ps(v); }
+inline VecF max_f(VecF a, VecF b) { return _mm512_max_ps(a, b); }
+inline VecF abs_f(VecF a) { return _mm512_abs_ps(a); }
+inline float max_of(VecF v) { return _mm512_reduce_max_ps(v); }
 inline VecF load_halves(const uint16_t* p) {  // kRows fp16 -> floats
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -165,6 +168,13 @@ inline float sum_f(VecF v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+inline VecF max_f(VecF a, VecF b) { return _mm256_max_ps(a, b); }
+inline VecF abs_f(VecF a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+inline float max_of(VecF v) {
+  const __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair)));
 }
 inline VecF load_halves(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
