@@ -531,10 +531,11 @@ print(f"Tokens per step is acceptance's ceiling: at a = {best_native['acceptance
 # ### By domain: the same head, tuned on one narrow job
 #
 # Acceptance is a property of the head *and the text*. On open chat the target's next words are many, and a 3.3M-weight
-# head guesses the first right about half the time and the later ones rarely. A narrow job (lesson 09's specialist:
-# plurals and opposites) answers in a few fixed forms. `minillm bench drafter-domains` trains the shipped head a few
-# hundred more steps on the target's own answers to that job (CPU minutes), then drafts with both heads, verified by
-# the 4-bit target in its native step, on held-out prompts of the job (unseen phrasings and words) and on open chat:
+# head's later guesses chain on its own predicted features (the table above measured them). A narrow job (lesson
+# 09's specialist: plurals and opposites) answers in a few fixed forms. `minillm bench drafter-domains` trains the
+# shipped head a few hundred more steps on the target's own answers to that job (CPU minutes), then drafts with both
+# heads, verified by the 4-bit target in its native step, on held-out prompts of the job (unseen phrasings and words)
+# and on open chat:
 
 # %%
 dom = recorded_run("drafter-domains", quick_run=False)
@@ -556,8 +557,9 @@ print(f"\nTuning moved acceptance on the job's held-out prompts from {sw['accept
       f"{tw['speedup']:.2f}x tuned, {sw['speedup']:.2f}x shipped; without each prompt's prefill and first token "
       f"({tw['first_token_s']:.2f} s of the {tw['target_s']:.2f} s target-only, paid alike by both), "
       f"{tw['speedup_after_first_token']:.2f}x against {tw['predicted_speedup']:.2f}x predicted. The verify of 5 "
-      f"tokens cost {dom['ratios']['verify_k4_vs_decode']:.2f}x a decode step in that run: what a step yields must "
-      f"beat that before any guess pays.")
+      f"tokens cost {dom['ratios']['verify_k4_vs_decode']:.2f}x a decode step in that run, and each speculative step "
+      f"took {tw['unexplained_ms_per_step']:.2f} ms beyond the rule's d·c + v(d + 1) decode steps "
+      f"({dom['ratios']['decode_step_ms']:.2f} ms each): the drafting loop's own work, which the rule leaves out.")
 
 # %% [markdown]
 # **Exercise 10** (`exercises/ex10_speculative.py`, graded by `minillm grade 10`): the greedy acceptance rule, the

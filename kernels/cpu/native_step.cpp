@@ -242,8 +242,8 @@ void attend_keys(const Run& run, int64_t k0, int64_t k1, const float* qkv, int64
   widened.resize(D);
   auto query = [&](int64_t r) { return qkv + (run.t0 + r / nh) * qkv_n + (r % nh) * D; };
   auto first_row = [&](int64_t p) { return std::max<int64_t>(0, p - first) * nh; };  // rows of tokens that see p
-  const int64_t tokens = run.t1 - run.t0;
 #if defined(MINILLM_SIMD)
+  const int64_t tokens = run.t1 - run.t0;
   // every run, one token or many, takes the same arithmetic per (row, key): a verify step's logits then equal the
   // decode steps' bit for bit, and speculative decoding stays exactly the target's greedy output
   if (D % 2 == 0)

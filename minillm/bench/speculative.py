@@ -107,13 +107,14 @@ def head_cost(model) -> dict:
     return {"head_ms": t_head * 1e3, "step_ms": t_step * 1e3, "c": t_head / t_step}
 
 
-def timed(model, tok, ids: list[int], n: int, spec=None):
+def timed(model, tok, ids: list[int], n: int, spec=None, ignore_eos: bool = True, stats=None):
+    """(tokens, seconds, stats) of one generate(); `stats` (a SpecStats) adds this call's counts to a caller's."""
     from minillm.api import generate
     from minillm.speculative.decoding import SpecStats
 
-    stats = SpecStats()
+    stats = SpecStats() if stats is None else stats
     with timer() as t:
-        out = generate(model, tok, ids, max_new_tokens=n, ignore_eos=True, speculative=spec, spec_stats=stats)
+        out = generate(model, tok, ids, max_new_tokens=n, ignore_eos=ignore_eos, speculative=spec, spec_stats=stats)
     return out.token_ids, t.seconds, stats
 
 

@@ -4,26 +4,29 @@ Building the tokenizer from the GGUF decodes 49,152 tokens from GPT-2's alphabet
 them: the largest part of a q4 load once the weights are mapped, and ~98,000 Python strings at its peak. What the
 build found (each normal token's bytes by id, the special tokens, the stop and start ids, the chat template) goes
 to one file; later loads rebuild the same tiktoken Encoding from it, without reading the vocabulary from the GGUF.
-A file stands for one GGUF (its sha256, which weights.verify checked) and one format; its first line is the sha256
-of the rest. Anything else, or damage, is rebuilt from the GGUF, never used. MINILLM_CONVERTED_CACHE=off skips it."""
+It stands for one GGUF (the sha256 weights.verify checked) and one format, recorded beside it with its own sha256;
+anything else, or damage, is rebuilt from the GGUF, never used. MINILLM_CONVERTED_CACHE=off skips it."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from minillm.gguf import converted
 from minillm.gguf.tokenizer import Tokenizer
+from minillm.gguf.weights import read_verified, write_with_digest
 
 FORMAT = 1
 
 
 def cache_path(gguf: Path) -> Path:
     return gguf.with_name(f"{gguf.name}.tokenizer.json")
+
+
+def meta_path(cache: Path) -> Path:  # its sha256 and what it stands for (weights.write_with_digest)
+    return cache.with_name(cache.name.removesuffix(".json") + ".meta.json")
 
 
 def tokenizer_for(gguf: Path, source_sha256: str, metadata: Callable[[], dict]) -> Tokenizer:
@@ -35,7 +38,7 @@ def tokenizer_for(gguf: Path, source_sha256: str, metadata: Callable[[], dict]) 
     if state is not None:
         try:
             return Tokenizer.from_state(state)
-        except (KeyError, TypeError, ValueError) as e:  # a format this code does not read: rebuilt below
+        except (AttributeError, KeyError, TypeError, ValueError) as e:  # a state this code does not read
             print(f"minillm: the cached tokenizer {path.name} is unusable ({type(e).__name__}: {e}); building it "
                   f"from the file again", file=sys.stderr)
     tok = Tokenizer.from_gguf_metadata(metadata())
@@ -45,35 +48,28 @@ def tokenizer_for(gguf: Path, source_sha256: str, metadata: Callable[[], dict]) 
 
 def read_state(path: Path, source_sha256: str) -> dict | None:
     """The cached state for this source, or None (none, another source or format, damaged: said and deleted)."""
-    try:
-        raw = path.read_bytes()
-    except OSError:
+    if not path.exists():
         return None
-    digest, _, body = raw.partition(b"\n")
     try:
-        if hashlib.sha256(body).hexdigest().encode() != digest:
-            raise ValueError("its sha256 is not the one on its first line")
-        state = json.loads(body)
-    except ValueError as e:
+        raw, meta = read_verified(path, meta_path(path), "it is rebuilt from the GGUF")
+        if (meta.get("format"), meta.get("source_sha256")) != (FORMAT, source_sha256):
+            return None
+        return json.loads(raw)
+    except (OSError, RuntimeError, ValueError) as e:
         print(f"minillm: the cached tokenizer {path.name} is damaged ({e}); deleting it, building it from the file",
               file=sys.stderr)
-        path.unlink(missing_ok=True)
+        for p in (path, meta_path(path)):
+            p.unlink(missing_ok=True)
         return None
-    if (state.get("format"), state.get("source_sha256")) != (FORMAT, source_sha256):
-        return None
-    return state
 
 
 def write_state(path: Path, source_sha256: str, state: dict) -> None:
-    """Written under a temporary name, then renamed: a crash leaves no file, never half of one. A disk that refuses
-    costs only the speed-up (said on stderr)."""
-    body = json.dumps({"format": FORMAT, "source_sha256": source_sha256, **state}).encode()
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    """The state, then its sha256 and source beside it, each under a temporary name first (write_with_digest). A disk
+    that refuses costs only the speed-up (said on stderr)."""
     try:
-        tmp.write_bytes(hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
-        os.replace(tmp, path)
+        write_with_digest(path, json.dumps(state).encode(), {"format": FORMAT, "source_sha256": source_sha256},
+                          meta_path(path))
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         print(f"minillm: could not cache the tokenizer beside {path.parent} ({e}); loads build it each time",
               file=sys.stderr)
 

@@ -85,7 +85,7 @@ def write_with_digest(path: Path, data: bytes, meta: dict, meta_path: Path | Non
     digest = hashlib.sha256(data).hexdigest()
     meta = {"sha256": digest} | {k: v for k, v in meta.items() if k != "sha256"}  # never a stale digest
     for target, content in ((path, data), (meta_path, (json.dumps(meta, indent=1) + "\n").encode())):
-        tmp = target.with_name(f"{target.name}.tmp")
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")  # per process: two writers never share one
         tmp.write_bytes(content)
         os.replace(tmp, target)
     return digest
