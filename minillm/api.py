@@ -8,6 +8,7 @@ and which layers the model file is loaded into (fused: 06; the file's own 4-bit 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import sys
 import time
@@ -151,7 +152,7 @@ def _collector_paused():
 
 def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str | None = "cpu",
                attn_backend: str = "sdpa", fuse: bool = False, weights: str = "dequantized",
-               sparsity: str | None = None, native: bool | str = False):
+               sparsity: str | None = None, native: bool | str = False, max_context: int | None = None):
     """(model, tokenizer) of a known or saved model; downloads and verifies the weights on first use.
     fuse=True applies lesson 06's fusions (same logits, fewer ops per step; with weights="q4" the 4-bit rows are
     concatenated as they are); weights: see WEIGHTS ("q4" keeps the file's 4-bit layers packed); sparsity="2:4"
@@ -160,12 +161,18 @@ def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
     minillm.compile.native; fused first), refused with the reason where it cannot run; native="auto" runs it where
     it can and says on stderr why not elsewhere (no compiler, float weights: the eager layers then).
     minillm.compress.quantize.describe_arithmetic(model) says what the matmuls compute in. model.load_seconds: this
-    call's wall time (file, kernels, fusion, the native step)."""
+    call's wall time (file, kernels, fusion, the native step). max_context: the longest context (prompt + new
+    tokens) this model will serve, as llama.cpp's n_ctx: the RoPE tables stop there and a longer one is refused
+    (the edge profile's 512; None: the file's whole window, whose tables are 4 MiB for 8,192 positions)."""
+    if max_context is not None and (not isinstance(max_context, int) or isinstance(max_context, bool)
+                                    or max_context < 1):
+        raise ValueError(f"max_context must be a positive number of tokens (or None: the model's window), got "
+                         f"{max_context!r}")
     with _collector_paused():
-        return _load_model(name, dtype, device, attn_backend, fuse, weights, sparsity, native)
+        return _load_model(name, dtype, device, attn_backend, fuse, weights, sparsity, native, max_context)
 
 
-def _load_model(name, dtype, device, attn_backend, fuse, weights, sparsity, native):
+def _load_model(name, dtype, device, attn_backend, fuse, weights, sparsity, native, max_context=None):
     t0 = time.perf_counter()
     check_weights(weights, sparsity)
     if weights == "q4" and saved_model_exists(name):
@@ -184,6 +191,9 @@ def _load_model(name, dtype, device, attn_backend, fuse, weights, sparsity, nati
         q4_1_layer = _q4_1_shape_only
         q8_0_tied = _q8_0_tied_from(converted["lm_head"])
     model, tokenizer = load_from_file(name, dtype, device, attn_backend, q4_1_layer=q4_1_layer, q8_0_tied=q8_0_tied)
+    if max_context is not None and max_context < model.config.max_seq_len:  # before the native step reads them
+        model.config = dataclasses.replace(model.config, max_seq_len=max_context)
+        model.rope_cos, model.rope_sin = model.rope_cos[:max_context].clone(), model.rope_sin[:max_context].clone()
     if weights in ("int8", "int4") or sparsity:
         from minillm.compress.quality import calibration_ids
 
@@ -198,7 +208,7 @@ def _load_model(name, dtype, device, attn_backend, fuse, weights, sparsity, nati
         print(f"minillm: the converted weights do not fit this model ({problem}); converting from the file",
               file=sys.stderr)
         converted_cache.delete_converted(*cache_key)
-        return _load_model(name, dtype, device, attn_backend, fuse, weights, sparsity, native)
+        return _load_model(name, dtype, device, attn_backend, fuse, weights, sparsity, native, max_context)
     if cache_key is not None and converted is None:
         converted_cache.write_converted(*cache_key, _kernel_layouts(model))
     if on_cpu:

@@ -187,3 +187,27 @@ def test_a_wrong_kernel_layout_is_refused():
         Int4Linear.from_kernel_layout(torch.zeros(2, 3, 20 * 16, dtype=torch.uint8), 33, 96)
     with pytest.raises(ValueError, match="not the kernel layout"):
         Int8Linear.from_kernel_layout(torch.zeros(2, 3, 36 * 16, dtype=torch.float32), 32, 96)
+
+
+def test_max_context_stops_the_rope_tables_there_and_refuses_a_longer_context():
+    """load_model(max_context=n), as llama.cpp's n_ctx (the edge profile's 512): the same logits within it, the
+    RoPE tables n rows long, a longer prompt or generation refused, bad values said."""
+    need_kernels()
+    from minillm.api import generate
+
+    full, tok = load_model(weights="q4", fuse=True, native="auto")
+    short, _ = load_model(weights="q4", fuse=True, native="auto", max_context=32)
+    assert short.config.max_seq_len == 32 and short.rope_cos.shape[0] == short.rope_sin.shape[0] == 32
+    assert torch.equal(short.rope_cos, full.rope_cos[:32]) and torch.equal(short.rope_sin, full.rope_sin[:32])
+    ids = tok.encode("The capital of France is")
+    assert torch.equal(logits(short, ids), logits(full, ids))
+    assert generate(short, tok, ids, max_new_tokens=8).token_ids == generate(full, tok, ids, max_new_tokens=8).token_ids
+    with pytest.raises(ValueError, match="context window"):
+        logits(short, list(range(33)))
+    out = generate(short, tok, ids, max_new_tokens=40)  # stops at the window, saying why
+    assert len(ids) + len(out.token_ids) == 32 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="context window is 32"):
+        generate(short, tok, list(range(40)), max_new_tokens=4)
+    for bad in (0, -1, 1.5, True, "512"):
+        with pytest.raises(ValueError, match="max_context"):
+            load_model(weights="q4", max_context=bad)

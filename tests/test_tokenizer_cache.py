@@ -147,3 +147,18 @@ def test_loads_read_the_cache_beside_the_download(monkeypatch):
     monkeypatch.setattr(Tokenizer, "from_gguf_metadata", classmethod(lambda cls, meta: _no_metadata()))
     again = describe_spec("smollm2-135m")[1]
     assert again.encode("The capital of France") == first.encode("The capital of France")
+
+
+def test_tiktokens_rank_dict_is_rebuilt_when_read_and_pickles_as_itself(oracle, cached, real_meta):
+    """The encoding keeps no bytes -> rank dict of its own (edge memory); what stands for it equals the ranks the
+    GGUF gives, and a pickled tokenizer comes back whole."""
+    import pickle
+
+    ranks = cached._enc._mergeable_ranks
+    assert not isinstance(ranks, dict)
+    tokens, types = real_meta["tokenizer.ggml.tokens"], real_meta["tokenizer.ggml.token_type"]
+    assert len(ranks) == sum(kind == 1 for kind in types) == len(tokens) - len(cached.special_tokens)
+    assert dict(ranks) == {oracle.token_bytes(i): i for i in range(len(oracle)) if i not in oracle.special_ids}
+    again = pickle.loads(pickle.dumps(cached))
+    chat = [{"role": "user", "content": "Name three fruits. <|im_end|>"}]
+    assert again.encode_chat(chat) == cached.encode_chat(chat) and again.decode(again.encode("héllo")) == "héllo"

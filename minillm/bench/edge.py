@@ -23,7 +23,7 @@ from minillm.measure.harness import BenchResult
 EDGE_PROFILE = {"threads": 1, "weights": "q4", "fuse": True, "native": "auto", "kv_cache_dtype": "int8",
                 "cache": "paged", "max_context": 512}
 DEFAULT_PROFILE = {"threads": 1, "weights": "dequantized", "fuse": False, "native": False, "kv_cache_dtype": None,
-                   "cache": "contiguous"}
+                   "cache": "contiguous", "max_context": None}
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 MARK = "EDGE_RESULT "
 MiB = 2**20
@@ -111,7 +111,8 @@ else:
         if spec["weights"] == "q4" and spec.get("env", {}).get("MINILLM_CONVERTED_CACHE") != "off":
             out["converted_cached"] = any(gguf.parent.glob(gguf.name + ".kernels-*.pt.json"))
         t0 = time.perf_counter()
-        model, tok = load_model("smollm2-135m", weights=spec["weights"], fuse=spec["fuse"], native=spec["native"])
+        model, tok = load_model("smollm2-135m", weights=spec["weights"], fuse=spec["fuse"], native=spec["native"],
+                                max_context=spec["max_context"])
         out["load_s"], out["ready_s"] = time.perf_counter() - t0, time.perf_counter() - t_start
         memory(out, "loaded_")
         res = generate(model, None, spec["prompt_ids"], max_new_tokens=spec["n_new"], cache=spec["cache"],
@@ -246,15 +247,15 @@ def run(quick: bool = False) -> BenchResult:
     tok = Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
     prompt_ids = tok.encode_chat([{"role": "user", "content": PROMPT}])
     threads = EDGE_PROFILE["threads"]
-    base = {"prompt_ids": prompt_ids, "n_new": n_new, "ppl_tokens": ppl_tokens,
-            "max_context": EDGE_PROFILE["max_context"], "path": str(path)}
+    base = {"prompt_ids": prompt_ids, "n_new": n_new, "ppl_tokens": ppl_tokens, "path": str(path)}
     profiles = [  # the float32 default first: it is every other row's quality reference
         ("fp32 default", "fp32 weights, contiguous fp32 KV", "minillm", DEFAULT_PROFILE),
         ("edge", "q4 native step, paged int8 KV", "minillm", EDGE_PROFILE),
         # the same, converting the file's blocks at load (the converted layout beside the file switched off)
         ("edge, converting", "edge, MINILLM_CONVERTED_CACHE=off", "minillm",
          {**EDGE_PROFILE, "env": {"MINILLM_CONVERTED_CACHE": "off"}}),
-        ("llama.cpp", "llama-cpp-python, same GGUF", "llama.cpp", {"threads": threads}),
+        ("llama.cpp", "llama-cpp-python, same GGUF", "llama.cpp",
+         {"threads": threads, "max_context": EDGE_PROFILE["max_context"]}),
         ("floor", "import minillm.api, no model", "floor", {"threads": threads}),
         ("torch floor", "import torch alone", "torch", {"threads": threads}),
     ]

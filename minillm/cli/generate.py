@@ -69,7 +69,8 @@ def cmd_generate(args) -> int:
         spec = SpeculativeConfig(args.speculative, k=args.k, draft_model=args.draft_model)  # refuses bad combos
         spec_stats = SpecStats()
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, attn_backend=args.attn, fuse=args.fuse,
-                            weights=args.weights, native=args.native)
+                            weights=args.weights, native=args.native,
+                            max_context=profile["max_context"] if profile else None)
     kv_dtype = profile["kv_cache_dtype"] if profile else None
     if profile:  # the edge pool holds one context of max_context tokens
         n_prompt = len(tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user",
