@@ -318,8 +318,9 @@ for note in edge.get("notes", []):
 # torch alone costs, which an on-device runtime such as llama.cpp, ExecuTorch or MLC does not carry); kernels for
 # the device's own integer dot products (NEON `sdot` on phones) that read one copy of the weights (minillm's low-bit
 # layers keep only their kernel layout, the tied 8-bit embedding/LM head included: its lookups read rows of that
-# layout; the table's kernel_copy column would show a second copy); and a KV pool sized to the context the
-# application needs, which `minillm generate --profile edge` fixes at startup.
+# layout; the table's kernel_copy column would show a second copy); and a KV pool and RoPE tables sized to the
+# context the application needs, which `minillm generate --profile edge` fixes at startup
+# (`load_model(max_context=512)`, as llama.cpp's n_ctx: the model's own 8,192-position tables are 4 MiB).
 #
 # The exercise states such a deployment as a service-level objective: what it must deliver, never how.
 
