@@ -244,6 +244,11 @@ def test_bench_notes_are_computed_from_the_rows(tiny):
     notes = _notes(by, ["float32"], context=8)
     assert len(notes) >= 4  # a fifth when the machine was too busy for the profiled and timed steps to agree
     assert f"{by['float32', 'decode', 1].wall_ms:.1f} ms" in notes[0]
+    # the native step's rows (here the same tiny model's steps standing in): a note of their own, from their terms
+    q4 = {("q4 native", kind, 1): by["float32", kind, 1] for kind in ("decode", "verify")}
+    native = [n for n in _notes(by | q4, ["float32"], context=8) if n.startswith("q4 native decode")]
+    d, v = q4["q4 native", "decode", 1], q4["q4 native", "verify", 1]
+    assert len(native) == 1 and f"{d.wall_ms:.2f} ms" in native[0] and f"{v.wall_ms / d.wall_ms:.2f}x" in native[0]
 
 
 def test_ops_under_a_callers_own_scope_still_count():

@@ -160,9 +160,15 @@ struct Partial {  // one task's share of a run's attention: every query row over
 // Pass 1 of attend_keys. One (query row, key) dot is a chain of D / lanes dependent FMAs that ends in a horizontal
 // sum, and a run of 16 tokens has 48 query rows per KV head. Here each KV head's rows are
 // laid out once transposed and pre-scaled (qt: lane = row), and each cached key, widened once, multiplies a vector
-// of rows per FMA: no horizontal sums, and independent chains. Rows of tokens that do not see a key get a score too,
-// which no softmax reads (as in the per-pair path, only the first `seen` scores of a row are read).
-void scores_by_key(int64_t k0, int64_t k1, int64_t seq, int64_t first, int64_t tokens, const float* q, int64_t qkv_n,
+// of rows per FMA: no horizontal sums. Keys go kKeys at a time, each with two chains (even and odd d): a single key's
+// two chains of D / 2 FMAs waited on the FMA latency (perf: most of a 16-token step's attention), kKeys keys give
+// 2 kKeys independent chains that share each load of the rows. Every (row, key) score is the same sum in the same
+// order, whatever the keys beside it. Rows of tokens that do not see a key get a score too, which no softmax reads
+// (as in the per-pair path, only the first `seen` scores of a row are read).
+constexpr int64_t kKeys = 4;  // the four named chains below
+
+void scores_by_key(int64_t k0, int64_t k1, const int64_t* slot_of, int64_t first, int64_t tokens, const float* q,
+                   int64_t qkv_n,
                    const Where& at, int64_t nh, int64_t nkv, int64_t D, float scale, float* scores,
                    std::vector<float>& qt, std::vector<float>& widened) {
   const int64_t group = nh / nkv, count = tokens * group, P = (count + kRows - 1) / kRows * kRows, n = k1 - k0;
@@ -172,44 +178,59 @@ void scores_by_key(int64_t k0, int64_t k1, int64_t seq, int64_t first, int64_t t
       const float* row = q + (i / group) * qkv_n + (h * group + i % group) * D;
       for (int64_t d = 0; d < D; ++d) qt[(h * D + d) * P + i] = row[d] * scale;
     }
-  widened.resize(D);
+  widened.resize(kKeys * D);
   std::vector<int64_t> row_of(count);  // lane i of KV head h is score row row_of[i] + h * group
   for (int64_t i = 0; i < count; ++i) row_of[i] = (i / group) * nh + i % group;
   alignas(64) float lanes[kRows];
-  for (int64_t p = k0; p < k1; ++p) {
-    const int64_t slot = at.slot(seq, p), seen_from = std::max<int64_t>(0, p - first) * group / kRows * kRows;
+  for (int64_t p0 = k0; p0 < k1; p0 += kKeys) {
+    const int64_t keys = std::min(kKeys, k1 - p0);
+    // the rows that see the block's first key (the others see none of it), rounded down to a vector of rows
+    const int64_t seen_from = std::max<int64_t>(0, p0 - first) * group / kRows * kRows;
+    int64_t slot[kKeys];
+    for (int64_t b = 0; b < keys; ++b) slot[b] = slot_of[p0 + b];
     for (int64_t h = 0; h < nkv; ++h) {
-      const float* key = cached_row(at, at.c.k, at.c.k_scale, slot, h, D, widened.data());
+      const float* key[kKeys];
+      for (int64_t b = 0; b < kKeys; ++b)  // a short last block repeats its first key: computed, never stored
+        key[b] = b < keys ? cached_row(at, at.c.k, at.c.k_scale, slot[b], h, D, widened.data() + b * D) : key[0];
       const float* qh = qt.data() + h * D * P;
       for (int64_t v = seen_from; v < count; v += kRows) {
-        VecF even = zero_f(), odd = zero_f();  // two chains per vector of rows
+        // named, not an array: GCC kept an array's accumulators in registers but stored them back every d
+        VecF e0 = zero_f(), e1 = zero_f(), e2 = zero_f(), e3 = zero_f();
+        VecF o0 = zero_f(), o1 = zero_f(), o2 = zero_f(), o3 = zero_f();
+        const float *x0 = key[0], *x1 = key[1], *x2 = key[2], *x3 = key[3];
         for (int64_t d = 0; d < D; d += 2) {
-          even = fma_f(set1_f(key[d]), load_f(qh + d * P + v), even);
-          odd = fma_f(set1_f(key[d + 1]), load_f(qh + (d + 1) * P + v), odd);
+          const VecF qe = load_f(qh + d * P + v), qo = load_f(qh + (d + 1) * P + v);
+          e0 = fma_f(set1_f(x0[d]), qe, e0), o0 = fma_f(set1_f(x0[d + 1]), qo, o0);
+          e1 = fma_f(set1_f(x1[d]), qe, e1), o1 = fma_f(set1_f(x1[d + 1]), qo, o1);
+          e2 = fma_f(set1_f(x2[d]), qe, e2), o2 = fma_f(set1_f(x2[d + 1]), qo, o2);
+          e3 = fma_f(set1_f(x3[d]), qe, e3), o3 = fma_f(set1_f(x3[d + 1]), qo, o3);
         }
-        store_f(lanes, add_f(even, odd));
-        float* column = scores + h * group * n + p - k0;
-        for (int64_t j = 0; j < std::min<int64_t>(kRows, count - v); ++j) column[row_of[v + j] * n] = lanes[j];
+        const VecF score[kKeys] = {add_f(e0, o0), add_f(e1, o1), add_f(e2, o2), add_f(e3, o3)};
+        for (int64_t b = 0; b < keys; ++b) {
+          store_f(lanes, score[b]);
+          float* column = scores + h * group * n + p0 + b - k0;
+          for (int64_t j = 0; j < std::min<int64_t>(kRows, count - v); ++j) column[row_of[v + j] * n] = lanes[j];
+        }
       }
     }
   }
 }
 
-// Pass 2 of attend_keys: the task's value rows staged once as floats (an int8 row widened once, not once
-// per query row that reads it), then each output row keeps its D sums in NV registers over its visible keys, where
-// the per-pair path loaded and stored them back for every key.
+// Pass 2 of attend_keys: each output row keeps its D sums in NV registers over its visible keys, where the per-pair
+// path loaded and stored them back for every key. A float cache's value rows are read where they lie; an int8 row is
+// widened once per task (not once per query row that reads it) into `staged`.
 template <int NV>
-void values_by_row(int64_t k0, int64_t k1, int64_t seq, int64_t first, int64_t rows, int64_t nh, int64_t nkv,
+void values_by_row(int64_t k0, int64_t k1, const int64_t* slot_of, int64_t first, int64_t rows, int64_t nh, int64_t nkv,
                    const Where& at, const float* scores, std::vector<float>& staged, float* acc) {
   constexpr int64_t D = NV * kRows;
   const int64_t n = k1 - k0, group = nh / nkv;
-  staged.resize(n * nkv * D);
+  staged.resize(at.c.int8 ? n * nkv * D : 0);
+  std::vector<const float*> value(n * nkv);
   for (int64_t p = k0; p < k1; ++p) {
-    const int64_t slot = at.slot(seq, p);
+    const int64_t slot = slot_of[p];
     for (int64_t h = 0; h < nkv; ++h) {
-      float* dst = staged.data() + ((p - k0) * nkv + h) * D;
-      const float* v = cached_row(at, at.c.v, at.c.v_scale, slot, h, D, dst);
-      if (v != dst) std::copy(v, v + D, dst);
+      const int64_t i = (p - k0) * nkv + h;
+      value[i] = cached_row(at, at.c.v, at.c.v_scale, slot, h, D, at.c.int8 ? staged.data() + i * D : nullptr);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -219,7 +240,7 @@ void values_by_row(int64_t k0, int64_t k1, int64_t seq, int64_t first, int64_t r
     for (int j = 0; j < NV; ++j) sum[j] = zero_f();
     for (int64_t i = 0; i < seen; ++i) {
       const VecF w = set1_f(sc[i]);
-      const float* v = staged.data() + (i * nkv + h) * D;
+      const float* v = value[i * nkv + h];
       for (int j = 0; j < NV; ++j) sum[j] = fma_f(w, load_f(v + j * kRows), sum[j]);
     }
     for (int j = 0; j < NV; ++j) store_f(acc + r * D + j * kRows, sum[j]);
@@ -233,10 +254,10 @@ void values_by_row(int64_t k0, int64_t k1, int64_t seq, int64_t first, int64_t r
 // hardware prefetcher pulling the other heads' bytes too). A long context splits over tasks by key range: the
 // flash-decoding split, merged by merge_partials.
 void attend_keys(const Run& run, int64_t k0, int64_t k1, const float* qkv, int64_t qkv_n, const NativeTokens& tok,
-                 const Where& at, int64_t nh, int64_t nkv, int64_t D, float scale, std::vector<float>& scores,
-                 std::vector<float>& widened, std::vector<float>& qt, const Partial& out) {
+                 const int64_t* slot_of, const Where& at, int64_t nh, int64_t nkv, int64_t D, float scale,
+                 std::vector<float>& scores, std::vector<float>& widened, std::vector<float>& qt, const Partial& out) {
   const NativeCache& c = at.c;
-  const int64_t seq = tok.seq[run.t0], first = tok.pos[run.t0], rows = (run.t1 - run.t0) * nh, n = k1 - k0;
+  const int64_t first = tok.pos[run.t0], rows = (run.t1 - run.t0) * nh, n = k1 - k0;
   const int64_t group = nh / nkv;
   scores.resize(rows * n);
   widened.resize(D);
@@ -247,11 +268,12 @@ void attend_keys(const Run& run, int64_t k0, int64_t k1, const float* qkv, int64
   // every run, one token or many, takes the same arithmetic per (row, key): a verify step's logits then equal the
   // decode steps' bit for bit, and speculative decoding stays exactly the target's greedy output
   if (D % 2 == 0)
-    scores_by_key(k0, k1, seq, first, tokens, query(0), qkv_n, at, nh, nkv, D, scale, scores.data(), qt, widened);
+    scores_by_key(k0, k1, slot_of, first, tokens, query(0), qkv_n, at, nh, nkv, D, scale, scores.data(), qt,
+                  widened);
   else
 #endif
     for (int64_t p = k0; p < k1; ++p) {  // pass 1: scores, one (query row, key) dot at a time
-      const int64_t slot = at.slot(seq, p);
+      const int64_t slot = slot_of[p];
       for (int64_t h = 0; h < nkv; ++h) {
         const float* key = cached_row(at, c.k, c.k_scale, slot, h, D, widened.data());
         for (int64_t r = first_row(p); r < rows; r += nh)
@@ -274,11 +296,11 @@ void attend_keys(const Run& run, int64_t k0, int64_t k1, const float* qkv, int64
     std::fill(out.acc + r * D, out.acc + (r + 1) * D, 0.f);
   }
 #if defined(MINILLM_SIMD)
-  if (D == 8 * kRows) return values_by_row<8>(k0, k1, seq, first, rows, nh, nkv, at, scores.data(), qt, out.acc);
-  if (D == 4 * kRows) return values_by_row<4>(k0, k1, seq, first, rows, nh, nkv, at, scores.data(), qt, out.acc);
+  if (D == 8 * kRows) return values_by_row<8>(k0, k1, slot_of, first, rows, nh, nkv, at, scores.data(), qt, out.acc);
+  if (D == 4 * kRows) return values_by_row<4>(k0, k1, slot_of, first, rows, nh, nkv, at, scores.data(), qt, out.acc);
 #endif
   for (int64_t p = k0; p < k1; ++p) {  // pass 2: the weighted sum of the values, one (row, key) pair at a time
-    const int64_t slot = at.slot(seq, p);
+    const int64_t slot = slot_of[p];
     for (int64_t h = 0; h < nkv; ++h) {
       const float* value = cached_row(at, c.v, c.v_scale, slot, h, D, widened.data());
       for (int64_t r = first_row(p); r < rows; r += nh)
@@ -356,6 +378,15 @@ void native_layers(const NativeModel& m, const NativeCache& cache, const NativeT
     }
   }
   run_first_task[R] = static_cast<int64_t>(task_run.size());
+  // each sequence's cache slot by key position, once per call for every layer: Where::slot divides by the block
+  // size (known only at run time), and the attention asked it twice per key per layer
+  std::vector<std::vector<int64_t>> key_slots;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t seq = tok.seq[t];
+    if (seq >= static_cast<int64_t>(key_slots.size())) key_slots.resize(seq + 1);
+    std::vector<int64_t>& ks = key_slots[seq];
+    for (int64_t p = static_cast<int64_t>(ks.size()); p <= tok.pos[t]; ++p) ks.push_back(Where{cache, 0}.slot(seq, p));
+  }
   std::vector<float> partial_store(partial_floats);
   std::vector<Partial> partials;
   for (size_t i = 0; i < task_run.size(); ++i) {
@@ -394,8 +425,9 @@ void native_layers(const NativeModel& m, const NativeCache& cache, const NativeT
       clock.stage(kPointwise);
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < n_tasks; ++task)
-        attend_keys(runs[task_run[task]], task_k0[task], task_k1[task], s.qkv.data(), qkv_n, tok, at, nh, nkv, D,
-                    scale, scores, acc, qt, partials[task]);
+        attend_keys(runs[task_run[task]], task_k0[task], task_k1[task], s.qkv.data(), qkv_n, tok,
+                    key_slots[tok.seq[runs[task_run[task]].t0]].data(), at, nh, nkv, D, scale, scores, acc, qt,
+                    partials[task]);
 #pragma omp for schedule(static)
       for (int64_t r = 0; r < R; ++r) {
         const std::vector<Partial> parts(partials.begin() + run_first_task[r], partials.begin() + run_first_task[r + 1]);
