@@ -157,60 +157,41 @@ struct Partial {  // one task's share of a run's attention: every query row over
 };
 
 #if defined(MINILLM_SIMD)
-// Pass 1 of attend_keys. One (query row, key) dot is a chain of D / lanes dependent FMAs that ends in a horizontal
-// sum, and a run of 16 tokens has 48 query rows per KV head. Here each KV head's rows are
-// laid out once transposed and pre-scaled (qt: lane = row), and each cached key, widened once, multiplies a vector
-// of rows per FMA: no horizontal sums. Keys go kKeys at a time, each with two chains (even and odd d): a single key's
-// two chains of D / 2 FMAs waited on the FMA latency (perf: most of a 16-token step's attention), kKeys keys give
-// 2 kKeys independent chains that share each load of the rows. Every (row, key) score is the same sum in the same
-// order, whatever the keys beside it. Rows of tokens that do not see a key get a score too, which no softmax reads
-// (as in the per-pair path, only the first `seen` scores of a row are read).
-constexpr int64_t kKeys = 4;  // the four named chains below
-
+// Pass 1 of attend_keys. Each cached key is widened once and held in NV registers; every query row of its KV head
+// that sees it (pre-scaled, laid out once per KV head) takes NV FMAs and a horizontal sum, and the rows' chains are
+// independent. A decode step has only group (3) rows per KV head: a layout with one row per lane (lesson 06's first
+// version of this pass) filled 3 of 8 lanes, and its chains of D / 2 FMAs per key waited on the FMA latency (perf:
+// the larger part of a decode step's attention). Every (row, key) score is the same sum in the same order whatever
+// run it is in, so a verify step equals its decode steps bit for bit.
+template <int NV>
 void scores_by_key(int64_t k0, int64_t k1, const int64_t* slot_of, int64_t first, int64_t tokens, const float* q,
-                   int64_t qkv_n,
-                   const Where& at, int64_t nh, int64_t nkv, int64_t D, float scale, float* scores,
-                   std::vector<float>& qt, std::vector<float>& widened) {
-  const int64_t group = nh / nkv, count = tokens * group, P = (count + kRows - 1) / kRows * kRows, n = k1 - k0;
-  qt.assign(nkv * D * P, 0.f);
+                   int64_t qkv_n, const Where& at, int64_t nh, int64_t nkv, float scale, float* scores,
+                   std::vector<float>& qs, std::vector<float>& widened) {
+  constexpr int64_t D = NV * kRows;
+  const int64_t group = nh / nkv, count = tokens * group, n = k1 - k0;
+  qs.resize(nkv * count * D);  // row i of KV head h: query head h * group + i % group of token i / group
+  std::vector<int64_t> row_of(count);  // row i of KV head h is score row row_of[i] + h * group
+  for (int64_t i = 0; i < count; ++i) row_of[i] = (i / group) * nh + i % group;
   for (int64_t h = 0; h < nkv; ++h)
     for (int64_t i = 0; i < count; ++i) {
       const float* row = q + (i / group) * qkv_n + (h * group + i % group) * D;
-      for (int64_t d = 0; d < D; ++d) qt[(h * D + d) * P + i] = row[d] * scale;
+      float* dst = qs.data() + (h * count + i) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = row[d] * scale;
     }
-  widened.resize(kKeys * D);
-  std::vector<int64_t> row_of(count);  // lane i of KV head h is score row row_of[i] + h * group
-  for (int64_t i = 0; i < count; ++i) row_of[i] = (i / group) * nh + i % group;
-  alignas(64) float lanes[kRows];
-  for (int64_t p0 = k0; p0 < k1; p0 += kKeys) {
-    const int64_t keys = std::min(kKeys, k1 - p0);
-    // the rows that see the block's first key (the others see none of it), rounded down to a vector of rows
-    const int64_t seen_from = std::max<int64_t>(0, p0 - first) * group / kRows * kRows;
-    int64_t slot[kKeys];
-    for (int64_t b = 0; b < keys; ++b) slot[b] = slot_of[p0 + b];
+  widened.resize(D);
+  for (int64_t p = k0; p < k1; ++p) {
+    const int64_t seen_from = std::max<int64_t>(0, p - first) * group;  // rows of the tokens that see key p
     for (int64_t h = 0; h < nkv; ++h) {
-      const float* key[kKeys];
-      for (int64_t b = 0; b < kKeys; ++b)  // a short last block repeats its first key: computed, never stored
-        key[b] = b < keys ? cached_row(at, at.c.k, at.c.k_scale, slot[b], h, D, widened.data() + b * D) : key[0];
-      const float* qh = qt.data() + h * D * P;
-      for (int64_t v = seen_from; v < count; v += kRows) {
-        // named, not an array: GCC kept an array's accumulators in registers but stored them back every d
-        VecF e0 = zero_f(), e1 = zero_f(), e2 = zero_f(), e3 = zero_f();
-        VecF o0 = zero_f(), o1 = zero_f(), o2 = zero_f(), o3 = zero_f();
-        const float *x0 = key[0], *x1 = key[1], *x2 = key[2], *x3 = key[3];
-        for (int64_t d = 0; d < D; d += 2) {
-          const VecF qe = load_f(qh + d * P + v), qo = load_f(qh + (d + 1) * P + v);
-          e0 = fma_f(set1_f(x0[d]), qe, e0), o0 = fma_f(set1_f(x0[d + 1]), qo, o0);
-          e1 = fma_f(set1_f(x1[d]), qe, e1), o1 = fma_f(set1_f(x1[d + 1]), qo, o1);
-          e2 = fma_f(set1_f(x2[d]), qe, e2), o2 = fma_f(set1_f(x2[d + 1]), qo, o2);
-          e3 = fma_f(set1_f(x3[d]), qe, e3), o3 = fma_f(set1_f(x3[d + 1]), qo, o3);
-        }
-        const VecF score[kKeys] = {add_f(e0, o0), add_f(e1, o1), add_f(e2, o2), add_f(e3, o3)};
-        for (int64_t b = 0; b < keys; ++b) {
-          store_f(lanes, score[b]);
-          float* column = scores + h * group * n + p0 + b - k0;
-          for (int64_t j = 0; j < std::min<int64_t>(kRows, count - v); ++j) column[row_of[v + j] * n] = lanes[j];
-        }
+      const float* key = cached_row(at, at.c.k, at.c.k_scale, slot_of[p], h, D, widened.data());
+      VecF k[NV];
+      for (int j = 0; j < NV; ++j) k[j] = load_f(key + j * kRows);
+      const float* qh = qs.data() + h * count * D;
+      float* column = scores + h * group * n + p - k0;
+      for (int64_t i = seen_from; i < count; ++i) {
+        const float* qi = qh + i * D;
+        VecF acc = mul_f(load_f(qi), k[0]);
+        for (int j = 1; j < NV; ++j) acc = fma_f(load_f(qi + j * kRows), k[j], acc);
+        column[row_of[i] * n] = sum_f(acc);
       }
     }
   }
@@ -267,9 +248,10 @@ void attend_keys(const Run& run, int64_t k0, int64_t k1, const float* qkv, int64
   const int64_t tokens = run.t1 - run.t0;
   // every run, one token or many, takes the same arithmetic per (row, key): a verify step's logits then equal the
   // decode steps' bit for bit, and speculative decoding stays exactly the target's greedy output
-  if (D % 2 == 0)
-    scores_by_key(k0, k1, slot_of, first, tokens, query(0), qkv_n, at, nh, nkv, D, scale, scores.data(), qt,
-                  widened);
+  if (D == 8 * kRows)
+    scores_by_key<8>(k0, k1, slot_of, first, tokens, query(0), qkv_n, at, nh, nkv, scale, scores.data(), qt, widened);
+  else if (D == 4 * kRows)
+    scores_by_key<4>(k0, k1, slot_of, first, tokens, query(0), qkv_n, at, nh, nkv, scale, scores.data(), qt, widened);
   else
 #endif
     for (int64_t p = k0; p < k1; ++p) {  // pass 1: scores, one (query row, key) dot at a time
