@@ -94,10 +94,16 @@ class _RanksOnDemand(Mapping):
         return {self._enc.decode_single_token_bytes(i): i for i in range(self._enc.n_vocab) if i not in self._special}
 
     def __getitem__(self, piece: bytes) -> int:
-        return self._built()[piece]
+        try:
+            rank = self._enc.encode_single_token(piece)  # the Rust table's own lookup, not a rebuilt dict per key
+        except KeyError:
+            raise KeyError(piece) from None
+        if rank in self._special:  # a special token's text is not one of the ranks
+            raise KeyError(piece)
+        return rank
 
     def __iter__(self) -> Iterator[bytes]:
-        return iter(self._built())
+        return (self._enc.decode_single_token_bytes(i) for i in range(self._enc.n_vocab) if i not in self._special)
 
     def __len__(self) -> int:
         return self._enc.n_vocab - len(self._special)
