@@ -128,6 +128,13 @@ inline const float* cached_row(const Where& at, const void* base, const uint16_t
   if (!at.c.int8) return static_cast<const float*>(base) + off;
   const float s = half_to_float(scales[at.scale_at(slot, head)]);
   const int8_t* codes = static_cast<const int8_t*>(base) + off;
+#if defined(MINILLM_SIMD)
+  if (D % kRows == 0) {  // GCC left the loop below scalar (int8 codes may alias the floats), ~D ops a row
+    const VecF sv = set1_f(s);
+    for (int64_t d = 0; d < D; d += kRows) store_f(widened + d, mul_f(sv, load_i8_f(codes + d)));
+    return widened;
+  }
+#endif
   for (int64_t d = 0; d < D; ++d) widened[d] = s * static_cast<float>(codes[d]);
   return widened;
 }

@@ -121,6 +121,9 @@ inline float max_of(VecF v) { return _mm512_reduce_max_ps(v); }
 inline VecF load_halves(const uint16_t* p) {  // kRows fp16 -> floats
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline VecF load_i8_f(const int8_t* p) {  // kRows int8 -> floats
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline VecI broadcast4(const int8_t* q) {
   int32_t v;
   std::memcpy(&v, q, 4);
@@ -178,6 +181,9 @@ inline float max_of(VecF v) {
 }
 inline VecF load_halves(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline VecF load_i8_f(const int8_t* p) {  // kRows int8 -> floats
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline VecI broadcast4(const int8_t* q) {
   int32_t v;
