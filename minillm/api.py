@@ -8,7 +8,6 @@ and which layers the model file is loaded into (fused: 06; the file's own 4-bit 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import sys
 import time
@@ -163,7 +162,8 @@ def load_model(name: str = "smollm2-135m", dtype: str | torch.dtype = "float32",
     minillm.compress.quantize.describe_arithmetic(model) says what the matmuls compute in. model.load_seconds: this
     call's wall time (file, kernels, fusion, the native step). max_context: the longest context (prompt + new
     tokens) this model will serve, as llama.cpp's n_ctx: the RoPE tables stop there and a longer one is refused
-    (the edge profile's 512; None: the file's whole window, whose tables are 4 MiB for 8,192 positions)."""
+    (the edge profile's 512; None, or more than the model's window: that window, whose tables are 4 MiB for 8,192
+    positions)."""
     if max_context is not None and (not isinstance(max_context, int) or isinstance(max_context, bool)
                                     or max_context < 1):
         raise ValueError(f"max_context must be a positive number of tokens (or None: the model's window), got "
@@ -191,9 +191,8 @@ def _load_model(name, dtype, device, attn_backend, fuse, weights, sparsity, nati
         q4_1_layer = _q4_1_shape_only
         q8_0_tied = _q8_0_tied_from(converted["lm_head"])
     model, tokenizer = load_from_file(name, dtype, device, attn_backend, q4_1_layer=q4_1_layer, q8_0_tied=q8_0_tied)
-    if max_context is not None and max_context < model.config.max_seq_len:  # before the native step reads them
-        model.config = dataclasses.replace(model.config, max_seq_len=max_context)
-        model.rope_cos, model.rope_sin = model.rope_cos[:max_context].clone(), model.rope_sin[:max_context].clone()
+    if max_context is not None:
+        model.limit_context(max_context)
     if weights in ("int8", "int4") or sparsity:
         from minillm.compress.quality import calibration_ids
 

@@ -10,6 +10,7 @@ a registry name (`set_attention`); weight rewrites use `replace_linears`. No req
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Protocol
 
@@ -180,6 +181,15 @@ class Transformer(nn.Module):
         """Choose the dense attention backend by name; resolved here, once, not on every forward."""
         self._attn = get_attention(name)
         self._attn_name = name
+
+    def limit_context(self, max_len: int) -> None:
+        """Serve contexts of at most max_len tokens (below the model's window): the RoPE tables and the position
+        checks stop there, as llama.cpp's n_ctx (load_model(max_context=...))."""
+        if max_len < self.config.max_seq_len:
+            self.config = dataclasses.replace(self.config, max_seq_len=max_len)
+            self.rope_cos, self.rope_sin = self.rope_cos[:max_len].clone(), self.rope_sin[:max_len].clone()
+            if self.native_step is not None:  # it points into the old tables
+                self.native_step = self.native_step.rebuilt(self)
 
     def _apply(self, fn, recurse=True):
         # .to(dtype) casts every floating buffer; the RoPE tables must stay float32 (bf16 angles put logits off by

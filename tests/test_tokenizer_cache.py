@@ -159,6 +159,7 @@ def test_tiktokens_rank_dict_is_rebuilt_when_read_and_pickles_as_itself(oracle, 
     tokens, types = real_meta["tokenizer.ggml.tokens"], real_meta["tokenizer.ggml.token_type"]
     assert len(ranks) == sum(kind == 1 for kind in types) == len(tokens) - len(cached.special_tokens)
     assert dict(ranks) == {oracle.token_bytes(i): i for i in range(len(oracle)) if i not in oracle.special_ids}
+    assert all(text.encode() not in ranks for text in cached.special_tokens) and b"\xff\xfe not a token" not in ranks
     again = pickle.loads(pickle.dumps(cached))
     chat = [{"role": "user", "content": "Name three fruits. <|im_end|>"}]
     assert again.encode_chat(chat) == cached.encode_chat(chat) and again.decode(again.encode("héllo")) == "héllo"

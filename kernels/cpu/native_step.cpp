@@ -166,7 +166,7 @@ struct Partial {  // one task's share of a run's attention: every query row over
 #if defined(MINILLM_SIMD)
 // Pass 1 of attend_keys. Each cached key is widened once and held in NV registers; every query row of its KV head
 // that sees it (pre-scaled, laid out once per KV head) takes NV FMAs and a horizontal sum, and the rows' chains are
-// independent. A decode step has only group (3) rows per KV head: a layout with one row per lane (lesson 06's first
+// independent. A decode step has only group (3) rows per KV head: a layout with one row per lane (the previous
 // version of this pass) filled 3 of 8 lanes, and its chains of D / 2 FMAs per key waited on the FMA latency (perf:
 // the larger part of a decode step's attention). Every (row, key) score is the same sum in the same order whatever
 // run it is in, so a verify step equals its decode steps bit for bit.
@@ -185,7 +185,6 @@ void scores_by_key(int64_t k0, int64_t k1, const int64_t* slot_of, int64_t first
       float* dst = qs.data() + (h * count + i) * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = row[d] * scale;
     }
-  widened.resize(D);
   for (int64_t p = k0; p < k1; ++p) {
     const int64_t seen_from = std::max<int64_t>(0, p - first) * group;  // rows of the tokens that see key p
     for (int64_t h = 0; h < nkv; ++h) {
@@ -367,8 +366,8 @@ void native_layers(const NativeModel& m, const NativeCache& cache, const NativeT
     }
   }
   run_first_task[R] = static_cast<int64_t>(task_run.size());
-  // each sequence's cache slot by key position, once per call for every layer: Where::slot divides by the block
-  // size (known only at run time), and the attention asked it twice per key per layer
+  // each sequence's cache slot by key position, once per call for every layer (Where::slot divides by the block
+  // size; asked per key in both attention passes of every layer, it cost nothing measurable, timed by hand)
   std::vector<std::vector<int64_t>> key_slots;
   for (int64_t t = 0; t < T; ++t) {
     const int64_t seq = tok.seq[t];

@@ -85,17 +85,17 @@ def _class_of(ranges: list[tuple[int, int]]) -> str:
 class _RanksOnDemand(Mapping):
     """What a tiktoken Encoding keeps of the bytes -> rank dict it was built from, which it reads only to pickle
     itself: 49,152 bytes objects and their dict, 5.7 MiB of the edge profile's peak (lesson 14). This stands for it,
-    rebuilt from the encoding's own table when read, and pickles as the plain dict."""
+    reading the encoding's own table, and pickles as the plain dict."""
 
     def __init__(self, encoding: tiktoken.Encoding, special_ids: Iterable[int]):
         self._enc, self._special = encoding, frozenset(special_ids)
 
-    def _built(self) -> dict[bytes, int]:
-        return {self._enc.decode_single_token_bytes(i): i for i in range(self._enc.n_vocab) if i not in self._special}
+    def _ids(self) -> Iterator[int]:
+        return (i for i in range(self._enc.n_vocab) if i not in self._special)
 
     def __getitem__(self, piece: bytes) -> int:
         try:
-            rank = self._enc.encode_single_token(piece)  # the Rust table's own lookup, not a rebuilt dict per key
+            rank = self._enc.encode_single_token(piece)  # the Rust table's own lookup
         except KeyError:
             raise KeyError(piece) from None
         if rank in self._special:  # a special token's text is not one of the ranks
@@ -103,13 +103,13 @@ class _RanksOnDemand(Mapping):
         return rank
 
     def __iter__(self) -> Iterator[bytes]:
-        return (self._enc.decode_single_token_bytes(i) for i in range(self._enc.n_vocab) if i not in self._special)
+        return map(self._enc.decode_single_token_bytes, self._ids())
 
     def __len__(self) -> int:
         return self._enc.n_vocab - len(self._special)
 
     def __reduce__(self):
-        return dict, (self._built(),)
+        return dict, ({self._enc.decode_single_token_bytes(i): i for i in self._ids()},)
 
 
 class StreamDecoder:
