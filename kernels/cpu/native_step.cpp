@@ -164,73 +164,104 @@ struct Partial {  // one task's share of a run's attention: every query row over
 };
 
 #if defined(MINILLM_SIMD)
-// Pass 1 of attend_keys. Each cached key is widened once and held in NV registers; every query row of its KV head
-// that sees it (pre-scaled, laid out once per KV head) takes NV FMAs and a horizontal sum, and the rows' chains are
-// independent. A decode step has only group (3) rows per KV head: a layout with one row per lane (the previous
-// version of this pass) filled 3 of 8 lanes, and its chains of D / 2 FMAs per key waited on the FMA latency (perf:
-// the larger part of a decode step's attention). Every (row, key) score is the same sum in the same order whatever
-// run it is in, so a verify step equals its decode steps bit for bit.
+// Both passes walk the keys in chunks whose rows (every KV head's) stay in L1 while each query row reads them: the
+// rows of a verify step or a prompt chunk then cost arithmetic, not another trip to L2 or memory per row.
+constexpr int64_t kKeyChunk = 32;
+
+// one chunk's K or V rows as floats, (key, KV head) -> D floats: a float cache's rows where they lie, an int8
+// cache's widened into `staged`; keys past the chunk's end (to a multiple of 4) point at zeros
+void chunk_rows(const Where& at, bool keys, int64_t c0, int64_t c1, const int64_t* slot_of, int64_t nkv, int64_t D,
+                std::vector<float>& staged, std::vector<const float*>& rows) {
+  static const float zeros[8 * 16] = {};  // D <= 128
+  const int64_t padded = (c1 - c0 + 3) / 4 * 4;
+  staged.resize(at.c.int8 ? kKeyChunk * nkv * D : 0);
+  rows.resize(kKeyChunk * nkv);
+  for (int64_t p = c0; p < c0 + padded; ++p)
+    for (int64_t h = 0; h < nkv; ++h) {
+      const int64_t i = (p - c0) * nkv + h;
+      rows[i] = p >= c1 ? zeros
+                : keys ? cached_row(at, at.c.k, at.c.k_scale, slot_of[p], h, D, staged.data() + i * D)
+                       : cached_row(at, at.c.v, at.c.v_scale, slot_of[p], h, D, staged.data() + i * D);
+    }
+}
+
+// Pass 1 of attend_keys: a query row (pre-scaled, laid out once per KV head) sits in NV registers while it meets 4
+// keys at a time, and one tree of adds reduces their 4 sums together (sum4_f). Every (row, key) score is the same
+// products summed in the same order whatever run, chunk or task it falls in, so a verify step equals its decode
+// steps bit for bit. (A layout with one row per lane, an earlier version, filled 3 of 8 lanes in a decode step and
+// waited on FMA latency; one key in registers against every row, the next one, spent most of its time in the
+// horizontal sums.)
 template <int NV>
 void scores_by_key(int64_t k0, int64_t k1, const int64_t* slot_of, int64_t first, int64_t tokens, const float* q,
                    int64_t qkv_n, const Where& at, int64_t nh, int64_t nkv, float scale, float* scores,
-                   std::vector<float>& qs, std::vector<float>& widened) {
+                   std::vector<float>& qs, std::vector<float>& staged, std::vector<const float*>& key) {
   constexpr int64_t D = NV * kRows;
   const int64_t group = nh / nkv, count = tokens * group, n = k1 - k0;
   qs.resize(nkv * count * D);  // row i of KV head h: query head h * group + i % group of token i / group
-  std::vector<int64_t> row_of(count);  // row i of KV head h is score row row_of[i] + h * group
-  for (int64_t i = 0; i < count; ++i) row_of[i] = (i / group) * nh + i % group;
   for (int64_t h = 0; h < nkv; ++h)
     for (int64_t i = 0; i < count; ++i) {
       const float* row = q + (i / group) * qkv_n + (h * group + i % group) * D;
       float* dst = qs.data() + (h * count + i) * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = row[d] * scale;
     }
-  for (int64_t p = k0; p < k1; ++p) {
-    const int64_t seen_from = std::max<int64_t>(0, p - first) * group;  // rows of the tokens that see key p
-    for (int64_t h = 0; h < nkv; ++h) {
-      const float* key = cached_row(at, at.c.k, at.c.k_scale, slot_of[p], h, D, widened.data());
-      VecF k[NV];
-      for (int j = 0; j < NV; ++j) k[j] = load_f(key + j * kRows);
-      const float* qh = qs.data() + h * count * D;
-      float* column = scores + h * group * n + p - k0;
+  for (int64_t c0 = k0; c0 < k1; c0 += kKeyChunk) {
+    const int64_t c1 = std::min(k1, c0 + kKeyChunk), len = c1 - c0;
+    chunk_rows(at, true, c0, c1, slot_of, nkv, D, staged, key);
+    const int64_t seen_from = std::max<int64_t>(0, c0 - first) * group;  // rows that see some key of the chunk
+    for (int64_t h = 0; h < nkv; ++h)
       for (int64_t i = seen_from; i < count; ++i) {
-        const float* qi = qh + i * D;
-        VecF acc = mul_f(load_f(qi), k[0]);
-        for (int j = 1; j < NV; ++j) acc = fma_f(load_f(qi + j * kRows), k[j], acc);
-        column[row_of[i] * n] = sum_f(acc);
+        const float* qi = qs.data() + (h * count + i) * D;
+        VecF qv[NV];
+        for (int j = 0; j < NV; ++j) qv[j] = load_f(qi + j * kRows);
+        // a row's scores of keys it cannot see are computed too, and never read (softmax stops at its last key)
+        float* out = scores + ((i / group) * nh + h * group + i % group) * n + (c0 - k0);
+        for (int64_t p = 0; p < len; p += 4) {
+          const float *a = key[p * nkv + h], *b = key[(p + 1) * nkv + h], *c = key[(p + 2) * nkv + h],
+                      *d = key[(p + 3) * nkv + h];
+          VecF sa = mul_f(qv[0], load_f(a)), sb = mul_f(qv[0], load_f(b)), sc = mul_f(qv[0], load_f(c)),
+               sd = mul_f(qv[0], load_f(d));
+          for (int j = 1; j < NV; ++j) {
+            sa = fma_f(qv[j], load_f(a + j * kRows), sa), sb = fma_f(qv[j], load_f(b + j * kRows), sb);
+            sc = fma_f(qv[j], load_f(c + j * kRows), sc), sd = fma_f(qv[j], load_f(d + j * kRows), sd);
+          }
+          const __m128 four = sum4_f(sa, sb, sc, sd);
+          if (p + 4 <= len) {
+            _mm_storeu_ps(out + p, four);
+          } else {
+            alignas(16) float last[4];
+            _mm_store_ps(last, four);
+            std::copy(last, last + (len - p), out + p);
+          }
+        }
       }
-    }
   }
 }
 
-// Pass 2 of attend_keys: each output row keeps its D sums in NV registers over its visible keys, where the per-pair
-// path loaded and stored them back for every key. A float cache's value rows are read where they lie; an int8 row is
-// widened once per task (not once per query row that reads it) into `staged`.
+// Pass 2 of attend_keys: each output row keeps its D sums in NV registers across a chunk's keys (stored back once
+// per chunk), every key in order from k0: the same sums as one pass over all keys.
 template <int NV>
 void values_by_row(int64_t k0, int64_t k1, const int64_t* slot_of, int64_t first, int64_t rows, int64_t nh, int64_t nkv,
-                   const Where& at, const float* scores, std::vector<float>& staged, float* acc) {
+                   const Where& at, const float* scores, std::vector<float>& staged, std::vector<const float*>& value,
+                   float* acc) {
   constexpr int64_t D = NV * kRows;
   const int64_t n = k1 - k0, group = nh / nkv;
-  staged.resize(at.c.int8 ? n * nkv * D : 0);
-  std::vector<const float*> value(n * nkv);
-  for (int64_t p = k0; p < k1; ++p) {
-    const int64_t slot = slot_of[p];
-    for (int64_t h = 0; h < nkv; ++h) {
-      const int64_t i = (p - k0) * nkv + h;
-      value[i] = cached_row(at, at.c.v, at.c.v_scale, slot, h, D, at.c.int8 ? staged.data() + i * D : nullptr);
+  for (int64_t c0 = k0; c0 < k1; c0 += kKeyChunk) {
+    const int64_t c1 = std::min(k1, c0 + kKeyChunk);
+    chunk_rows(at, false, c0, c1, slot_of, nkv, D, staged, value);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t h = (r % nh) / group, end = std::min(c1, first + r / nh + 1);  // keys 0..pos of its token
+      if (end <= c0) continue;
+      const float* sc = scores + r * n - k0;
+      float* out = acc + r * D;
+      VecF sum[NV];
+      for (int j = 0; j < NV; ++j) sum[j] = load_f(out + j * kRows);
+      for (int64_t p = c0; p < end; ++p) {
+        const VecF w = set1_f(sc[p]);
+        const float* v = value[(p - c0) * nkv + h];
+        for (int j = 0; j < NV; ++j) sum[j] = fma_f(w, load_f(v + j * kRows), sum[j]);
+      }
+      for (int j = 0; j < NV; ++j) store_f(out + j * kRows, sum[j]);
     }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t h = (r % nh) / group, seen = std::min(k1, first + r / nh + 1) - k0;
-    const float* sc = scores + r * n;
-    VecF sum[NV];
-    for (int j = 0; j < NV; ++j) sum[j] = zero_f();
-    for (int64_t i = 0; i < seen; ++i) {
-      const VecF w = set1_f(sc[i]);
-      const float* v = value[i * nkv + h];
-      for (int j = 0; j < NV; ++j) sum[j] = fma_f(w, load_f(v + j * kRows), sum[j]);
-    }
-    for (int j = 0; j < NV; ++j) store_f(acc + r * D + j * kRows, sum[j]);
   }
 }
 #endif
@@ -242,7 +273,8 @@ void values_by_row(int64_t k0, int64_t k1, const int64_t* slot_of, int64_t first
 // flash-decoding split, merged by merge_partials.
 void attend_keys(const Run& run, int64_t k0, int64_t k1, const float* qkv, int64_t qkv_n, const NativeTokens& tok,
                  const int64_t* slot_of, const Where& at, int64_t nh, int64_t nkv, int64_t D, float scale,
-                 std::vector<float>& scores, std::vector<float>& widened, std::vector<float>& qt, const Partial& out) {
+                 std::vector<float>& scores, std::vector<float>& widened, std::vector<float>& qt,
+                 std::vector<const float*>& chunk, const Partial& out) {
   const NativeCache& c = at.c;
   const int64_t first = tok.pos[run.t0], rows = (run.t1 - run.t0) * nh, n = k1 - k0;
   const int64_t group = nh / nkv;
@@ -255,9 +287,11 @@ void attend_keys(const Run& run, int64_t k0, int64_t k1, const float* qkv, int64
   // every run, one token or many, takes the same arithmetic per (row, key): a verify step's logits then equal the
   // decode steps' bit for bit, and speculative decoding stays exactly the target's greedy output
   if (D == 8 * kRows)
-    scores_by_key<8>(k0, k1, slot_of, first, tokens, query(0), qkv_n, at, nh, nkv, scale, scores.data(), qt, widened);
+    scores_by_key<8>(k0, k1, slot_of, first, tokens, query(0), qkv_n, at, nh, nkv, scale, scores.data(), qt, widened,
+                     chunk);
   else if (D == 4 * kRows)
-    scores_by_key<4>(k0, k1, slot_of, first, tokens, query(0), qkv_n, at, nh, nkv, scale, scores.data(), qt, widened);
+    scores_by_key<4>(k0, k1, slot_of, first, tokens, query(0), qkv_n, at, nh, nkv, scale, scores.data(), qt, widened,
+                     chunk);
   else
 #endif
     for (int64_t p = k0; p < k1; ++p) {  // pass 1: scores, one (query row, key) dot at a time
@@ -284,8 +318,10 @@ void attend_keys(const Run& run, int64_t k0, int64_t k1, const float* qkv, int64
     std::fill(out.acc + r * D, out.acc + (r + 1) * D, 0.f);
   }
 #if defined(MINILLM_SIMD)
-  if (D == 8 * kRows) return values_by_row<8>(k0, k1, slot_of, first, rows, nh, nkv, at, scores.data(), qt, out.acc);
-  if (D == 4 * kRows) return values_by_row<4>(k0, k1, slot_of, first, rows, nh, nkv, at, scores.data(), qt, out.acc);
+  if (D == 8 * kRows)
+    return values_by_row<8>(k0, k1, slot_of, first, rows, nh, nkv, at, scores.data(), widened, chunk, out.acc);
+  if (D == 4 * kRows)
+    return values_by_row<4>(k0, k1, slot_of, first, rows, nh, nkv, at, scores.data(), widened, chunk, out.acc);
 #endif
   for (int64_t p = k0; p < k1; ++p) {  // pass 2: the weighted sum of the values, one (row, key) pair at a time
     const int64_t slot = slot_of[p];
@@ -387,7 +423,8 @@ void native_layers(const NativeModel& m, const NativeCache& cache, const NativeT
 #pragma omp parallel num_threads(std::max(1, threads))
   {
     const DenormalsAsZero ftz;  // softmax weights far below the top make denormal products, ~100 cycles each
-    std::vector<float> scores, acc, qt;  // this thread's attention scratch (scores, a widened int8 row, rows^T)
+    std::vector<float> scores, acc, qt;  // this thread's attention scratch (scores, widened int8 rows, queries)
+    std::vector<const float*> chunk;  // a key chunk's rows
     StageClock clock{seconds};
     for (size_t l = 0; l < m.layers.size(); ++l) {
       const NativeLayer& L = m.layers[l];
@@ -414,7 +451,7 @@ void native_layers(const NativeModel& m, const NativeCache& cache, const NativeT
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < n_tasks; ++task)
         attend_keys(runs[task_run[task]], task_k0[task], task_k1[task], s.qkv.data(), qkv_n, tok,
-                    key_slots[tok.seq[runs[task_run[task]].t0]].data(), at, nh, nkv, D, scale, scores, acc, qt,
+                    key_slots[tok.seq[runs[task_run[task]].t0]].data(), at, nh, nkv, D, scale, scores, acc, qt, chunk,
                     partials[task]);
 #pragma omp for schedule(static)
       for (int64_t r = 0; r < R; ++r) {

@@ -51,7 +51,7 @@ void q4_1_group_scalar(const uint8_t* group, const QuantizedRows& x, int64_t m0,
     for (int r = 0; r < kRows; ++r) out[t * kRows + r] = acc[t][r];
 }
 
-#if defined(MINILLM_SIMD)
+#if defined(MINILLM_SIMD) && !defined(MINILLM_AVX2_MADDUBS)
 template <int MT>
 void q4_1_group_simd(const uint8_t* group, const QuantizedRows& x, int64_t m0, float* out) {
   const VecI low4 = set1_i8(0x0F);
@@ -73,6 +73,44 @@ void q4_1_group_simd(const uint8_t* group, const QuantizedRows& x, int64_t m0, f
       const VecF scale = mul_f(d, set1_f(x.d[row * x.blocks + b]));
       acc[t] = fma_f(to_float(dot_block_u4(codes, q)), scale, acc[t]);
       acc[t] = fma_f(m, set1_f(x.s[row * x.blocks + b]), acc[t]);
+    }
+  }
+  for (int t = 0; t < MT; ++t) store_f(out + t * kRows, acc[t]);
+}
+#elif defined(MINILLM_SIMD)
+// AVX2 without VNNI: a product is vpmaddubsw into int16 pairs, and the 8 of a block add up in int16 before one
+// vpmaddwd widens them (|8 x 2 x 15 x 127| = 30480 < 32767: exact, no saturation). The block's chunks are the outer
+// loop and the MT rows the inner one, so the registers hold MT int16 sums, MT float sums and one chunk's codes: the
+// codes of a whole block (8 registers, the VNNI path's layout) left the sums no room and GCC kept them on the
+// stack, each block's update a store and a reload (perf).
+template <int MT>
+void q4_1_group_simd(const uint8_t* group, const QuantizedRows& x, int64_t m0, float* out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
+  const int8_t* q0 = x.q + m0 * x.K;
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    const uint8_t* blk = group + b * kQ4Bytes;
+    __m256i sum[MT];
+    for (int t = 0; t < MT; ++t) sum[t] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i chunk = load_i(blk + 4 * kRows + c * 4 * kRows);
+      const __m256i lo = _mm256_and_si256(chunk, low4), hi = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low4);
+      for (int t = 0; t < MT; ++t) {
+        const int8_t* q = q0 + t * x.K + b * kBlock + 4 * c;
+        sum[t] = _mm256_add_epi16(sum[t], _mm256_maddubs_epi16(lo, broadcast4(q)));
+        sum[t] = _mm256_add_epi16(sum[t], _mm256_maddubs_epi16(hi, broadcast4(q + 16)));
+        // GCC otherwise regroups the integer adds into a tree of all 8 x MT products and spills them (perf)
+        asm("" : "+x"(sum[t]));
+      }
+    }
+    const __m256 d = load_halves(reinterpret_cast<const uint16_t*>(blk));
+    const __m256 m = load_halves(reinterpret_cast<const uint16_t*>(blk) + kRows);
+    for (int t = 0; t < MT; ++t) {
+      const int64_t at = (m0 + t) * x.blocks + b;
+      const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[t], ones));
+      acc[t] = _mm256_fmadd_ps(isum, _mm256_mul_ps(d, _mm256_set1_ps(x.d[at])), acc[t]);
+      acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[at]), acc[t]);
     }
   }
   for (int t = 0; t < MT; ++t) store_f(out + t * kRows, acc[t]);

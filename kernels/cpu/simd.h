@@ -8,7 +8,8 @@
 //       AVX2: vpmaddubsw (byte pairs -> int16, saturating; our operands keep 2 * 127 * 127 = 32258 in range), vpmaddwd
 //       by 1 (int16 pairs -> int32), vpaddd.
 //   broadcast4(q)       the 4 activation bytes q[0..4) in every lane: the same inputs face every weight row
-//   dot_block_u4(c, q)  eight dot_adds of one 4-bit block (32 codes < 16 per lane): on AVX2 in int16 until the end
+//   dot_block_u4(c, q)  eight dot_adds of one 4-bit block (32 codes < 16 per lane), with VNNI (q4_1_matmul.cpp
+//                       has its own loop for AVX2 without it)
 //   sign_of(x, w)       x with the sign of w moved onto it (w * x = |w| * sign_of(x, w)), for int8 weights
 //
 // Which one is compiled is chosen by the flags kernels/cpu_lowbit.py passes, from the CPU's own feature list: one
@@ -40,9 +41,10 @@ constexpr const char* kIsa = "avx-vnni";
 constexpr int64_t kRows = 8;
 constexpr int64_t kTile = 4;
 #elif defined(MINILLM_SIMD)
+#define MINILLM_AVX2_MADDUBS 1
 constexpr const char* kIsa = "avx2";
 constexpr int64_t kRows = 8;
-constexpr int64_t kTile = 4;
+constexpr int64_t kTile = 6;  // q4_1_matmul.cpp's AVX2 loop: 2 sums per row in registers (6 beat 4 and 8, timed)
 #else
 constexpr const char* kIsa = "scalar";
 constexpr int64_t kRows = 8;
@@ -118,6 +120,15 @@ inline float sum_f(VecF v) { return _mm512_reduce_add_ps(v); }
 inline VecF max_f(VecF a, VecF b) { return _mm512_max_ps(a, b); }
 inline VecF abs_f(VecF a) { return _mm512_abs_ps(a); }
 inline float max_of(VecF v) { return _mm512_reduce_max_ps(v); }
+// (sum of a, of b, of c, of d): each the same tree of adds over its own lanes, whichever of the four it is
+inline __m128 sum4_f(VecF a, VecF b, VecF c, VecF d) {
+  auto halves = [](VecF v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  };
+  const __m256 ab = _mm256_hadd_ps(halves(a), halves(b)), cd = _mm256_hadd_ps(halves(c), halves(d));
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
 inline VecF load_halves(const uint16_t* p) {  // kRows fp16 -> floats
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -172,6 +183,12 @@ inline float sum_f(VecF v) {
   const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 }
+// (sum of a, of b, of c, of d): each the same tree of adds over its own lanes, whichever of the four it is
+inline __m128 sum4_f(VecF a, VecF b, VecF c, VecF d) {
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);  // (a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, ...)
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // (a0..3, b0..3, c0..3, d0..3 | a4..7, b4..7, c4..7, d4..7)
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
 inline VecF max_f(VecF a, VecF b) { return _mm256_max_ps(a, b); }
 inline VecF abs_f(VecF a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
 inline float max_of(VecF v) {
@@ -190,28 +207,17 @@ inline VecI broadcast4(const int8_t* q) {
   std::memcpy(&v, q, 4);
   return _mm256_set1_epi32(v);
 }
-// sum over j < 8 of dot_add(0, codes[j], broadcast4(q + 4 j)): one 4-bit block's 32 codes per lane against its 32
-// activations. Without VNNI, dot_add is 3 instructions (maddubs, madd by 1, add); 4-bit codes let the int16 pairs of
-// maddubs add up first (|8 x 2 x 15 x 128| = 30720 < 32767: no saturation), so the block costs 8 maddubs, 7 int16
-// adds and one madd instead of 24 instructions: the verify and batched steps are bound by these, not by memory.
+#if !defined(MINILLM_AVX2_MADDUBS)
+// as the AVX-512 one, with AVX-VNNI's vpdpbusd (without VNNI, q4_1_matmul.cpp has its own loop for vpmaddubsw)
 inline VecI dot_block_u4(const VecI codes[8], const int8_t* q) {
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
   VecI even = zero_i(), odd = zero_i();
   for (int j = 0; j < 8; j += 2) {
     even = dot_add(even, codes[j], broadcast4(q + 4 * j));
     odd = dot_add(odd, codes[j + 1], broadcast4(q + 4 * j + 4));
   }
   return add_i(even, odd);
-#else
-  __m256i even = _mm256_maddubs_epi16(codes[0], broadcast4(q));
-  __m256i odd = _mm256_maddubs_epi16(codes[1], broadcast4(q + 4));
-  for (int j = 2; j < 8; j += 2) {
-    even = _mm256_add_epi16(even, _mm256_maddubs_epi16(codes[j], broadcast4(q + 4 * j)));
-    odd = _mm256_add_epi16(odd, _mm256_maddubs_epi16(codes[j + 1], broadcast4(q + 4 * j + 4)));
-  }
-  return _mm256_madd_epi16(_mm256_add_epi16(even, odd), _mm256_set1_epi16(1));
-#endif
 }
+#endif
 #endif
 
 }  // namespace minillm
