@@ -101,7 +101,7 @@ void q4_1_group_simd(const uint8_t* group, const QuantizedRows& x, int64_t m0, f
         sum[t] = _mm256_add_epi16(sum[t], _mm256_maddubs_epi16(lo, broadcast4(q)));
         sum[t] = _mm256_add_epi16(sum[t], _mm256_maddubs_epi16(hi, broadcast4(q + 16)));
         // GCC otherwise regroups the integer adds into a tree of all 8 x MT products and spills them (perf)
-        asm("" : "+x"(sum[t]));
+        asm("" : "+v"(sum[t]));
       }
     }
     const __m256 d = load_halves(reinterpret_cast<const uint16_t*>(blk));
