@@ -73,6 +73,21 @@ def test_floors_follow_the_step(tiny):
     assert verify.compute_floor_ms == pytest.approx(5 * one.compute_floor_ms, rel=0.05)
 
 
+def test_an_int8_cache_reads_a_quarter_of_the_float32_bytes(tiny):
+    from minillm.model import model_bytes
+
+    f32 = step_breakdown(tiny, "decode", context=32, repeat=1, **ROOFS)
+    i8 = step_breakdown(tiny, "decode", context=32, repeat=1, kv_dtype=torch.int8, **ROOFS)
+    cfg, layers = tiny.config, len(tiny.layers)
+    values = 2 * layers * cfg.n_kv_heads * 33 * cfg.head_dim  # K and V of the 32 cached tokens and the new one
+    assert f32.settings["kv_dtype"] == "float32" and f32.settings["kv_bytes"] == 4 * values
+    scales = 2 * values // cfg.head_dim  # a float16 scale per token, head and K or V
+    assert i8.settings["kv_dtype"] == "int8" and i8.settings["kv_bytes"] == values + scales
+    for bd in (f32, i8):
+        assert bd.settings["bytes_read"] == model_bytes(tiny) + bd.settings["kv_bytes"]
+    assert i8.byte_floor_ms < f32.byte_floor_ms
+
+
 def test_the_naive_backend_is_charged_to_attention_not_matmul(tiny):
     tiny.set_attention("naive")
     try:
@@ -249,6 +264,8 @@ def test_bench_notes_are_computed_from_the_rows(tiny):
     native = [n for n in _notes(by | q4, ["float32"], context=8) if n.startswith("q4 native decode")]
     d, v = q4["q4 native", "decode", 1], q4["q4 native", "verify", 1]
     assert len(native) == 1 and f"{d.wall_ms:.2f} ms" in native[0] and f"{v.wall_ms / d.wall_ms:.2f}x" in native[0]
+    kv, read = d.settings["kv_bytes"], d.settings["bytes_read"]
+    assert f"{kv / 1e6:.1f} MB of the {read / 1e6:.1f} MB" in native[0] and f"({kv / read:.0%})" in native[0]
 
 
 def test_ops_under_a_callers_own_scope_still_count():

@@ -9,6 +9,8 @@ cannot run (no kernels, float weights, a cache it does not know, autograd, torch
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from minillm_kernels import cpu_lowbit
 from torch import Tensor, nn
@@ -88,17 +90,27 @@ class NativeStep:
         return out.view(b, s, dim)
 
 
+_NO_SCALES = torch.empty(0, dtype=torch.float16)
+
+
+@functools.lru_cache(maxsize=64)
+def _contiguous_rows(batch: int, seq: int, n_kv: int) -> tuple[Tensor, Tensor]:
+    """A contiguous cache's sequence of each token and "block table" (row b is block b * n_kv): the same few tensors
+    every step of a generation, built once rather than by five small torch ops a step."""
+    tables = (torch.arange(batch, dtype=torch.int32) * n_kv)[:, None]
+    return torch.arange(batch, dtype=torch.int32).repeat_interleave(seq), tables
+
+
 def cache_layout(cache, batch: int, seq: int, n_layers: int):
     """Where a cache keeps each token's keys and values, as native_step.h's NativeCache reads them, or None for a
     cache the native step does not know (it then leaves the forward to the eager layers)."""
-    empty = torch.empty(0, dtype=torch.float16)
+    empty = _NO_SCALES
     if type(cache) in (KVCache, Int8KVCache):  # (layers, batch, n_kv, max_len, D): a "block" of max_len per row
         k, v = cache.k, cache.v
         if k.dtype not in (torch.float32, torch.int8) or k.shape[0] < n_layers:
             return None
         n_kv, max_len = k.shape[2], k.shape[3]
-        tables = (torch.arange(batch, dtype=torch.int32) * n_kv)[:, None]
-        seqs = torch.arange(batch, dtype=torch.int32).repeat_interleave(seq)
+        seqs, tables = _contiguous_rows(batch, seq, n_kv)
         strides = [k.stride(0), k.stride(3), k.stride(2)]
         if k.dtype == torch.int8:
             ks, vs = cache.k_scale, cache.v_scale

@@ -289,7 +289,8 @@ def _no_native_stderr() -> Iterator[None]:
 
 def step_breakdown(model: torch.nn.Module, kind: str = "decode", batch: int = 1, k: int = 4, context: int = 128,
                    repeat: int = 5, warmup: int = 1, profile_repeat: int | None = None,
-                   bandwidth: float | None = None, flops_per_s: float | None = None) -> Breakdown:
+                   bandwidth: float | None = None, flops_per_s: float | None = None,
+                   kv_dtype: torch.dtype | None = None) -> Breakdown:
     """Break down one step of minillm `model` after `context` cached tokens (greedy sampling included):
 
       decode  1 sequence, 1 new token                     (a generate() step)
@@ -297,10 +298,10 @@ def step_breakdown(model: torch.nn.Module, kind: str = "decode", batch: int = 1,
       batch   `batch` sequences, 1 new token each         (a batched decode step, on the contiguous cache)
 
     The cache holds `context` random keys and values per sequence (a step's cost depends on how many, not on what
-    they are) and is rolled back after each step. Floors: the weights plus the K/V the step reads over `bandwidth`
+    they are; kv_dtype=torch.int8 for lesson 07's int8 cache) and is rolled back after each step. Floors: the weights plus the K/V the step reads over `bandwidth`
     (default: hardware.bandwidth, a copy rate counting read and written bytes, as MBU does), and the forward's
     FLOPs over `flops_per_s` (default: hardware.peak_flops, the matmul rate every lesson divides by)."""
-    from minillm.kv_cache import KVCache, kv_bytes
+    from minillm.kv_cache import Int8KVCache, KVCache
     from minillm.model import model_bytes
 
     if kind not in KINDS:
@@ -315,8 +316,11 @@ def step_breakdown(model: torch.nn.Module, kind: str = "decode", batch: int = 1,
         raise ValueError(f"context {context} + {n_new} new tokens is past the context window ({cfg.max_seq_len})")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (batch, n_new), generator=g).to(device)
-    kv = KVCache.for_model(model, batch, context + n_new)
-    kv.k.normal_(), kv.v.normal_()
+    kv = (Int8KVCache if kv_dtype == torch.int8 else KVCache).for_model(model, batch, context + n_new, kv_dtype)
+    if kv.k.dtype == torch.int8:
+        kv.k.random_(-127, 128), kv.v.random_(-127, 128), kv.k_scale.fill_(0.02), kv.v_scale.fill_(0.02)
+    else:
+        kv.k.normal_(), kv.v.normal_()
     kv.seq_len = context
 
     def step() -> list:
@@ -332,13 +336,13 @@ def step_breakdown(model: torch.nn.Module, kind: str = "decode", batch: int = 1,
         from minillm.measure.hardware import peak_flops
 
         flops_per_s = peak_flops(model.dtype, device)
-    n_layers = len(model.layers)
-    bytes_read = model_bytes(model) + kv_bytes(cfg, context + n_new, batch, model.dtype) * n_layers // cfg.n_layers
+    bytes_read = model_bytes(model) + kv.nbytes()  # the cache holds exactly the tokens the step attends over
     flops = batch * sum(model_flops_per_token(cfg, context + i + 1) for i in range(n_new))
     label = {"decode": "decode b=1", "verify": f"verify k={k}" + (f" b={batch}" if batch > 1 else ""),
              "batch": f"batch {batch}"}[kind]
     settings = {"kind": kind, "batch": batch, "k": k if kind == "verify" else None, "context": context,
-                "new_tokens": n_new, "dtype": str(model.dtype).replace("torch.", ""), "repeat": repeat}
+                "new_tokens": n_new, "dtype": str(model.dtype).replace("torch.", ""), "repeat": repeat,
+                "kv_dtype": str(kv.k.dtype).replace("torch.", ""), "kv_bytes": kv.nbytes(), "bytes_read": bytes_read}
     with torch.inference_mode(), attention_scope(model):
         return breakdown_of(step, lambda: kv.truncate(context), repeat=repeat, warmup=warmup,
                             profile_repeat=profile_repeat, label=label, bytes_read=bytes_read, flops=flops,
