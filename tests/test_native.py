@@ -193,6 +193,36 @@ def test_a_verify_step_equals_its_decode_steps_bit_for_bit(kind, int8_kv, prompt
     assert torch.equal(verify, steps), (verify - steps).abs().max()
 
 
+@settings(max_examples=6, deadline=None)
+@given(int8_kv=st.booleans(), prompt=st.integers(100, 300), k=st.integers(1, 8), seed=st.integers(0, 99))
+def test_a_verify_step_equals_its_decode_steps_at_long_contexts_on_two_threads(int8_kv, prompt, k, seed):
+    """Past 128 keys the attention splits a context over tasks (the flash-decoding split); the cuts sit at fixed
+    key positions, so a 1-token and a (k+1)-token run merge the same partial sums, on any number of threads."""
+    model = tiny_model(0, dim=384, n_heads=6, n_kv_heads=2)
+    quantize(model, "int4", group_size=32, include_head=True)
+    enable_native(model)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt + k), generator=g)
+    kv = torch.int8 if int8_kv else None
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            one = make_cache("paged", model, prompt + k, kv_dtype=kv)
+            model(ids[:, :prompt], kv_cache=one)
+            verify = model(ids[:, prompt:], kv_cache=one)
+            each = make_cache("paged", model, prompt + k, kv_dtype=kv)
+            model(ids[:, :prompt], kv_cache=each)
+            steps = torch.cat([model(ids[:, prompt + i:prompt + i + 1], kv_cache=each) for i in range(k)], dim=1)
+            torch.set_num_threads(1)
+            each = make_cache("paged", model, prompt + k, kv_dtype=kv)
+            model(ids[:, :prompt], kv_cache=each)
+            alone = torch.cat([model(ids[:, prompt + i:prompt + i + 1], kv_cache=each) for i in range(k)], dim=1)
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(verify, steps), (verify - steps).abs().max()
+    assert torch.equal(steps, alone), (steps - alone).abs().max()  # one thread or two: the same partial sums
+
+
 def test_native_survives_a_cast_and_threads_agree():
     model = quantized_tiny("int8")
     enable_native(model)

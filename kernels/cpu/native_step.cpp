@@ -156,6 +156,8 @@ struct Run {  // new tokens [t0, t1) of one sequence at consecutive positions
 // tokens per run: a verify step's k + 1 share every key and value row read; a long prompt chunk still splits into
 // many runs (their scores stay small: tokens x heads x context floats)
 constexpr int64_t kRunTokens = 16;
+// keys per attention task at most: the flash-decoding split of a long context over threads (a multiple of kKeyChunk)
+constexpr int64_t kTaskKeys = 128;
 
 struct Partial {  // one task's share of a run's attention: every query row over keys [k0, k1)
   float* acc;     // (rows, D) sum of e^(s - m) v
@@ -386,17 +388,19 @@ void native_layers(const NativeModel& m, const NativeCache& cache, const NativeT
     else
       runs.push_back({t, t + 1});
   }
-  // attention tasks: (run, key range); a run's keys split while there are fewer runs than threads, >= 64 keys each
-  const int64_t R = static_cast<int64_t>(runs.size()), nthreads = std::max(1, threads);
+  // attention tasks: (run, key range), the keys cut at every multiple of kTaskKeys. Fixed cuts, not a share of the
+  // run's keys per thread: a row's partial sums (and so their merge) are then the same whatever the run's length
+  // and the thread count, and a verify step equals its decode steps bit for bit at any context (cut at a share,
+  // a 5-token run and a 1-token run of the same sequence merged different partials)
+  const int64_t R = static_cast<int64_t>(runs.size());
   std::vector<int64_t> task_run, task_k0, task_k1, run_first_task(R + 1);
   int64_t partial_floats = 0;
   std::vector<int64_t> task_offset;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t n = tok.pos[runs[r].t1 - 1] + 1, rows = (runs[r].t1 - runs[r].t0) * nh;
-    const int64_t splits = std::max<int64_t>(1, std::min((nthreads + R - 1) / R, n / 64));
     run_first_task[r] = static_cast<int64_t>(task_run.size());
-    for (int64_t j = 0; j < splits; ++j) {
-      task_run.push_back(r), task_k0.push_back(n * j / splits), task_k1.push_back(n * (j + 1) / splits);
+    for (int64_t k0 = 0; k0 < n; k0 += kTaskKeys) {
+      task_run.push_back(r), task_k0.push_back(k0), task_k1.push_back(std::min(n, k0 + kTaskKeys));
       task_offset.push_back(partial_floats);
       partial_floats += rows * (D + 2);
     }
