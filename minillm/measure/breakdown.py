@@ -298,9 +298,10 @@ def step_breakdown(model: torch.nn.Module, kind: str = "decode", batch: int = 1,
       batch   `batch` sequences, 1 new token each         (a batched decode step, on the contiguous cache)
 
     The cache holds `context` random keys and values per sequence (a step's cost depends on how many, not on what
-    they are; kv_dtype=torch.int8 for lesson 07's int8 cache) and is rolled back after each step. Floors: the weights plus the K/V the step reads over `bandwidth`
-    (default: hardware.bandwidth, a copy rate counting read and written bytes, as MBU does), and the forward's
-    FLOPs over `flops_per_s` (default: hardware.peak_flops, the matmul rate every lesson divides by)."""
+    they are; kv_dtype=torch.int8 for lesson 07's int8 cache) and is rolled back after each step. Floors: the weights
+    plus the K/V the step reads over `bandwidth` (default: hardware.bandwidth, a copy rate counting read and written
+    bytes, as MBU does), and the forward's FLOPs over `flops_per_s` (default: hardware.peak_flops, the matmul rate
+    every lesson divides by)."""
     from minillm.kv_cache import Int8KVCache, KVCache
     from minillm.model import model_bytes
 
