@@ -196,7 +196,7 @@ def test_a_verify_step_equals_its_decode_steps_bit_for_bit(kind, int8_kv, prompt
 @settings(max_examples=6, deadline=None)
 @given(int8_kv=st.booleans(), prompt=st.integers(100, 300), k=st.integers(1, 8), seed=st.integers(0, 99))
 def test_a_verify_step_equals_its_decode_steps_at_long_contexts_on_two_threads(int8_kv, prompt, k, seed):
-    """Past 128 keys the attention splits a context over tasks (the flash-decoding split); the cuts sit at fixed
+    """Past 64 keys the attention splits a context over tasks (the flash-decoding split); the cuts sit at fixed
     key positions, so a 1-token and a (k+1)-token run merge the same partial sums, on any number of threads."""
     model = tiny_model(0, dim=384, n_heads=6, n_kv_heads=2)
     quantize(model, "int4", group_size=32, include_head=True)
