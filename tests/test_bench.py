@@ -599,3 +599,34 @@ def test_quick_runs_the_lessons_read_recorded(name, tmp_path):
     took 20-60 s of each CI run): the quick runs still run here, and give rows."""
     result = bench.run_entry(name, quick=True, out=tmp_path)
     assert result.quick and result.rows
+
+
+def test_the_speculative_loop_clock_splits_a_run_into_forwards_and_the_rest():
+    """bench speculative times each target forward inside a generate() (forward_clock) and reads lesson 10's rule
+    off the loop's own costs (_in_loop): checked on a tiny model and on made-up seconds."""
+    from tests.conftest import tiny_model
+    from minillm.bench.speculative import _in_loop, forward_clock
+    from minillm.kv_cache import KVCache
+    from minillm.speculative.decoding import SpecStats
+
+    model = tiny_model(0)
+    cache = KVCache.for_model(model, 1, 16)
+    with torch.inference_mode(), forward_clock(model) as calls:
+        model(torch.tensor([[1, 2, 3, 4]]), kv_cache=cache)
+        model(input_ids=torch.tensor([[5, 6]]), kv_cache=cache)
+    assert [q for q, _ in calls] == [4, 2] and all(dt > 0 for _, dt in calls)
+    with torch.inference_mode():
+        model(torch.tensor([[7]]), kv_cache=cache)
+    assert len(calls) == 2  # the hooks are gone after the block
+
+    stats = SpecStats()
+    for _ in range(10):
+        stats.record(2, 1, 2)  # 2 tokens a step
+    # decode steps of 10 ms (20 of them), a token's other work 1 ms; verify steps of 12 ms, 3 ms of drafting each
+    loop = {"decode_s": 0.2, "decode_n": 20, "base_rest_s": 0.02, "verify_s": 0.12, "rest_s": 0.03}
+    got = _in_loop(loop, stats)
+    assert got["loop_decode_ms"] == pytest.approx(10.0) and got["loop_v"] == pytest.approx(1.2)
+    assert got["loop_rest"] == pytest.approx(0.3) and got["loop_base_rest"] == pytest.approx(0.1)
+    # a target-only token costs 1 + 0.1 decode steps, a speculative step 1.2 + 0.3 for 2 tokens
+    assert got["loop_predicted_speedup"] == pytest.approx(2 * 1.1 / 1.5)
+    assert _in_loop(loop, SpecStats()) == {}

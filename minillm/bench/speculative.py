@@ -4,13 +4,15 @@ Target SmolLM2-135M, batch 1, greedy; each variant timed right after its own tar
 Drafts: prompt lookup (n-gram, k = 2/4/8), the learned draft head (speculative/learned.py, shipped in minillm/assets),
 lesson 09's distilled student (shipped as a recipe) and an untrained early-exit self-draft. Workloads: input-grounded
 chat, open chat, pydoc text continuations. Also: a (k + 1)-token forward's cost next to a one-token decode, the
-acceptance rate a and tokens per step against (1 - a^(k+1)) / (1 - a), and the engine's throughput at batch 1/4/16 with
-prompt lookup.
+acceptance rate a and tokens per step against (1 - a^(k+1)) / (1 - a), lesson 10's speedup rule with c and v timed apart
+and with the loop's own (each target forward timed inside generate()), and the engine at batch 1/4/16 with prompt lookup.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -107,6 +109,28 @@ def head_cost(model) -> dict:
     return {"head_ms": t_head * 1e3, "step_ms": t_step * 1e3, "c": t_head / t_step}
 
 
+@contextlib.contextmanager
+def forward_clock(model):
+    """(new tokens, seconds) of every forward of `model` while inside, in call order: what a speculative loop spends
+    in its verify steps, and so, by difference, in everything else (drafting, acceptance, Python)."""
+    calls, started = [], []
+
+    def before(module, args, kwargs):
+        started.append(time.perf_counter())
+
+    def after(module, args, kwargs, out):
+        ids = args[0] if args else kwargs["input_ids"]
+        calls.append((ids.shape[1], time.perf_counter() - started.pop()))
+
+    hooks = (model.register_forward_pre_hook(before, with_kwargs=True),
+             model.register_forward_hook(after, with_kwargs=True))
+    try:
+        yield calls
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def timed(model, tok, ids: list[int], n: int, spec=None, ignore_eos: bool = True, stats=None):
     """(tokens, seconds, stats) of one generate(); `stats` (a SpecStats) adds this call's counts to a caller's."""
     from minillm.api import generate
@@ -116,6 +140,20 @@ def timed(model, tok, ids: list[int], n: int, spec=None, ignore_eos: bool = True
     with timer() as t:
         out = generate(model, tok, ids, max_new_tokens=n, ignore_eos=ignore_eos, speculative=spec, spec_stats=stats)
     return out.token_ids, t.seconds, stats
+
+
+def _in_loop(loop: dict, stats) -> dict:
+    """Lesson 10's rule with the loop's own costs, in target decode steps as timed inside the target-only runs: v, a
+    verify step; rest, a step's drafting and everything else; base_rest, a token's work outside the forward when
+    the target runs alone. tokens per step x (1 + base_rest) / (v + rest) is then the speedup, up to the prefills."""
+    decode_steps = loop["decode_n"]
+    if not stats.steps or not decode_steps or not loop["decode_s"]:
+        return {}
+    step = loop["decode_s"] / decode_steps
+    v, rest = loop["verify_s"] / stats.steps / step, loop["rest_s"] / stats.steps / step
+    base_rest = loop["base_rest_s"] / decode_steps / step
+    return {"loop_decode_ms": step * 1e3, "loop_v": v, "loop_rest": rest, "loop_base_rest": base_rest,
+            "loop_predicted_speedup": stats.tokens_per_step * (1 + base_rest) / (v + rest)}
 
 
 def engine_throughput(model, tok, prompts: list[list[int]], batch: int, n: int, spec) -> tuple[float, list]:
@@ -165,11 +203,21 @@ def run(quick: bool = False, target: str = "float32") -> BenchResult:
                 continue  # a weak draft everywhere: one workload shows it; text is there for the student
             t_base = t_spec = 0.0
             stats_all = None
+            loop = dict.fromkeys(("decode_s", "decode_n", "base_rest_s", "verify_s", "rest_s"), 0.0)
             for ids, _ in prompts:
-                ref, tb, _ = timed(model, tok, ids, n)
-                out, ts, stats = timed(model, tok, ids, n, spec)
+                with forward_clock(model) as base_calls:
+                    ref, tb, _ = timed(model, tok, ids, n)
+                with forward_clock(model) as spec_calls:
+                    out, ts, stats = timed(model, tok, ids, n, spec)
                 identical &= out == ref
                 t_base, t_spec = t_base + tb, t_spec + ts
+                # the first forward of each run is the prompt's prefill, the same in both: the rest are the decode
+                # steps (target only) or the verify steps (speculative), and the time outside them is the rest
+                loop["decode_s"] += sum(dt for _, dt in base_calls[1:])
+                loop["decode_n"] += len(base_calls) - 1
+                loop["base_rest_s"] += tb - sum(dt for _, dt in base_calls)
+                loop["verify_s"] += sum(dt for _, dt in spec_calls[1:])
+                loop["rest_s"] += ts - sum(dt for _, dt in spec_calls)
                 if stats_all is None:
                     stats_all = stats
                 else:
@@ -181,7 +229,8 @@ def run(quick: bool = False, target: str = "float32") -> BenchResult:
                          "accepted_fraction": stats_all.accepted_fraction, "tokens_per_step": stats_all.tokens_per_step,
                          "formula_tokens_per_step": expected_tokens_per_step(a, k),
                          "target_tok_s": len(prompts) * n / t_base,
-                         "spec_tok_s": len(prompts) * n / t_spec, "speedup": t_base / t_spec})
+                         "spec_tok_s": len(prompts) * n / t_spec, "speedup": t_base / t_spec,
+                         **_in_loop(loop, stats_all)})
             print(f"  {source:>14s} k={k} {load:>8s}: a={a:.2f} {stats_all.tokens_per_step:.2f} tok/step "
                   f"{t_base / t_spec:.2f}x", flush=True)
 
@@ -236,6 +285,16 @@ def run(quick: bool = False, target: str = "float32") -> BenchResult:
             top1 = next((r["top1_agree"] for r in rows09 if "shipped" in r["variant"]), float("nan"))
             ratios["student_acceptance_text"] = sum(r["acceptance"] for r in text) / len(text)
             ratios["student_acceptance_over_lesson09_top1"] = ratios["student_acceptance_text"] / top1
+    learned = [r for r in rows if r["draft"].startswith("learned") and r["workload"] == "chat" and "loop_v" in r]
+    if learned:
+        r = max(learned, key=lambda r: r["speedup"])
+        dc = r["drafted_per_step"] * curves["head_cost"]["c"]
+        notes.append(f"{r['draft']} k={r['k']} on chat, inside the loop (in target decode steps of "
+                     f"{r['loop_decode_ms']:.2f} ms): a verify step {r['loop_v']:.2f}, the drafting and the rest of a "
+                     f"step {r['loop_rest']:.2f} (d x c alone: {dc:.2f}), "
+                     f"a target-only token's work outside the forward {r['loop_base_rest']:.2f}; the rule with these "
+                     f"predicts {r['loop_predicted_speedup']:.2f}x, measured {r['speedup']:.2f}x (with c and v timed "
+                     f"apart from the loop: {r.get('predicted_speedup', float('nan')):.2f}x)")
     notes.append(f"target decode alone: {rows[0]['target_tok_s']:.1f} tok/s at batch 1; greedy outputs of every "
                  f"variant and of the engine {'equal' if identical else 'DIFFER FROM'} target-only greedy")
     return BenchResult(name="speculative" if target == "float32" else f"speculative-{target}", rows=rows,
