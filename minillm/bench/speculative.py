@@ -2,11 +2,9 @@
 
 Target SmolLM2-135M, batch 1, greedy; each variant timed right after its own target-only baseline on the same prompt.
 Drafts: prompt lookup (n-gram, k = 2/4/8), the learned draft head (speculative/learned.py, shipped in minillm/assets),
-lesson 09's distilled student (shipped as a recipe) and an untrained early-exit self-draft. Workloads: input-grounded
-chat, open chat, pydoc text continuations. Also: a (k + 1)-token forward's cost next to a one-token decode, the
-acceptance rate a and tokens per step against (1 - a^(k+1)) / (1 - a), lesson 10's speedup rule with c and v timed
-apart and with the loop's own (each target forward timed inside generate()), and the engine at batch 1/4/16 with
-prompt lookup.
+lesson 09's distilled student and an untrained early-exit self-draft, on grounded chat, open chat and pydoc text.
+Also: a (k + 1)-token forward's cost, a and tokens per step against (1 - a^(k+1)) / (1 - a), lesson 10's speedup
+rule with c and v timed apart and with the loop's own (forward_clock), and the engine at batch 1/4/16.
 """
 
 from __future__ import annotations
