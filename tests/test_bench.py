@@ -629,4 +629,7 @@ def test_the_speculative_loop_clock_splits_a_run_into_forwards_and_the_rest():
     assert got["loop_rest"] == pytest.approx(0.3) and got["loop_base_rest"] == pytest.approx(0.1)
     # a target-only token costs 1 + 0.1 decode steps, a speculative step 1.2 + 0.3 for 2 tokens
     assert got["loop_predicted_speedup"] == pytest.approx(2 * 1.1 / 1.5)
+    assert "loop_head" not in got  # no draft head timed: no head terms
+    got = _in_loop(loop | {"head_s": 0.01, "head_n": 20}, stats)  # 20 guesses of 0.5 ms, 1 ms a step
+    assert got["loop_head"] == pytest.approx(0.1) and got["loop_head_ms"] == pytest.approx(0.5)
     assert _in_loop(loop, SpecStats()) == {}

@@ -111,15 +111,17 @@ def head_cost(model) -> dict:
 @contextlib.contextmanager
 def forward_clock(model):
     """(new tokens, seconds) of every forward of `model` while inside, in call order: what a speculative loop spends
-    in its verify steps, and so, by difference, in everything else (drafting, acceptance, Python)."""
+    in its verify steps, and so, by difference, in everything else (drafting, acceptance, Python). Any module with
+    a tensor first argument will do (a draft head: its rows)."""
     calls, started = [], []
 
     def before(module, args, kwargs):
         started.append(time.perf_counter())
 
     def after(module, args, kwargs, out):
-        ids = args[0] if args else kwargs["input_ids"]
-        calls.append((ids.shape[1], time.perf_counter() - started.pop()))
+        ids = args[0] if args else next(iter(kwargs.values()))
+        tokens = ids.shape[1] if ids.dtype == torch.long and ids.dim() == 2 else len(ids)  # token ids, else rows
+        calls.append((tokens, time.perf_counter() - started.pop()))
 
     hooks = (model.register_forward_pre_hook(before, with_kwargs=True),
              model.register_forward_hook(after, with_kwargs=True))
@@ -151,8 +153,11 @@ def _in_loop(loop: dict, stats) -> dict:
     step = loop["decode_s"] / decode_steps
     v, rest = loop["verify_s"] / stats.steps / step, loop["rest_s"] / stats.steps / step
     base_rest = loop["base_rest_s"] / decode_steps / step
-    return {"loop_decode_ms": step * 1e3, "loop_v": v, "loop_rest": rest, "loop_base_rest": base_rest,
-            "loop_predicted_speedup": stats.tokens_per_step * (1 + base_rest) / (v + rest)}
+    out = {"loop_decode_ms": step * 1e3, "loop_v": v, "loop_rest": rest, "loop_base_rest": base_rest,
+           "loop_predicted_speedup": stats.tokens_per_step * (1 + base_rest) / (v + rest)}
+    if loop.get("head_n"):  # a draft head's own calls, part of the rest: per step, and one guess's milliseconds
+        out |= {"loop_head": loop["head_s"] / stats.steps / step, "loop_head_ms": loop["head_s"] / loop["head_n"] * 1e3}
+    return out
 
 
 def engine_throughput(model, tok, prompts: list[list[int]], batch: int, n: int, spec) -> tuple[float, list]:
@@ -176,6 +181,7 @@ def run(quick: bool = False, target: str = "float32") -> BenchResult:
     native step (lesson 06's last rung), where a verify step costs nearly a decode step (issue 41: re-measured)."""
     from minillm.api import load_model
     from minillm.speculative.decoding import SpeculativeConfig, expected_tokens_per_step
+    from minillm.speculative.learned import draft_head_for
 
     if target not in TARGETS:
         raise ValueError(f"target must be one of {list(TARGETS)}, got {target!r}")
@@ -202,12 +208,15 @@ def run(quick: bool = False, target: str = "float32") -> BenchResult:
                 continue  # a weak draft everywhere: one workload shows it; text is there for the student
             t_base = t_spec = 0.0
             stats_all = None
-            loop = dict.fromkeys(("decode_s", "decode_n", "base_rest_s", "verify_s", "rest_s"), 0.0)
+            loop = dict.fromkeys(("decode_s", "decode_n", "base_rest_s", "verify_s", "rest_s", "head_s", "head_n"), 0.0)
             for ids, _ in prompts:
                 with forward_clock(model) as base_calls:
                     ref, tb, _ = timed(model, tok, ids, n)
-                with forward_clock(model) as spec_calls:
+                head = draft_head_for(model) if source.startswith("learned") else None
+                with forward_clock(model) as spec_calls, forward_clock(head or model) as head_calls:
                     out, ts, stats = timed(model, tok, ids, n, spec)
+                loop["head_s"] += sum(dt for _, dt in head_calls) if head is not None else 0.0
+                loop["head_n"] += len(head_calls) if head is not None else 0
                 identical &= out == ref
                 t_base, t_spec = t_base + tb, t_spec + ts
                 # the first forward of each run is the prompt's prefill, the same in both: the rest are the decode
@@ -290,7 +299,9 @@ def run(quick: bool = False, target: str = "float32") -> BenchResult:
         dc = r["drafted_per_step"] * curves["head_cost"]["c"]
         notes.append(f"{r['draft']} k={r['k']} on chat, inside the loop (in target decode steps of "
                      f"{r['loop_decode_ms']:.2f} ms): a verify step {r['loop_v']:.2f}, the drafting and the rest of a "
-                     f"step {r['loop_rest']:.2f} (d x c alone: {dc:.2f}), "
+                     f"step {r['loop_rest']:.2f}, of which the head's own calls {r.get('loop_head', float('nan')):.2f} "
+                     f"({r.get('loop_head_ms', float('nan')):.2f} ms a guess against "
+                     f"{curves['head_cost']['head_ms']:.2f} alone; d x c alone: {dc:.2f}), "
                      f"a target-only token's work outside the forward {r['loop_base_rest']:.2f}; the rule with these "
                      f"predicts {r['loop_predicted_speedup']:.2f}x, measured {r['speedup']:.2f}x (with c and v timed "
                      f"apart from the loop: {r.get('predicted_speedup', float('nan')):.2f}x)")
