@@ -632,4 +632,5 @@ def test_the_speculative_loop_clock_splits_a_run_into_forwards_and_the_rest():
     assert "loop_head" not in got  # no draft head timed: no head terms
     got = _in_loop(loop | {"head_s": 0.01, "head_n": 20}, stats)  # 20 guesses of 0.5 ms, 1 ms a step
     assert got["loop_head"] == pytest.approx(0.1) and got["loop_head_ms"] == pytest.approx(0.5)
+    assert got["loop_guesses_per_step"] == pytest.approx(2.0)
     assert _in_loop(loop, SpecStats()) == {}

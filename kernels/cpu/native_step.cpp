@@ -177,14 +177,14 @@ void chunk_rows(const Where& at, bool keys, int64_t c0, int64_t c1, const int64_
                 std::vector<float>& staged, std::vector<const float*>& rows) {
   static const float zeros[8 * 16] = {};  // D <= 128
   const int64_t padded = (c1 - c0 + 3) / 4 * 4;
+  const void* base = keys ? at.c.k : at.c.v;
+  const uint16_t* scales = keys ? at.c.k_scale : at.c.v_scale;
   staged.resize(at.c.int8 ? kKeyChunk * nkv * D : 0);
   rows.resize(kKeyChunk * nkv);
   for (int64_t p = c0; p < c0 + padded; ++p)
     for (int64_t h = 0; h < nkv; ++h) {
       const int64_t i = (p - c0) * nkv + h;
-      rows[i] = p >= c1 ? zeros
-                : keys ? cached_row(at, at.c.k, at.c.k_scale, slot_of[p], h, D, staged.data() + i * D)
-                       : cached_row(at, at.c.v, at.c.v_scale, slot_of[p], h, D, staged.data() + i * D);
+      rows[i] = p >= c1 ? zeros : cached_row(at, base, scales, slot_of[p], h, D, staged.data() + i * D);
     }
 }
 

@@ -156,7 +156,8 @@ def _in_loop(loop: dict, stats) -> dict:
     out = {"loop_decode_ms": step * 1e3, "loop_v": v, "loop_rest": rest, "loop_base_rest": base_rest,
            "loop_predicted_speedup": stats.tokens_per_step * (1 + base_rest) / (v + rest)}
     if loop.get("head_n"):  # a draft head's own calls, part of the rest: per step, and one guess's milliseconds
-        out |= {"loop_head": loop["head_s"] / stats.steps / step, "loop_head_ms": loop["head_s"] / loop["head_n"] * 1e3}
+        out |= {"loop_head": loop["head_s"] / stats.steps / step, "loop_head_ms": loop["head_s"] / loop["head_n"] * 1e3,
+                "loop_guesses_per_step": loop["head_n"] / stats.steps}  # guesses computed, drafted or not
     return out
 
 
@@ -213,10 +214,11 @@ def run(quick: bool = False, target: str = "float32") -> BenchResult:
                 with forward_clock(model) as base_calls:
                     ref, tb, _ = timed(model, tok, ids, n)
                 head = draft_head_for(model) if source.startswith("learned") else None
-                with forward_clock(model) as spec_calls, forward_clock(head or model) as head_calls:
+                head_clock = forward_clock(head) if head is not None else contextlib.nullcontext([])
+                with forward_clock(model) as spec_calls, head_clock as head_calls:
                     out, ts, stats = timed(model, tok, ids, n, spec)
-                loop["head_s"] += sum(dt for _, dt in head_calls) if head is not None else 0.0
-                loop["head_n"] += len(head_calls) if head is not None else 0
+                loop["head_s"] += sum(dt for _, dt in head_calls)
+                loop["head_n"] += len(head_calls)
                 identical &= out == ref
                 t_base, t_spec = t_base + tb, t_spec + ts
                 # the first forward of each run is the prompt's prefill, the same in both: the rest are the decode
@@ -301,7 +303,8 @@ def run(quick: bool = False, target: str = "float32") -> BenchResult:
                      f"{r['loop_decode_ms']:.2f} ms): a verify step {r['loop_v']:.2f}, the drafting and the rest of a "
                      f"step {r['loop_rest']:.2f}, of which the head's own calls {r.get('loop_head', float('nan')):.2f} "
                      f"({r.get('loop_head_ms', float('nan')):.2f} ms a guess against "
-                     f"{curves['head_cost']['head_ms']:.2f} alone; d x c alone: {dc:.2f}), "
+                     f"{curves['head_cost']['head_ms']:.2f} alone, {r['loop_guesses_per_step']:.2f} guesses computed "
+                     f"a step for {r['drafted_per_step']:.2f} drafted; d x c alone: {dc:.2f}), "
                      f"a target-only token's work outside the forward {r['loop_base_rest']:.2f}; the rule with these "
                      f"predicts {r['loop_predicted_speedup']:.2f}x, measured {r['speedup']:.2f}x (with c and v timed "
                      f"apart from the loop: {r.get('predicted_speedup', float('nan')):.2f}x)")
