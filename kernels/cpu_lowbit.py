@@ -362,6 +362,13 @@ def int8_rows(packed: Tensor, rows: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(scales[take, :, lanes].copy())
 
 
+def int8_embedding(packed: Tensor, ids: Tensor, n: int, k: int) -> Tensor:
+    """Rows `ids` (any shape) of an (n, k) weight kept as repack_int8's layout, as float32 (*ids.shape, k): scale *
+    code per block, what int8_rows gives, in one C++ call (the embedding lookup of every q4 decode step). An id
+    outside [0, n) raises RuntimeError."""
+    return _module.int8_embedding(packed, ids, n, k)
+
+
 def unrepack_int8(packed: Tensor, n: int, k: int) -> tuple[Tensor, Tensor]:
     """The inverse of repack_int8: (int8 weights (n, k), float32 scale per block (n, k/32))."""
     return int8_rows(packed, torch.arange(n), k)

@@ -166,11 +166,21 @@ def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def argmax_rows(logits: Tensor) -> Tensor:
+    """logits (..., vocab) -> each row's argmax (the first on a tie; a NaN counts as the largest), as
+    logits.argmax(-1). A float32 CPU tensor goes through numpy: torch 2.13's CPU argmax is ~8x slower over
+    SmolLM2's 49,152 logits (51 vs 6 us a row, 377 vs 58 for 16 rows, 2-core EPYC), a per-step cost of every
+    greedy decode."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not torch.compiler.is_compiling():
+        return torch.as_tensor(logits.detach().numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
+
+
 def sample_from_logits(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float = 1.0,
                        generator: torch.Generator | None = None) -> Tensor:
     """logits (batch, vocab) -> token ids (batch,): the argmax when greedy, else a draw from logits_to_probs."""
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return argmax_rows(logits)
     return sample(logits_to_probs(logits, temperature, top_k, top_p), generator)
 
 
@@ -209,7 +219,7 @@ def sample_batch(logits: Tensor, params: list[SamplingParams], generators: list[
     tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
     if greedy:
-        tokens[greedy] = logits[greedy].argmax(dim=-1)
+        tokens[greedy] = argmax_rows(logits if len(greedy) == len(params) else logits[greedy])
     for i, (p, gen) in enumerate(zip(params, generators)):
         if p.temperature != 0:
             tokens[i] = sample(logits_to_probs(logits[i:i + 1], p.temperature, p.top_k, p.top_p), gen)[0]

@@ -704,6 +704,25 @@ def test_an_int8_layer_kept_in_the_kernel_layout_alone_is_the_same_layer(n, bloc
     assert [name for name, _ in layer.named_buffers()] == ["kernel_weight"]
     assert torch.equal(layer.weight, q) and torch.equal(layer.scale, scale)
     assert torch.equal(layer(x), y) and torch.equal(layer.embedding(ids, torch.float32), emb)
+    with pytest.raises(RuntimeError, match=rf"token ids must be in \[0, {n}\), got {n}"):
+        layer.embedding(torch.tensor([[0, n]]), torch.float32)
+
+
+def test_int8_embedding_reads_the_rows_int8_rows_reads():
+    """The C++ lookup (one call a decode step) against int8_rows (numpy over the same layout): the same floats."""
+    need_kernels()
+    from minillm_kernels.cpu_lowbit import int8_embedding, int8_rows, repack_int8
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 45, 96
+    packed = repack_int8(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
+                         torch.rand(n, k // 32, generator=g).half())
+    ids = torch.tensor([[0, 44, 7], [8, 8, 15]])
+    q, s = int8_rows(packed, ids.reshape(-1), k)
+    want = (q.float() * s.repeat_interleave(32, dim=-1)).reshape(2, 3, k)
+    assert torch.equal(int8_embedding(packed, ids, n, k), want)
+    with pytest.raises(RuntimeError, match="token ids must be in"):
+        int8_embedding(packed, torch.tensor([-1]), n, k)
 
 
 def test_q4_model_keeps_one_copy_of_its_4bit_layers():

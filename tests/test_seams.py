@@ -24,7 +24,7 @@ from minillm.cache.kv_transfer import pack_kv_blocks, unpack_kv_blocks
 from minillm.model import Transformer, model_bytes, replace_linears
 from minillm.cache.kv_pool import KVBlockPool, KVCacheSpec
 from minillm.cache.paged import PagedSequenceCache
-from minillm.sampling import SamplingParams, logits_to_probs, sample_batch
+from minillm.sampling import SamplingParams, argmax_rows, logits_to_probs, sample_batch
 from tests.conftest import tiny_model
 
 CACHES = {"contiguous": KVCache.for_model, "paged": lambda m, b, n: PagedSequenceCache.for_model(m, b, n, block_size=4)}
@@ -347,3 +347,21 @@ def test_interleaved_iterators_in_one_thread():
             if ev is not None:
                 got.append(ev.token_id)
     assert len(got_a) == 5 and len(got_b) == 7
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.sampled_from([(7,), (1, 50), (3, 9), (2, 2, 33)]), ties=st.booleans(), nan=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_argmax_rows_is_torch_argmax(shape, ties, nan, seed):
+    """The numpy route of a greedy pick against torch.argmax (the oracle): the first index on a tie, a NaN counts
+    as the largest; the same on a non-float32 tensor (torch's route)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    if ties:
+        x = x.round()  # many equal maxima
+    if nan:
+        x.view(-1)[torch.randint(0, x.numel(), (2,), generator=g)] = float("nan")
+    want = x.argmax(dim=-1)
+    got = argmax_rows(x)
+    assert got.dtype == torch.long and torch.equal(got, want)
+    assert torch.equal(argmax_rows(x.double()), x.double().argmax(dim=-1))

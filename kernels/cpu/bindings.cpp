@@ -53,6 +53,28 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   return lowbit_matmul(x, packed, N, kInt8, "repack_int8", reference);
 }
 
+// rows `ids` (any shape, int64, each in [0, N)) of an (N, K) repack_int8 weight as float32 (*ids.shape, K)
+at::Tensor int8_embedding(const at::Tensor& packed, const at::Tensor& ids_in, int64_t N, int64_t K) {
+  const int64_t groups = (N + kRows - 1) / kRows;
+  TORCH_CHECK(K % kBlock == 0, "K = ", K, " must be a multiple of 32 (the blocks of 32 inputs that share a scale)");
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.dim() == 3 && packed.size(0) == groups && packed.size(1) == K / kBlock &&
+                  packed.size(2) == group_bytes(kInt8),
+              "packed must be repack_int8's contiguous uint8 (", groups, ", ", K / kBlock, ", ", group_bytes(kInt8),
+              "), got ", packed.sizes());
+  TORCH_CHECK(ids_in.device().is_cpu() && !at::isFloatingType(ids_in.scalar_type()), "ids must be integer, on the CPU");
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t n = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < N, "token ids must be in [0, ", N, "), got ", id[i]);
+  at::Tensor out = at::empty({n, K}, at::kFloat);
+  int8_rows_float(packed.data_ptr<uint8_t>(), K / kBlock, id, n, out.data_ptr<float>());
+  std::vector<int64_t> shape = ids_in.sizes().vec();
+  shape.push_back(K);
+  return out.view(shape);
+}
+
 void check_pool(const at::Tensor& codes, const at::Tensor& scales, const char* name) {
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 4,
               name, "_pool must be int8 (num_blocks, block_size, n_kv_heads, head_dim), got ", codes.scalar_type(),
@@ -240,6 +262,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using minillm::NativeDecoder;
   m.def("q4_1_matmul", &minillm::q4_1_matmul, "x (..., K) @ repacked Q4_1 weights.T -> (..., N), x's dtype");
   m.def("int8_matmul", &minillm::int8_matmul, "x (..., K) @ repacked int8 weights.T -> (..., N), x's dtype");
+  m.def("int8_embedding", &minillm::int8_embedding,
+        "rows ids of an (N, K) repacked int8 weight as float32 (*ids.shape, K): a tied embedding's lookup");
   m.def("paged_int8_decode", &minillm::paged_int8_decode,
         "decode attention (one query per sequence) read from an int8 paged KV pool and its float16 scales");
   pybind11::class_<NativeDecoder>(m, "NativeDecoder")

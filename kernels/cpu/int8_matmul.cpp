@@ -95,4 +95,22 @@ void weight_matmul_groups(WeightFormat format, bool reference, const QuantizedRo
   matmul_groups(x, M, w, N, kQ8Bytes, g0, g1, y, Int8Group{reference});
 }
 
+// rows `ids` (n) of a repacked weight as floats, out (n, blocks * 32): a tied embedding's lookup, scale * code per
+// block, read from the layout the LM head multiplies (no second copy of the codes; ~70 us of numpy and torch ops a
+// decode step before, a few here)
+void int8_rows_float(const uint8_t* w, int64_t blocks, const int64_t* ids, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t group = ids[i] / kRows, lane = ids[i] % kRows;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = w + (group * blocks + b) * kQ8Bytes;
+      float scale;
+      std::memcpy(&scale, blk + 4 * lane, sizeof(scale));
+      const int8_t* codes = reinterpret_cast<const int8_t*>(blk + 4 * kRows) + 4 * lane;
+      float* row = out + (i * blocks + b) * kBlock;
+      for (int j = 0; j < 8; ++j)
+        for (int k = 0; k < 4; ++k) row[4 * j + k] = scale * static_cast<float>(codes[j * 4 * kRows + k]);
+    }
+  }
+}
+
 }  // namespace minillm

@@ -16,6 +16,9 @@ int64_t group_bytes(WeightFormat format);  // bytes of one group of kRows rows x
 void weight_matmul_groups(WeightFormat format, bool reference, const QuantizedRows& x, int64_t M, const uint8_t* w,
                           int64_t N, int64_t g0, int64_t g1, float* y);
 
+// rows ids[0..n) of a repack_int8 weight with `blocks` blocks of 32 inputs, as floats: out (n, blocks * 32)
+void int8_rows_float(const uint8_t* w, int64_t blocks, const int64_t* ids, int64_t n, float* out);
+
 // decode attention over an int8 paged pool (int8_kv_attention.cpp), for sequences [s0, s1) x KV heads
 struct Int8DecodeArgs {
   const float* q;  // (n, n_heads, D)

@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from minillm.compile.native import SCOPE as NATIVE_SCOPE
 from minillm.compile.native import STAGE_SECONDS
 from minillm.measure.metrics import model_flops_per_token, timer
+from minillm.sampling import argmax_rows
 
 KINDS = ("decode", "verify", "batch")
 TERMS = ("matmul", "attention", "elementwise", "sampling", "else")
@@ -176,8 +177,8 @@ class Breakdown:
 
 def _is_scope(ev) -> bool:
     # record_function scopes (ours or a caller's) are annotations, not ops; older torch lacks the flag
-    if ev.name in (_KERNEL_MATMUL, NATIVE_SCOPE):
-        return False
+    if ev.name in (_KERNEL_MATMUL, NATIVE_SCOPE, _SAMPLING):  # charged as one op: sampling may run no torch op
+        return False  # (a greedy pick is numpy's argmax, sampling.argmax_rows)
     return bool(getattr(ev, "is_user_annotation", False)) or ev.name in _SCOPES or ev.name == _STEP
 
 
@@ -201,7 +202,7 @@ def _charge(events) -> tuple[dict[str, float], dict[str, int], float]:
         if in_step and ev.name == NATIVE_SCOPE:  # every layer in one C++ call: split later, by its own clock
             times["native"] += ev.cpu_time_total
         elif in_step:
-            term = scope or classify(ev.name)
+            term = scope or _SCOPES.get(ev.name) or classify(ev.name)
             times[term] += ev.cpu_time_total
             counts[term] += 1
     return times, counts, step_us
@@ -327,7 +328,7 @@ def step_breakdown(model: torch.nn.Module, kind: str = "decode", batch: int = 1,
     def step() -> list:
         logits = model(ids, kv_cache=kv)
         with sampling_scope():
-            return logits.argmax(dim=-1).tolist()
+            return argmax_rows(logits).tolist()  # as generate() picks a greedy token
 
     if bandwidth is None:
         from minillm.measure.hardware import bandwidth as measured_bandwidth

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from minillm.request import Request
-from minillm.sampling import SamplingParams, logits_to_probs, sample
+from minillm.sampling import SamplingParams, argmax_rows, logits_to_probs, sample
 from minillm.speculative.drafters import Drafter, ModelDrafter, NgramDrafter
 
 METHODS = ("ngram", "draft", "early_exit", "learned")
@@ -164,7 +164,7 @@ def verify(logits: Tensor, draft: list[int], q: Tensor | None, params: SamplingP
            generator: torch.Generator | None = None) -> list[int]:
     """logits (k + 1, vocab): the target's raw logits at the last token and at each draft -> the emitted tokens."""
     if params.temperature == 0:
-        return verify_greedy(logits.argmax(dim=-1).tolist(), draft)
+        return verify_greedy(argmax_rows(logits).tolist(), draft)
     p = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)
     return rejection_sample(p, q, draft, generator)
 
