@@ -28,11 +28,14 @@ pytestmark = [pytest.mark.skipif(cpu_kernels() is None, reason="the CPU low-bit 
 # 5-token int8/int8-KV case at 3.2e-3); a wrong position or slot moves them by O(0.1-1) on average
 # (test_native_catches_a_wrong_position)
 MEAN_TOL, MAX_TOL = 6e-3, 0.2
+TINY_LOGIT_STD = 8.5  # the default tiny models' logits (measured), which the tolerances above were measured on
 
 
 def assert_close_within_int8_rounding(native, eager):
-    d = (native - eager).abs()
-    assert d.mean() <= MEAN_TOL and d.max() <= MAX_TOL, f"mean {d.mean():.2e}, max {d.max():.3f}"
+    """Within the tolerances, scaled up for a model whose logits spread wider than the default tiny ones (the
+    head_dim-64 shape's are ~16: its rounding moves them proportionally more)."""
+    d, scale = (native - eager).abs(), max(1.0, float(eager.std()) / TINY_LOGIT_STD)
+    assert d.mean() <= MEAN_TOL * scale and d.max() <= MAX_TOL * scale, f"mean {d.mean():.2e}, max {d.max():.3f}"
 
 
 def quantized_tiny(scheme: str = "int4", seed: int = 0, **cfg):
@@ -66,13 +69,15 @@ def decode_run(kind: str, kv_dtype, batch: int, prompt: int, steps: int, seed: i
     return run
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=24, deadline=None)
 @given(kind=st.sampled_from(["contiguous", "paged"]), int8_kv=st.booleans(), scheme=st.sampled_from(["int4", "int8"]),
-       batch=st.integers(1, 3), prompt=st.integers(1, 40), steps=st.integers(0, 5), seed=st.integers(0, 99))
-def test_native_matches_eager_on_every_cache(kind, int8_kv, scheme, batch, prompt, steps, seed):
+       batch=st.integers(1, 3), prompt=st.integers(1, 40), steps=st.integers(0, 5), seed=st.integers(0, 99),
+       smollm_heads=st.booleans())
+def test_native_matches_eager_on_every_cache(kind, int8_kv, scheme, batch, prompt, steps, seed, smollm_heads):
     """The oracle runs the contiguous cache (paged equals contiguous): with an int8 cache its eager path attends to
-    keys read back from int8 as the native step does, where the eager paged prefill attends to the new float ones."""
-    model = quantized_tiny(scheme, seed % 3)
+    keys read back from int8 as the native step does, where the eager paged prefill attends to the new float ones.
+    smollm_heads: head_dim 64 in groups of 3, as SmolLM2 (the SIMD attention kernels' shapes, values_by_group's)."""
+    model = quantized_tiny(scheme, seed % 3, **(dict(dim=192, n_heads=3, n_kv_heads=1) if smollm_heads else {}))
     kv_dtype = torch.int8 if int8_kv else None
     eager, native = both(model, decode_run("contiguous", kv_dtype, batch, prompt, steps, seed),
                          decode_run(kind, kv_dtype, batch, prompt, steps, seed))
