@@ -266,6 +266,8 @@ def test_bench_notes_are_computed_from_the_rows(tiny):
     assert len(native) == 1 and f"{d.wall_ms:.2f} ms" in native[0] and f"{v.wall_ms / d.wall_ms:.2f}x" in native[0]
     kv, read = d.settings["kv_bytes"], d.settings["bytes_read"]
     assert f"{kv / 1e6:.1f} MB of the {read / 1e6:.1f} MB" in native[0] and f"({kv / read:.0%})" in native[0]
+    excess = (v.terms["matmul"] - d.terms["matmul"]) / d.wall_ms  # the verify's extra matmul time, in decode steps
+    assert f"its matmuls add {excess:.2f}x" in native[0] and f"alone would put it at {1 + excess:.2f}x" in native[0]
 
 
 def test_ops_under_a_callers_own_scope_still_count():

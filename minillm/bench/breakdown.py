@@ -64,6 +64,9 @@ def run(quick: bool = False) -> BenchResult:
             q4d, q4v = by["q4 native" + cache, "decode", 1], by["q4 native" + cache, "verify", 1]
             ratios[f"{key}_decode_non_matmul_share"] = 1 - q4d.shares["matmul"]
             ratios[f"{key}_verify_vs_decode_wall"] = q4v.wall_ms / q4d.wall_ms
+            # where the verify step's excess over a decode step goes, in decode steps: 1 + these = the ratio above
+            for term in ("matmul", "attention"):
+                ratios[f"{key}_verify_{term}_excess"] = (q4v.terms[term] - q4d.terms[term]) / q4d.wall_ms
             # a step at its byte floor spends at least this share reading the KV cache: attention's own floor
             ratios[f"{key}_decode_kv_byte_share"] = q4d.settings["kv_bytes"] / q4d.settings["bytes_read"]
             targets |= {f"{key}_decode_non_matmul_share": ("<=", 0.15), f"{key}_verify_vs_decode_wall": ("<=", 1.1)}
@@ -122,8 +125,13 @@ def _notes(by: dict[tuple, Breakdown], dtypes: list[str], context: int) -> list[
                      f"({q4d.shares['matmul']:.0%}: the 4-bit layers and the 8-bit LM head), attention "
                      f"{t['attention']:.2f}, elementwise {t['elementwise']:.2f}, sampling {t['sampling']:.2f}, Python "
                      f"around the call {t['else']:.2f} over {q4d.n_ops} ops (float32 eager: {decode.n_ops}); verify "
-                     f"k={K}: {q4v.wall_ms / q4d.wall_ms:.2f}x the decode step, its matmuls {q4v.terms['matmul']:.2f} "
-                     f"vs {t['matmul']:.2f} ms. The cache is {kv / 1e6:.1f} MB of the {read / 1e6:.1f} MB the step "
+                     f"k={K}: {q4v.wall_ms / q4d.wall_ms:.2f}x the decode step, of which its matmuls add "
+                     f"{(q4v.terms['matmul'] - t['matmul']) / q4d.wall_ms:.2f}x ({q4v.terms['matmul']:.2f} vs "
+                     f"{t['matmul']:.2f} ms: {K + 1} rows through kernels that one row leaves memory-bound), its "
+                     f"attention {(q4v.terms['attention'] - t['attention']) / q4d.wall_ms:.2f}x "
+                     f"({q4v.terms['attention']:.2f} vs {t['attention']:.2f} ms): were its other terms a decode "
+                     f"step's, its matmuls alone would put it at {1 + (q4v.terms['matmul'] - t['matmul']) / q4d.wall_ms:.2f}x. "
+                     f"The cache is {kv / 1e6:.1f} MB of the {read / 1e6:.1f} MB the step "
                      f"reads ({kv / read:.0%}): a step at its byte floor spends at least that share in attention "
                      f"(measured: {q4d.shares['attention']:.0%})")
     overhead = [bd.profiled_wall_ms / bd.wall_ms - 1 for bd in by.values()]
