@@ -177,8 +177,8 @@ def _prepacked(model, tok, prompts, params, max_batch, rounds, rows, ratios, con
         ratios["prepacked_decode_b1_vs_vllm"] = (64 / t1.seconds) / vllm["b1_tok_s"]
     same = sum(a.token_ids == b.token_ids for a, b in zip(out, cont_out))
     return (f"float32 with its weights prepacked in oneDNN's layout (minillm.compile.prepack; tokens equal eager "
-            f"float32's for {same}/{len(out)} requests): continuous {tok_s:.1f} tok/s ({tok_s / cont['output_tok_per_s']:.2f}x eager float32), "
-            f"batch 1 {64 / t1.seconds:.1f} tok/s")
+            f"float32's for {same}/{len(out)} requests): continuous {tok_s:.1f} tok/s "
+            f"({tok_s / cont['output_tok_per_s']:.2f}x eager float32), batch 1 {64 / t1.seconds:.1f} tok/s")
 
 
 def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> BenchResult:
@@ -237,8 +237,8 @@ def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> Be
             q4_cont = next(r for r in rows if r["engine"] == "continuous, q4 native step")["output_tok_per_s"]
             ratios["q4_native_continuous_vs_hf_throughput"] = q4_cont / (hf_tokens / hf_wall)
     vllm_note, vllm = _vllm_peer(model, reqs, prompts, max_batch, dtype, rows, ratios, targets, cont, cont_out)
-    prepack_note = (_prepacked(model, tok, prompts, params, max_batch, rounds, rows, ratios, cont, cont_out, vllm)
-                    if dtype == "float32" else None)
+    prepack_note = None if dtype != "float32" else _prepacked(model, tok, prompts, params, max_batch, rounds, rows,
+                                                              ratios, cont, cont_out, vllm)
     notes = [
         (f"{n} requests, all at t=0; prompts {prompt_len} tokens of pydoc text; outputs lognormal in {output_len} "
         f"({cont['output_tokens']} tokens in total); max batch {max_batch}; {dtype}; greedy; CPU run."),

@@ -1,12 +1,11 @@
-"""Weight prepacking (lesson 06): a float32 Linear's weight reordered once into the blocked layout oneDNN's kernel reads.
+"""Weight prepacking (lesson 06): each float32 Linear's weight also kept in the blocked layout oneDNN's kernel reads.
 
 torch's default CPU float32 matmul streams a batch-1 decode's weights far below the memory's rate; oneDNN's kernel,
-handed its weights already in its own layout, streams them faster (by hand on the 2-core AVX2 EPYC: the model's
-block matmuls 16 -> 23 GB/s, its 113 MB LM head 16 -> 35). `prepack(model)` swaps every float32 nn.Linear, the tied
-LM head included, for a PackedLinear that keeps the weight (state_dict, tying and every other path unchanged) and a
-packed copy beside it: what inductor's CPU "freezing" does inside a compiled graph. The cost is a second copy of the
-weights in memory. Where the copy cannot serve (autograd, another dtype or device, a weight changed since packing:
-it repacks), the plain matmul runs.
+handed its weights in its own layout, streams them faster (by hand, 2-core AVX2 EPYC: the block matmuls 16 -> 23
+GB/s, the 113 MB LM head 16 -> 35). `prepack(model)` swaps every float32 nn.Linear, the tied LM head included, for a
+PackedLinear: the weight stays (state_dict, tying, other paths unchanged), a packed copy sits beside it (memory: a
+second copy), as inductor's CPU "freezing" does in a compiled graph. Where the copy cannot serve (autograd, another
+dtype or device) the plain matmul runs; a weight changed in place since packing is repacked.
 """
 
 from __future__ import annotations
