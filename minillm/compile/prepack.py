@@ -1,4 +1,4 @@
-"""Weight prepacking (lesson 06): each float32 Linear's weight also kept in the blocked layout oneDNN's kernel reads.
+"""Weight prepacking: each float32 Linear's weight also kept in the layout oneDNN's kernel reads (not in a lesson yet).
 
 torch's default CPU float32 matmul streams a batch-1 decode's weights far below the memory's rate; oneDNN's kernel,
 handed its weights in its own layout, streams them faster (by hand, 2-core AVX2 EPYC: the block matmuls 16 -> 23
