@@ -364,9 +364,17 @@ def int8_rows(packed: Tensor, rows: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 def int8_embedding(packed: Tensor, ids: Tensor, n: int, k: int) -> Tensor:
     """Rows `ids` (any shape) of an (n, k) weight kept as repack_int8's layout, as float32 (*ids.shape, k): scale *
-    code per block, what int8_rows gives, in one C++ call (the embedding lookup of every q4 decode step). An id
-    outside [0, n) raises RuntimeError."""
-    return _module.int8_embedding(packed, ids, n, k)
+    code per block. One C++ call (the embedding lookup of every q4 decode step) where the module is loaded; the same
+    floats by int8_rows' numpy indexing where it is not (cpu_kernels_disabled) or under torch.compile (dynamo traces
+    numpy, not a C++ call). An id outside [0, n) raises RuntimeError either way."""
+    if _module is not None and not torch.compiler.is_compiling():
+        return _module.int8_embedding(packed, ids, n, k)
+    flat = ids.reshape(-1)
+    if flat.numel() and not torch.compiler.is_compiling() and (int(flat.min()) < 0 or int(flat.max()) >= n):
+        bad = int(flat.min()) if int(flat.min()) < 0 else int(flat.max())
+        raise RuntimeError(f"token ids must be in [0, {n}), got {bad}")
+    q, s = int8_rows(packed, flat, k)
+    return (q.float() * s.repeat_interleave(BLOCK, dim=-1)).reshape(*ids.shape, k)
 
 
 def unrepack_int8(packed: Tensor, n: int, k: int) -> tuple[Tensor, Tensor]:

@@ -704,10 +704,13 @@ def test_an_int8_layer_kept_in_the_kernel_layout_alone_is_the_same_layer(n, bloc
     assert [name for name, _ in layer.named_buffers()] == ["kernel_weight"]
     assert torch.equal(layer.weight, q) and torch.equal(layer.scale, scale)
     assert torch.equal(layer(x), y) and torch.equal(layer.embedding(ids, torch.float32), emb)
-    with quant.cpu_kernels_disabled():  # the C++ module unloaded: the same rows, by numpy
-        assert torch.equal(layer.embedding(ids, torch.float32), emb)
     with pytest.raises(RuntimeError, match=rf"token ids must be in \[0, {n}\), got {n}"):
         layer.embedding(torch.tensor([[0, n]]), torch.float32)
+    with quant.cpu_kernels_disabled():  # the C++ module unloaded: the same rows and the same check, by numpy
+        quant.cpu_kernels()
+        assert torch.equal(layer.embedding(ids, torch.float32), emb)
+        with pytest.raises(RuntimeError, match=r"token ids must be in .*got -1"):
+            layer.embedding(torch.tensor([[-1, 0]]), torch.float32)
 
 
 def test_int8_embedding_reads_the_rows_int8_rows_reads():

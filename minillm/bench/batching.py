@@ -84,6 +84,25 @@ def hf_padded_generate(requests, max_batch: int, dtype: str, model=None) -> tupl
     return t.seconds, sum(r.max_tokens for r in requests)
 
 
+def continuous_run(model, tok, prompts, params, max_batch: int):
+    """One run of the continuous engine (minillm.LLM) over the workload: (wall_s, outputs, engine)."""
+    from minillm.engine import LLM
+
+    llm = LLM.from_model(model, tok, max_num_seqs=max_batch, max_num_batched_tokens=512)
+    with timer() as t:
+        out = llm.generate(prompts, params)
+    return t.seconds, out, llm
+
+
+def batch1_tok_s(model, prompt: list[int], n: int) -> float:
+    """Batch-1 decode rate of one generate() call, prefill included: how the vLLM peer's batch-1 run is timed."""
+    from minillm.api import generate
+
+    with timer() as t:
+        generate(model, None, prompt, max_new_tokens=n, ignore_eos=True)
+    return n / t.seconds
+
+
 def engines_side_by_side(model, tok, prompts, params, max_batch: int, rounds: int):
     """Continuous (minillm.LLM) and static batching (StaticBatchEngine: same runner and sampler, fixed batches in
     arrival order) on one workload: each engine's best run of `rounds` as (wall_s, outputs, engine). Both are warmed
@@ -91,12 +110,6 @@ def engines_side_by_side(model, tok, prompts, params, max_batch: int, rounds: in
     would otherwise land on one engine only."""
     from minillm.engine import LLM
     from minillm.engine.static import StaticBatchEngine
-
-    def run_continuous():
-        llm = LLM.from_model(model, tok, max_num_seqs=max_batch, max_num_batched_tokens=512)
-        with timer() as t:
-            out = llm.generate(prompts, params)
-        return t.seconds, out, llm
 
     def run_static():
         engine = StaticBatchEngine(model, tok, max_batch=max_batch)
@@ -109,15 +122,15 @@ def engines_side_by_side(model, tok, prompts, params, max_batch: int, rounds: in
     StaticBatchEngine(model, tok, max_batch=max_batch).generate(prompts[:max_batch], warm)
     cont_runs, static_runs = [], []
     for _ in range(rounds):
-        cont_runs.append(run_continuous())
+        cont_runs.append(continuous_run(model, tok, prompts, params, max_batch))
         static_runs.append(run_static())
     return min(cont_runs, key=lambda r: r[0]), min(static_runs, key=lambda r: r[0])
 
 
 def _vllm_peer(model, reqs, prompts, max_batch, dtype, rows, ratios, targets, cont, cont_out) -> tuple[str, dict]:
     """vLLM's CPU build on the same requests (minillm.measure.vllm_peer), where it is installed: a row, the throughput
-    ratios, and batch-1 decode against minillm's own generate() on the first request. Returns the note."""
-    from minillm.api import generate
+    ratios, and batch-1 decode against minillm's own generate() on the first request. Returns the note and vLLM's
+    measurements (with its rates as tok_s and b1_tok_s; empty where it did not run)."""
     from minillm.measure.vllm_peer import ENV, run_vllm, vllm_python
 
     if vllm_python() is None:  # a peer this bench names, and says why it did not run
@@ -125,60 +138,49 @@ def _vllm_peer(model, reqs, prompts, max_batch, dtype, rows, ratios, targets, co
                 f"in this environment or another one whose python {ENV} names)"), {}
     b1 = 64
     v = run_vllm(prompts, [r.max_tokens for r in reqs], max_batch, dtype, torch.get_num_threads(), b1_tokens=b1)
-    rows.append({"engine": f"vLLM {v['version']} CPU build (offline LLM.generate)",
-                 "output_tok_per_s": v["output_tokens"] / v["wall_s"], "requests_per_s": len(reqs) / v["wall_s"],
-                 "wall_s": v["wall_s"], "engine_start_s": v["start_s"]})
-    vllm_tok_s = v["output_tokens"] / v["wall_s"]
-    ratios["continuous_vs_vllm_throughput"] = cont["output_tok_per_s"] / vllm_tok_s
+    v["tok_s"], v["b1_tok_s"] = v["output_tokens"] / v["wall_s"], v["b1_tokens"] / v["b1_wall_s"]
+    rows.append({"engine": f"vLLM {v['version']} CPU build (offline LLM.generate)", "output_tok_per_s": v["tok_s"],
+                 "requests_per_s": len(reqs) / v["wall_s"], "wall_s": v["wall_s"], "engine_start_s": v["start_s"]})
+    ratios["continuous_vs_vllm_throughput"] = cont["output_tok_per_s"] / v["tok_s"]
     targets["continuous_vs_vllm_throughput"] = (">=", 1.0)
     q4 = next((r for r in rows if r["engine"] == "continuous, q4 native step"), None)
     if q4 is not None:
-        ratios["q4_native_continuous_vs_vllm_throughput"] = q4["output_tok_per_s"] / vllm_tok_s
+        ratios["q4_native_continuous_vs_vllm_throughput"] = q4["output_tok_per_s"] / v["tok_s"]
         targets["q4_native_continuous_vs_vllm_throughput"] = (">=", 1.5)
-    with timer() as t:  # batch-1 decode as vLLM's was timed: the first request's prompt and b1 tokens, one call
-        generate(model, None, prompts[0], max_new_tokens=b1, ignore_eos=True)
-    ratios["decode_b1_vs_vllm"] = (b1 / t.seconds) / (v["b1_tokens"] / v["b1_wall_s"])
+    ours_b1 = batch1_tok_s(model, prompts[0], b1)
+    ratios["decode_b1_vs_vllm"] = ours_b1 / v["b1_tok_s"]
     targets["decode_b1_vs_vllm"] = (">=", 1.0)
     same = sum(list(o.token_ids) == tokens for o, tokens in zip(cont_out, v["tokens"]))
-    v["tok_s"], v["b1_tok_s"] = vllm_tok_s, v["b1_tokens"] / v["b1_wall_s"]
     return (f"vLLM {v['version']}'s CPU build ran the same {len(reqs)} requests (token ids in, greedy, ignore_eos, "
             f"max_num_seqs {max_batch}, {dtype}, {torch.get_num_threads()} OpenMP threads) in a child process on a "
-            f"Hugging Face folder transformers wrote from the GGUF: {vllm_tok_s:.1f} tok/s (engine start "
+            f"Hugging Face folder transformers wrote from the GGUF: {v['tok_s']:.1f} tok/s (engine start "
             f"{v['start_s']:.0f} s, not counted); its tokens equal minillm's continuous engine's for "
             f"{same}/{len(reqs)} requests. Batch 1, the first request, {b1} tokens, prefill included: minillm "
-            f"{b1 / t.seconds:.1f} tok/s, "
-            f"vLLM {v['b1_tokens'] / v['b1_wall_s']:.1f}"), v
+            f"{ours_b1:.1f} tok/s, vLLM {v['b1_tok_s']:.1f}"), v
 
 
 def _prepacked(model, tok, prompts, params, max_batch, rounds, rows, ratios, cont, cont_out, vllm) -> str:
     """The float32 continuous engine again after prepack(model) (oneDNN's packed weights, minillm.compile.prepack),
     and its batch-1 decode as _vllm_peer times it: a row and ratios against eager float32 and vLLM. The note."""
-    from minillm.api import generate
     from minillm.compile.prepack import prepack, why_not_prepack
-    from minillm.engine import LLM
 
     if (why := why_not_prepack()) is not None:
         return f"the prepacked float32 row did not run: {why}"
     prepack(model)
-    LLM.from_model(model, tok, max_num_seqs=max_batch, max_num_batched_tokens=512).generate(prompts[:2], params[:2])
-    best = None
-    for _ in range(rounds):
-        llm = LLM.from_model(model, tok, max_num_seqs=max_batch, max_num_batched_tokens=512)
-        with timer() as t:
-            out = llm.generate(prompts, params)
-        best = t.seconds if best is None else min(best, t.seconds)
-    tok_s = sum(len(o.token_ids) for o in out) / best
-    rows.append({"engine": "continuous, float32 prepacked", "output_tok_per_s": tok_s, "wall_s": best})
+    continuous_run(model, tok, prompts[:2], params[:2], max_batch)  # warm-up
+    wall, out, _ = min((continuous_run(model, tok, prompts, params, max_batch) for _ in range(rounds)),
+                       key=lambda r: r[0])
+    tok_s = sum(len(o.token_ids) for o in out) / wall
+    rows.append({"engine": "continuous, float32 prepacked", "output_tok_per_s": tok_s, "wall_s": wall})
     ratios["prepacked_vs_eager_continuous"] = tok_s / cont["output_tok_per_s"]
-    with timer() as t1:
-        generate(model, None, prompts[0], max_new_tokens=64, ignore_eos=True)
+    b1 = batch1_tok_s(model, prompts[0], 64)
     if vllm:
         ratios["prepacked_continuous_vs_vllm_throughput"] = tok_s / vllm["tok_s"]
-        ratios["prepacked_decode_b1_vs_vllm"] = (64 / t1.seconds) / vllm["b1_tok_s"]
+        ratios["prepacked_decode_b1_vs_vllm"] = b1 / vllm["b1_tok_s"]
     same = sum(a.token_ids == b.token_ids for a, b in zip(out, cont_out))
     return (f"float32 with its weights prepacked in oneDNN's layout (minillm.compile.prepack; tokens equal eager "
             f"float32's for {same}/{len(out)} requests): continuous {tok_s:.1f} tok/s "
-            f"({tok_s / cont['output_tok_per_s']:.2f}x eager float32), batch 1 {64 / t1.seconds:.1f} tok/s")
+            f"({tok_s / cont['output_tok_per_s']:.2f}x eager float32), batch 1 {b1:.1f} tok/s")
 
 
 def run(quick: bool = False, dtype: str = "float32", with_hf: bool = True) -> BenchResult:

@@ -328,13 +328,8 @@ class Int8Linear(QuantizedLinear):
 
     def embedding(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         rows = ids.reshape(-1)
-        if self.kernel_layout_only and _cpu_kernels_loaded() and not torch.compiler.is_compiling():
-            w = cpu_lowbit.int8_embedding(self._buffers["kernel_weight"], rows, self.out_features,  # the rows straight
-                                          self.in_features)  # from the kernels' layout, in C++
-        elif self.kernel_layout_only:  # the same rows by numpy indexing: dynamo traces numpy, not a C++ call, and
-            # cpu_kernels_disabled() (a bench's torch-kernel row) unloads the C++ module
-            q, s = cpu_lowbit.int8_rows(self._buffers["kernel_weight"], rows, self.in_features)
-            w = q.float() * s.repeat_interleave(32, dim=-1)
+        if self.kernel_layout_only:  # the rows straight from the kernels' layout (scales per block of 32)
+            w = cpu_lowbit.int8_embedding(self._buffers["kernel_weight"], rows, self.out_features, self.in_features)
         else:
             w = self._dequantize_rows(self.weight[rows], self.scale[rows])
         return w.to(dtype).reshape(*ids.shape, self.in_features)

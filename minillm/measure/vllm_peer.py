@@ -5,7 +5,7 @@ MINILLM_VLLM_PYTHON names that environment's python (a venv made with --system-s
 without it, this python is used if it can import vllm. vLLM serves a Hugging Face folder, not a GGUF: transformers
 reads SmolLM2's GGUF once and writes the folder beside the download (hf_folder). The run happens in a child process
 (a fresh interpreter, in an empty working directory so that no folder of this checkout shadows a package vLLM
-imports), which writes its measurements as JSON. Lesson 04 compares minillm's engine against it.
+imports), which writes its measurements as JSON. `minillm bench batching` runs it beside minillm's engine.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ ENV = "MINILLM_VLLM_PYTHON"
 
 # the child: vLLM's offline engine over the given requests; timed after a warm-up; a batch-1 decode rate too
 _WORKER = r"""
-import json, os, sys, time
+import json, sys, time
 job = json.load(open(sys.argv[1]))
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
