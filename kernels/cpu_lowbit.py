@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
-SOURCES = ("bindings.cpp", "q4_1_matmul.cpp", "int8_matmul.cpp", "int8_kv_attention.cpp", "native_step.cpp")
+SOURCES = ("bindings.cpp", "q4_1_matmul.cpp", "int8_matmul.cpp", "int8_kv_attention.cpp", "native_step.cpp",
+           "f32_matmul.cpp")
 
 # instruction set -> (cpu flags it needs, compiler flags), best first
 ISAS = {
@@ -393,6 +394,14 @@ def q4_1_matmul(x: Tensor, packed: Tensor, n: int, reference: bool = False) -> T
 def int8_matmul(x: Tensor, packed: Tensor, n: int, reference: bool = False) -> Tensor:
     """x (..., K) @ W.T -> (..., n) in x's dtype, W given as repack_int8(...)."""
     return _module.int8_matmul(x, packed, n, reference)
+
+
+def f32_matmul(x: Tensor, w: Tensor) -> Tensor:
+    """x (..., K) float32 @ w.T -> (..., N), w a float32 (N, K) weight as it lies (f32_matmul.cpp): each output's
+    sum in one order whatever the other rows and the threads, so a row's result does not depend on its batch."""
+    if _module is None:
+        raise RuntimeError(f"the CPU kernels are not loaded ({status()}): call load() first")
+    return _module.f32_matmul(x, w)
 
 
 def paged_int8_decode(q: Tensor, k_pool: Tensor, k_scale: Tensor, v_pool: Tensor, v_scale: Tensor,

@@ -234,6 +234,8 @@ class Transformer(nn.Module):
             h = h[:, rows]
         h = self.norm(h)
         if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
+            if self.native_step is not None and (out := self.native_step.head(h, self.lm_head.weight)) is not None:
+                return out
             return head_logits(h, self.lm_head.weight)
         return self.lm_head(h)
 

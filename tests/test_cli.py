@@ -53,18 +53,18 @@ def test_generate_q4_says_what_its_matmuls_compute_in():
     assert "q4_1" in arithmetic and ("int8 per block of 32" in arithmetic or "bfloat16" in arithmetic), arithmetic
 
 
-def test_generate_native_runs_the_native_step_and_refuses_float_weights_with_the_reason(capsys):
-    """--native with q4 weights decodes (the real model's greedy answer); with float weights it is one line, exit 2,
-    naming the weights it needs."""
+def test_generate_native_runs_the_native_step_and_refuses_bfloat16_with_the_reason(capsys):
+    """--native with q4 weights decodes (the real model's greedy answer); with bfloat16 it is one line, exit 2,
+    naming what it needs."""
     from minillm.compress.quant import cpu_kernels
 
     if cpu_kernels() is None:
         pytest.skip("the CPU low-bit kernels did not build here")
     proc = run_cli("generate", "Name a colour.", "--weights", "q4", "--native", "--max-new-tokens", "4")
     assert proc.returncode == 0 and "decode" in proc.stdout, proc.stderr
-    assert main(["generate", "hi", "--native", "--max-new-tokens", "2"]) == 2
+    assert main(["generate", "hi", "--native", "--dtype", "bfloat16", "--device", "cpu", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after a load-average warning, if the machine is busy
-    assert err.startswith("minillm: error: no native step") and "weights='q4'" in err, err
+    assert err.startswith("minillm: error: no native step") and "float32 activations" in err, err
 
 
 def test_generate_prints_its_stats_right_after_the_answer(tmp_path):

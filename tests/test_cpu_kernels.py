@@ -301,6 +301,45 @@ def test_bad_inputs_are_refused_with_the_problem_named():
             fn(torch.randn(2, 64), packed.float(), 24)
 
 
+# ------------------------------------------------------------------------------- float32 weights as they lie
+
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 20), n=st.integers(1, 41), k=st.integers(1, 100), seed=st.integers(0, 2**16))
+def test_f32_matmul_is_the_matmul_and_a_row_does_not_depend_on_its_batch(m, n, k, seed):
+    """Oracle: the float64 matmul, within float32 accumulation (k * eps * sum |x w|). And each output's sum runs in
+    one order: a row alone gives the bits it gives among m rows (so a verify step equals its decode steps)."""
+    need_kernels()
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    y = cpu_lowbit.f32_matmul(x, w)
+    bound = (x.double().abs() @ w.double().abs().t()) * k * 2 ** -23 + 1e-30
+    assert ((y.double() - x.double() @ w.double().t()).abs() <= bound).all()
+    alone = torch.cat([cpu_lowbit.f32_matmul(x[i:i + 1], w) for i in range(m)])
+    assert torch.equal(y, alone)
+
+
+def test_f32_matmul_threads_and_leading_dims_agree_and_bad_inputs_are_named():
+    need_kernels()
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 3, 64, generator=g), torch.randn(1001, 64, generator=g)  # 1001: a partial last tile
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = cpu_lowbit.f32_matmul(x, w)
+        torch.set_num_threads(2)
+        two = cpu_lowbit.f32_matmul(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert one.shape == (2, 3, 1001)
+    assert torch.equal(two, one)  # threads cut whole tiles: the same sums
+    with pytest.raises(RuntimeError, match="x must be a float32"):
+        cpu_lowbit.f32_matmul(x.double(), w)
+    with pytest.raises(RuntimeError, match="w must be a contiguous float32"):
+        cpu_lowbit.f32_matmul(x, w[:, :32])  # K does not match
+    with pytest.raises(RuntimeError, match="w must be a contiguous float32"):
+        cpu_lowbit.f32_matmul(x, torch.randn(64, 1001).t())  # not contiguous
+
+
 # ------------------------------------------------------------------------------------------------ the real file
 
 @pytest.fixture(scope="module")

@@ -148,11 +148,33 @@ def test_native_falls_back_where_it_cannot_run():
 
 
 def test_native_refuses_models_it_cannot_run_and_says_why():
-    float_model = tiny_model()
-    assert "Linear" in why_not_native(float_model)
+    biased = tiny_model()
+    biased.layers[1].mlp.down = torch.nn.Linear(biased.config.ffn_dim, biased.config.dim, bias=True)
+    assert "layer 1's down projection is Linear" in why_not_native(biased)
     with pytest.raises(ValueError, match="weights='q4' or 'int8'"):
-        enable_native(float_model)
-    assert float_model.native_step is None
+        enable_native(biased)
+    assert biased.native_step is None
+    half = tiny_model().to(torch.bfloat16)
+    assert "float32 activations" in why_not_native(half)
+
+
+@settings(max_examples=20, deadline=None)
+@given(kind=st.sampled_from(["contiguous", "paged"]), int8_kv=st.booleans(), batch=st.integers(1, 3),
+       prompt=st.integers(1, 40), steps=st.integers(0, 5), seed=st.integers(0, 99), smollm_heads=st.booleans())
+def test_native_float32_weights_match_eager_to_float_rounding(kind, int8_kv, batch, prompt, steps, seed,
+                                                              smollm_heads):
+    """float32 weights read as they lie (f32_matmul.cpp, the LM head too): nothing is quantized but an int8 cache,
+    so the native logits equal eager's to float32 summation order. Measured over 48 runs, the mean difference over
+    the logits' std: <= 1.8e-7 (float cache), 1.6e-5 (int8 cache, a last-bit change can move a code); a position off
+    by one moves it by 4.4e-2 (test_native_catches_a_wrong_position's case)."""
+    model = tiny_model(seed % 3, **(dict(dim=192, n_heads=3, n_kv_heads=1) if smollm_heads else {}))
+    assert why_not_native(model) is None
+    kv_dtype = torch.int8 if int8_kv else None
+    eager, native = both(model, decode_run("contiguous", kv_dtype, batch, prompt, steps, seed),
+                         decode_run(kind, kv_dtype, batch, prompt, steps, seed))
+    tol = 1e-4 if int8_kv else 2e-5
+    d = (native - eager).abs()
+    assert d.mean() <= tol * max(1.0, float(eager.std())), (d.mean(), d.max())
 
 
 def test_native_step_checks_its_input():
@@ -174,16 +196,17 @@ def test_native_step_checks_its_input():
     decoder.step(h, pos, seq, torch.tensor([[0]], dtype=torch.int32), 8, k, k.clone(), e, e, strides, 1)  # fine
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=14, deadline=None)
 @given(kind=st.sampled_from(["contiguous", "paged"]), int8_kv=st.booleans(), prompt=st.integers(1, 30),
-       k=st.integers(1, 16), seed=st.integers(0, 99))
-def test_a_verify_step_equals_its_decode_steps_bit_for_bit(kind, int8_kv, prompt, k, seed):
+       k=st.integers(1, 16), seed=st.integers(0, 99), float_weights=st.booleans())
+def test_a_verify_step_equals_its_decode_steps_bit_for_bit(kind, int8_kv, prompt, k, seed, float_weights):
     """Speculative decoding is exactly the target's greedy output only if a forward over k new tokens gives each
     position the logits k one-token steps give it: the attention of a several-token run must do the same arithmetic
-    per (row, key) as a single token's (kernels/cpu/native_step.cpp scores_by_key, values_by_row)."""
+    per (row, key) as a single token's (kernels/cpu/native_step.cpp scores_by_key, values_by_row), and so must the
+    matmuls (integer sums; a float32 weight's sums in one order, f32_matmul.cpp, the LM head too)."""
     model = tiny_model(0, dim=384, n_heads=6, n_kv_heads=2)  # head_dim 64 in groups of 3, as SmolLM2
-    # the LM head on the kernels too (a float head's 1-row and k-row matmuls are different BLAS calls)
-    quantize(model, "int4", group_size=32, include_head=True)
+    if not float_weights:  # the LM head on the kernels too (torch's 1-row and k-row matmuls are different calls)
+        quantize(model, "int4", group_size=32, include_head=True)
     enable_native(model)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (1, prompt + k), generator=g)

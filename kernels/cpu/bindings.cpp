@@ -53,6 +53,26 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   return lowbit_matmul(x, packed, N, kInt8, "repack_int8", reference);
 }
 
+// x (..., K) @ W.T -> (..., N) float32, W a float32 (N, K) weight as it lies (f32_matmul.cpp): the LM head of a
+// float32 model's native step. Each output's sum in one order whatever the rows and threads.
+at::Tensor f32_matmul(const at::Tensor& x_in, const at::Tensor& w) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
+              "x must be a float32 CPU (..., K) tensor, got ", x_in.scalar_type(), " ", x_in.sizes());
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.device().is_cpu() &&
+                  w.size(1) == x_in.size(-1) && w.size(0) > 0,
+              "w must be a contiguous float32 CPU (N, ", x_in.size(-1), ") tensor, got ", w.scalar_type(), " ",
+              w.sizes());
+  const int64_t K = w.size(1), N = w.size(0), M = x_in.numel() / std::max<int64_t>(K, 1);
+  const at::Tensor x = x_in.reshape({M, K}).contiguous();
+  at::Tensor y = at::empty({M, N}, at::kFloat);
+  at::parallel_for(0, f32_tiles(N), 16, [&](int64_t t0, int64_t t1) {
+    f32_matmul_tiles(x.data_ptr<float>(), M, K, w.data_ptr<float>(), N, t0, t1, y.data_ptr<float>());
+  });
+  std::vector<int64_t> shape = x_in.sizes().vec();
+  shape.back() = N;
+  return y.view(shape);
+}
+
 // rows `ids` (any shape, int64, each in [0, N)) of an (N, K) repack_int8 weight as float32 (*ids.shape, K)
 at::Tensor int8_embedding(const at::Tensor& packed, const at::Tensor& ids_in, int64_t N, int64_t K) {
   const int64_t groups = (N + kRows - 1) / kRows;
@@ -155,7 +175,15 @@ const float* float_vector(const at::Tensor& t, int64_t n, const char* what) {
 }
 
 NativeWeight weight(const at::Tensor& packed, int64_t format, int64_t N, int64_t K, const char* what) {
-  TORCH_CHECK(format == kQ4_1 || format == kInt8, what, ": format must be 0 (Q4_1) or 1 (int8), got ", format);
+  TORCH_CHECK(format == kQ4_1 || format == kInt8 || format == kF32, what,
+              ": format must be 0 (Q4_1), 1 (int8) or 2 (float32), got ", format);
+  if (format == kF32) {
+    TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.is_contiguous() && packed.dim() == 2 &&
+                    packed.size(0) == N && packed.size(1) == K && packed.device().is_cpu(),
+                what, " must be a contiguous float32 CPU (", N, ", ", K, ") weight, got ", packed.scalar_type(), " ",
+                packed.sizes());
+    return {kF32, reinterpret_cast<const uint8_t*>(packed.data_ptr<float>()), N, K};
+  }
   const auto f = static_cast<WeightFormat>(format);
   TORCH_CHECK(K % kBlock == 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
                   packed.size(0) == (N + kRows - 1) / kRows && packed.size(1) == K / kBlock &&
@@ -171,7 +199,7 @@ struct NativeDecoder {
   std::vector<at::Tensor> keep;
 
   // sizes = (dim, n_heads, n_kv_heads, head_dim, ffn_dim); per layer, in order: attn_norm, qkv, o, mlp_norm, gate_up,
-  // down; formats: the four weights' formats per layer (0 Q4_1, 1 int8)
+  // down; formats: the four weights' formats per layer (0 Q4_1, 1 int8, 2 float32 as it lies)
   NativeDecoder(std::vector<int64_t> sizes, double eps, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> tensors,
                 std::vector<int64_t> formats) {
     TORCH_CHECK(sizes.size() == 5, "sizes must be (dim, n_heads, n_kv_heads, head_dim, ffn_dim)");
@@ -262,6 +290,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using minillm::NativeDecoder;
   m.def("q4_1_matmul", &minillm::q4_1_matmul, "x (..., K) @ repacked Q4_1 weights.T -> (..., N), x's dtype");
   m.def("int8_matmul", &minillm::int8_matmul, "x (..., K) @ repacked int8 weights.T -> (..., N), x's dtype");
+  m.def("f32_matmul", &minillm::f32_matmul, "x (..., K) float32 @ w.T, w float32 (N, K) as it lies -> (..., N)");
   m.def("int8_embedding", &minillm::int8_embedding,
         "rows ids of an (N, K) repacked int8 weight as float32 (*ids.shape, K): a tied embedding's lookup");
   m.def("paged_int8_decode", &minillm::paged_int8_decode,

@@ -8,13 +8,20 @@ namespace minillm {
 
 struct QuantizedRows;
 
-enum WeightFormat : int { kQ4_1 = 0, kInt8 = 1 };  // repack_q4_1's and repack_int8's layouts (kernels/cpu_lowbit.py)
+// repack_q4_1's and repack_int8's layouts (kernels/cpu_lowbit.py), and a float32 (N, K) row-major weight as it lies
+enum WeightFormat : int { kQ4_1 = 0, kInt8 = 1, kF32 = 2 };
 
 int64_t group_bytes(WeightFormat format);  // bytes of one group of kRows rows x one block of 32 inputs
 
 // y (M, N) columns of weight groups [g0, g1) = x @ W.T; the caller splits the groups over threads
 void weight_matmul_groups(WeightFormat format, bool reference, const QuantizedRows& x, int64_t M, const uint8_t* w,
                           int64_t N, int64_t g0, int64_t g1, float* y);
+
+// y (M, N) columns of tiles [tile0, tile1) = x (M, K) @ W.T, W float32 (N, K) row-major (f32_matmul.cpp); tiles of
+// f32_tiles(N) rows, the caller splits them over threads
+int64_t f32_tiles(int64_t N);
+void f32_matmul_tiles(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64_t tile0, int64_t tile1,
+                      float* y);
 
 // rows ids[0..n) of a repack_int8 weight with `blocks` blocks of 32 inputs, as floats: out (n, blocks * 32)
 void int8_rows_float(const uint8_t* w, int64_t blocks, const int64_t* ids, int64_t n, float* out);

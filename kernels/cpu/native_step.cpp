@@ -5,8 +5,9 @@
 // shorten. Here one parallel region runs the whole step: per layer
 //   RMSNorm -> q|k|v matmul -> RoPE -> K/V written to the cache -> attention -> O matmul -> + residual
 //   -> RMSNorm -> gate|up matmul -> SiLU * up -> down matmul -> + residual
-// The matmuls (the low-bit kernels of lesson 07) and the attention split over the threads; the per-token work
-// (norms, RoPE, activations, quantizing a row to int8) runs on one thread, and a barrier separates the stages: the
+// The matmuls (the low-bit kernels of lesson 07, or float32 weights where they lie: f32_matmul.cpp) and the
+// attention split over the threads; the per-token work (norms, RoPE, activations, quantizing a row to int8 for a
+// low-bit weight) runs on one thread, and a barrier separates the stages: the
 // region's threads stay awake between them instead of being woken ~150 times a step.
 //
 // Numerics are the eager model's (minillm/model.py): RMSNorm in float32, RoPE's rotate-half pairing, softmax over
@@ -38,17 +39,27 @@ struct Scratch {  // one step's activations, (T, width) row-major each
   std::vector<float> xd, xs;
 };
 
-// the rows [t0, t1) of a (T, K) activation, quantized for the next matmul
-void quantize_rows(const float* x, int64_t K, int64_t t0, int64_t t1, Scratch& s) {
+// the rows [t0, t1) of a (T, K) activation, quantized for the next matmul when its weight is low-bit (a float32
+// weight reads the float rows)
+void quantize_rows(const NativeWeight& next, const float* x, int64_t K, int64_t t0, int64_t t1, Scratch& s) {
+  if (next.format == kF32) return;
   for (int64_t t = t0; t < t1; ++t)
     quantize_row_q8(x + t * K, K, s.xq.data() + t * K, s.xd.data() + t * (K / kBlock), s.xs.data() + t * (K / kBlock));
 }
 
-// this thread's share of y (T, N) = x @ W.T, x quantized in s; ends at a barrier
-void matmul(const NativeWeight& w, const Scratch& s, int64_t T, float* y) {
-  const QuantizedRows x{s.xq.data(), s.xd.data(), s.xs.data(), w.K, w.K / kBlock};
-  const int64_t groups = (w.N + kRows - 1) / kRows, n = omp_get_num_threads(), id = omp_get_thread_num();
-  weight_matmul_groups(w.format, false, x, T, w.packed, w.N, groups * id / n, groups * (id + 1) / n, y);
+// this thread's share of y (T, N) = x @ W.T, x (T, K) as floats and, for a low-bit W, quantized in s; ends at a
+// barrier
+void matmul(const NativeWeight& w, const float* xf, const Scratch& s, int64_t T, float* y) {
+  const int64_t n = omp_get_num_threads(), id = omp_get_thread_num();
+  if (w.format == kF32) {
+    const int64_t tiles = f32_tiles(w.N);
+    f32_matmul_tiles(xf, T, w.K, reinterpret_cast<const float*>(w.packed), w.N, tiles * id / n, tiles * (id + 1) / n,
+                     y);
+  } else {
+    const QuantizedRows x{s.xq.data(), s.xd.data(), s.xs.data(), w.K, w.K / kBlock};
+    const int64_t groups = (w.N + kRows - 1) / kRows;
+    weight_matmul_groups(w.format, false, x, T, w.packed, w.N, groups * id / n, groups * (id + 1) / n, y);
+  }
 #pragma omp barrier
 }
 
@@ -482,10 +493,10 @@ void native_layers(const NativeModel& m, const NativeCache& cache, const NativeT
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t) {
         rms_norm(h + t * dim, L.attn_norm, dim, m.eps, s.xn.data() + t * dim);
-        quantize_rows(s.xn.data(), dim, t, t + 1, s);
+        quantize_rows(L.qkv, s.xn.data(), dim, t, t + 1, s);
       }
       clock.stage(kPointwise);
-      matmul(L.qkv, s, T, s.qkv.data());
+      matmul(L.qkv, s.xn.data(), s, T, s.qkv.data());
       clock.stage(kMatmul);
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t) {  // RoPE on q and k, then k and v into the cache
@@ -511,9 +522,9 @@ void native_layers(const NativeModel& m, const NativeCache& cache, const NativeT
       }
       clock.stage(kAttention);
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < T; ++t) quantize_rows(s.att.data(), nh * D, t, t + 1, s);
+      for (int64_t t = 0; t < T; ++t) quantize_rows(L.o, s.att.data(), nh * D, t, t + 1, s);
       clock.stage(kPointwise);
-      matmul(L.o, s, T, s.proj.data());
+      matmul(L.o, s.att.data(), s, T, s.proj.data());
       clock.stage(kMatmul);
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t) {
@@ -521,10 +532,10 @@ void native_layers(const NativeModel& m, const NativeCache& cache, const NativeT
         const float* o = s.proj.data() + t * dim;
         for (int64_t i = 0; i < dim; ++i) x[i] += o[i];
         rms_norm(x, L.mlp_norm, dim, m.eps, s.xn.data() + t * dim);
-        quantize_rows(s.xn.data(), dim, t, t + 1, s);
+        quantize_rows(L.gate_up, s.xn.data(), dim, t, t + 1, s);
       }
       clock.stage(kPointwise);
-      matmul(L.gate_up, s, T, s.gate_up.data());
+      matmul(L.gate_up, s.xn.data(), s, T, s.gate_up.data());
       clock.stage(kMatmul);
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t) {  // SiLU(gate) * up
@@ -535,10 +546,10 @@ void native_layers(const NativeModel& m, const NativeCache& cache, const NativeT
           const float e = exp_nonpositive(-std::fabs(g[i]));
           a[i] = g[i] * (g[i] >= 0.f ? 1.f : e) / (1.f + e) * u[i];
         }
-        quantize_rows(s.act.data(), ffn, t, t + 1, s);
+        quantize_rows(L.down, s.act.data(), ffn, t, t + 1, s);
       }
       clock.stage(kPointwise);
-      matmul(L.down, s, T, s.proj.data());
+      matmul(L.down, s.act.data(), s, T, s.proj.data());
       clock.stage(kMatmul);
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t) {

@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "compute in (default: dequantized)")
     gen.add_argument("--fuse", action="store_true", help="lesson 06's fusions (q/k/v, gate/up, add+norm)")
     gen.add_argument("--native", action="store_true",
-                     help="every layer of a step in one C++ call (lesson 06's last rung; fuses; needs --weights "
-                          "q4, int8 or int4 on the CPU)")
+                     help="every layer of a step in one C++ call (lesson 06's last rung; fuses; float32 or "
+                          "--weights q4, int8 or int4, on the CPU)")
     gen.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     gen.add_argument("--cache", choices=list(CACHE_KINDS), default=None, help="default: contiguous")
     gen.add_argument("--attn", choices=backend_names(), default="sdpa", help="attention backend")
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--sparsity", choices=["2:4"], default=None, help="prune 2:4 (Wanda) before quantizing")
     srv.add_argument("--fuse", action="store_true", help="lesson 06's fusions")
     srv.add_argument("--native", action="store_true",
-                     help="every layer of a step in one C++ call (lesson 06; needs --weights q4, int8 or int4)")
+                     help="every layer of a step in one C++ call (lesson 06; float32 or --weights q4/int8/int4)")
     srv.add_argument("--kv-cache-dtype", choices=["int8"], default=None, help="an int8 KV pool (lesson 07)")
     srv.add_argument("--speculative", choices=["ngram", "learned"], default=None,
                      help="speculative decoding in the engine (lesson 10): prompt lookup or the shipped draft head")

@@ -3,8 +3,9 @@
 eager -> fused -> compiled -> native: a q4 decode step in eager torch issues ~2,000 ops from Python, and what they
 cost beyond their matmuls does not shrink with a second thread. `enable_native(model)` attaches a `NativeStep` that
 Transformer.run_layers calls instead (kernels/cpu/native_step.cpp): the same math on the same cache, for any packed
-mix of decodes, verifies and prompt chunks, so generate(), the engine and speculative verify all take it. Where it
-cannot run (no kernels, float weights, a cache it does not know, autograd, torch.compile) the eager layers do.
+mix of decodes, verifies and prompt chunks, so generate(), the engine and speculative verify all take it; low-bit
+weights or float32 ones read where they lie (f32_matmul.cpp, also the LM head). Where it cannot run (no kernels,
+bf16, a cache it does not know, autograd, torch.compile) the eager layers do.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from minillm.compile.fusion import FusedGateUpMLP, FusedNormBlock, FusedQKVAtten
 from minillm.compress.quant import Int4Linear, Int8Linear
 from minillm.kv_cache import Int8KVCache, KVCache
 
-FORMATS = {Int4Linear: 0, Int8Linear: 1}  # kernels/cpu/lowbit.h WeightFormat
+FORMATS = {Int4Linear: 0, Int8Linear: 1, nn.Linear: 2}  # kernels/cpu/lowbit.h WeightFormat (2: float32 as it lies)
 SCOPE = "minillm::native_step"  # the profiler's name for the call (minillm.measure.breakdown splits it by stage)
 # seconds every native call in this process spent, by stage, on its first thread (native_step.h NativeStage): the
 # call is one op to the profiler, so the breakdown reads its inside here
@@ -40,10 +41,21 @@ def why_not_native(model: nn.Module) -> str | None:
         gate_up = mlp.gate_up_proj if isinstance(mlp, FusedGateUpMLP) else mlp.gate
         for name, layer in (("attention q/k/v", qkv), ("attention output", attn.wo), ("gate/up", gate_up),
                             ("down", mlp.down)):
-            if type(layer) not in FORMATS or not layer.uses_cpu_kernels():
-                return (f"layer {i}'s {name} projection is {type(layer).__name__}: the native step runs the low-bit "
-                        f"kernels' formats (load_model(weights='q4' or 'int8'))")
+            if not _runs_natively(layer):
+                return (f"layer {i}'s {name} projection is {type(layer).__name__}: the native step runs float32 "
+                        f"nn.Linear weights or the low-bit kernels' formats (load_model(weights='q4' or 'int8'))")
     return None
+
+
+def _runs_natively(layer: nn.Module) -> bool:
+    if type(layer) is nn.Linear:
+        return layer.bias is None and layer.weight.dtype == torch.float32
+    return type(layer) in FORMATS and layer.uses_cpu_kernels()
+
+
+def _native_weight(layer: nn.Module) -> Tensor:
+    """What the C++ step reads: a low-bit layer's repacked bytes, a float32 Linear's own weight (no copy)."""
+    return layer.weight.detach().contiguous() if type(layer) is nn.Linear else layer._kernel_pack()
 
 
 class NativeStep:
@@ -58,15 +70,24 @@ class NativeStep:
             assert isinstance(block, FusedNormBlock) and isinstance(block.attn, FusedQKVAttention)
             assert isinstance(block.mlp, FusedGateUpMLP)
             weights = (block.attn.wqkv, block.attn.wo, block.mlp.gate_up_proj, block.mlp.down)
-            tensors += [block.attn_norm.weight.detach().contiguous(), weights[0]._kernel_pack(),
-                        weights[1]._kernel_pack(), block.mlp_norm.weight.detach().contiguous(),
-                        weights[2]._kernel_pack(), weights[3]._kernel_pack()]
+            tensors += [block.attn_norm.weight.detach().contiguous(), _native_weight(weights[0]),
+                        _native_weight(weights[1]), block.mlp_norm.weight.detach().contiguous(),
+                        _native_weight(weights[2]), _native_weight(weights[3])]
             formats += [FORMATS[type(w)] for w in weights]
         self.eps = model.layers[0].attn_norm.eps
         sizes = [cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim]
         self.decoder = cpu_lowbit.load().NativeDecoder(sizes, self.eps, model.rope_cos, model.rope_sin, tensors,
                                                        formats)
         self.n_layers, self.dim = len(model.layers), cfg.dim
+
+    @staticmethod
+    def head(h: Tensor, weight: Tensor) -> Tensor | None:
+        """A float32 LM head h @ weight.T through f32_matmul.cpp (torch's sgemv streams SmolLM2's 113 MB head at
+        about half the rate), or None: the eager head then runs."""
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or h.dtype != torch.float32 \
+                or weight.dtype != torch.float32 or not weight.is_contiguous() or h.device.type != "cpu":
+            return None
+        return cpu_lowbit.f32_matmul(h, weight)
 
     def rebuilt(self, model: nn.Module) -> NativeStep | None:
         """After the model moved or was cast (Transformer._apply): a step over its new tensors, or None."""
