@@ -35,12 +35,14 @@
 # A third way removes the ops altogether: **one native step** (`minillm/compile/native.py`,
 # `kernels/cpu/native_step.cpp`) runs every decoder layer of a step in one C++ call — the same math on the same KV
 # cache, the matmuls and attention split over the threads inside one parallel region — which is what llama.cpp does
-# for its whole graph. It runs the low-bit weights of lesson 07, so its rung is measured on the file's 4-bit model.
+# for its whole graph. It reads float32 weights where they lie with its own matrix-vector kernel
+# (`kernels/cpu/f32_matmul.cpp`, the LM head too) or lesson 07's low-bit ones: section 4 puts it on the float32
+# ladder, section 6 on the file's 4-bit model.
 #
 # This lesson: (1) where a decode step's time goes (profiler); (2) fusion: fewer ops, identical logits; (3) compiling
 # the step: compile time, zero recompiles; (4) the ladder — eager fp32 → fused → compiled, and bf16 — against the
-# roofs measured in the same run; (5) what the compiler generated; (6) the last rung: eager → fused → compiled → one
-# native step on 4-bit weights; (7) what a GPU adds.
+# roofs measured in the same run, and the native step; (5) what the compiler generated; (6) the last rung on 4-bit
+# weights: eager → fused → compiled → one native step; (7) what a GPU adds.
 
 # %%
 import copy
@@ -198,7 +200,7 @@ for i, r in enumerate(rows):
     ax.hlines(r["roof_tok_s"], i - 0.4, i + 0.4, colors="r", linestyles=":",
               label="bandwidth roof (MBU 100%)" if i == 0 else None)
 ax.set_ylabel("decode tokens/s (batch 1)")
-ax.set_title("SmolLM2-135M decode: eager → fused → compiled")
+ax.set_title("SmolLM2-135M decode: eager → fused → compiled → native")
 ax.legend(loc="upper left")
 plt.xticks(rotation=20)
 plt.tight_layout()
@@ -208,7 +210,7 @@ plt.show()
 by = {r["variant"]: r for r in rows}
 tps = {k: r["decode_tok_s"] for k, r in by.items()}
 best32 = max((k for k in ("eager float32", "fused float32", "compiled float32") if k in tps), key=tps.get)
-print(f"float32: the fastest variant here is {best32} at {tps[best32]:.1f} tok/s, "
+print(f"float32 in torch: the fastest variant here is {best32} at {tps[best32]:.1f} tok/s, "
       f"{by[best32]['of_matmul_ceiling']:.0%} of what torch's bare matvecs allow; "
       f"compiled/eager = {tps.get('compiled float32', float('nan')) / tps['eager float32']:.2f}x, "
       f"fused/eager = {tps['fused float32'] / tps['eager float32']:.2f}x.")
@@ -219,7 +221,15 @@ gap = 1 - by["eager float32"]["of_matmul_ceiling"]
 won = max(tps["fused float32"], tps.get("compiled float32", 0.0)) / tps["eager float32"] - 1
 print(f"eager float32 runs at {1 - gap:.0%} of the matmul ceiling: at most {gap:.0%} of the step is overhead that "
       f"removing ops could recover; the best of fused/compiled recovered {won:+.0%} of eager's speed here"
-      + (", so the matmuls themselves bound this CPU's decode." if won < 0.1 else "."))
+      + (", so torch's matmuls themselves bound this CPU's decode." if won < 0.1 else "."))
+if "native float32" in by:
+    nat = by["native float32"]
+    print(f"native float32: {tps['native float32']:.1f} tok/s = {tps['native float32'] / tps['eager float32']:.2f}x "
+          f"eager, {nat['ops_per_step']} ops per step (eager {by['eager float32']['ops_per_step']}), "
+          f"{nat['of_matmul_ceiling']:.0%} of torch's matvec ceiling and {nat['mbu']:.0%} of the copy probe (MBU); "
+          "greedy tokens " + ("identical to eager's" if tokens["native float32"] == tokens["eager float32"] else
+                              f"differ from eager's at new token "
+                              f"{first_divergence(tokens['native float32'], tokens['eager float32'])}"))
 
 # %% [markdown]
 # How to read this on your machine. When eager decode is already close to the matmul ceiling, the step is bound by
@@ -227,8 +237,11 @@ print(f"eager float32 runs at {1 - gap:.0%} of the matmul ceiling: at most {gap:
 # own, which need not be faster than eager's. That is what a CPU with few cores and a 135M-parameter model tends to
 # show, and why gpt-fast's big wins (eager 25 → compiled 107 tok/s on Llama-7B) are GPU numbers, where each of those
 # ~2,000 ops is a kernel launch of several microseconds. The ceiling itself is not the bandwidth roof either: torch's
-# matvec kernels reach only part of the memory bandwidth at these shapes — the next lesson's quantized kernels are
-# measured against both.
+# matvec kernels reach only part of the memory bandwidth at these shapes. The native row shows both at once: the same
+# float32 weights read by a kernel written for one row (4 weight rows at a time, every load a full vector, the threads
+# splitting rows inside one parallel region) with no op around it — its share of "torch's ceiling" above 100% is the
+# part of the gap that was torch's kernels, not the memory. The next lesson's quantized kernels are measured against
+# both roofs.
 #
 # **A roofline model: why the sign flips on a GPU** (`minillm/measure/roofline.py`; a model, not a measurement). A step
 # takes max(bytes / bandwidth, FLOPs / FLOP/s) plus its ops × a fixed cost per op. On this CPU the same core

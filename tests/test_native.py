@@ -305,3 +305,25 @@ def test_breakdown_splits_the_native_call_by_its_own_clock():
     assert native.STAGE_SECONDS["total"] > before
     assert b.terms["matmul"] > 0 and b.terms["attention"] > 0 and b.terms["elementwise"] > 0
     assert b.n_ops < 60  # the eager tiny model dispatches hundreds: the native call is not an aten op
+
+
+def test_breakdown_charges_a_float32_native_head_to_matmul():
+    """A float32 LM head runs f32_matmul from Python (no aten op): its profiler scope is charged to "matmul", not to
+    the Python/dispatch term. Oracle: the same step with the head's scope renamed lands that time in "else"."""
+    from minillm.compile import native
+    from minillm.measure.breakdown import step_breakdown
+
+    model = tiny_model(0, vocab_size=32768)  # a head large enough to time: 32768 x 64 floats
+    enable_native(model)
+    head = model.native_step.head
+    calls = []
+    model.native_step.head = lambda h, w: calls.append(1) or head(h, w)
+    b = step_breakdown(model, "decode", context=16, repeat=3)
+    assert calls and b.terms["matmul"] > b.terms["else"], b.terms
+    native_head, native.HEAD_SCOPE = native.HEAD_SCOPE, "not a charged scope"
+    try:
+        renamed = step_breakdown(model, "decode", context=16, repeat=3)
+    finally:
+        native.HEAD_SCOPE = native_head
+        model.native_step = None
+    assert renamed.terms["matmul"] < b.terms["matmul"] / 2, (renamed.terms, b.terms)

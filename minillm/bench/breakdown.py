@@ -1,10 +1,10 @@
 """`minillm bench breakdown`: where one step of SmolLM2-135M spends its time, against its byte and compute floors.
 
 Rows: a batch-1 decode step, a speculative verify step (k=4 drafts), batched decode steps of 8 and 16 sequences,
-and on a CPU the 4-bit native step's decode and verify over a float32 and an int8 KV cache (issue 39's terms);
-each split by minillm.measure.breakdown into weight matmuls, attention, elementwise ops, sampling and Python/dispatch,
-in float32 (and bfloat16 where the CPU computes it natively). The lessons that build the native CPU step read it
-to see which term they are removing.
+and on a CPU the native step's decode and verify (float32 weights; 4-bit ones over a float32 and an int8 KV cache:
+issue 39's terms); each split by minillm.measure.breakdown into weight matmuls, attention, elementwise ops,
+sampling and Python/dispatch, in float32 (and bfloat16 where the CPU computes it natively). The lessons that build
+the native CPU step read it to see which term they are removing.
 """
 
 from __future__ import annotations
@@ -42,14 +42,17 @@ def run(quick: bool = False) -> BenchResult:
             rows.append({"dtype": dtype, **bd.as_row(), "largest": bd.largest()})
             print("  " + bd.line(), flush=True)
         del model
-    if device == "cpu":  # lesson 06's last rung, issue 39's terms: the file's 4-bit weights in the native step
-        q4 = _q4_native()
-        for cache, kv_dtype in (("", None), (" int8 KV", torch.int8)) if q4 is not None else ():
+    # lesson 06's last rung, issue 39's terms: the float32 weights and the file's 4-bit ones in the native step
+    for label, caches in (("float32 native", ("",)), ("q4 native", ("", " int8 KV"))) if device == "cpu" else ():
+        native = _native("dequantized" if label == "float32 native" else "q4")
+        for cache in caches if native is not None else ():
             for kind in ("decode", "verify"):
-                bd = step_breakdown(q4, kind, k=K, context=context, repeat=repeat, bandwidth=bw, kv_dtype=kv_dtype)
-                by["q4 native" + cache, kind, 1] = bd
-                rows.append({"dtype": "q4 native" + cache, **bd.as_row(), "largest": bd.largest()})
-                print(f"  q4 native{cache} " + bd.line(), flush=True)
+                bd = step_breakdown(native, kind, k=K, context=context, repeat=repeat, bandwidth=bw,
+                                    kv_dtype=torch.int8 if cache else None)
+                by[label + cache, kind, 1] = bd
+                rows.append({"dtype": label + cache, **bd.as_row(), "largest": bd.largest()})
+                print(f"  {label}{cache} " + bd.line(), flush=True)
+        del native
     decode, verify, b8 = by["float32", "decode", 1], by["float32", "verify", 1], by["float32", "batch", 8]
     ratios = {f"decode_{t}_share": decode.shares[t] for t in TERMS}
     ratios |= {
@@ -59,9 +62,14 @@ def run(quick: bool = False) -> BenchResult:
         "batch8_matmul_share": b8.shares["matmul"],
     }
     targets = {}
-    for cache, key in (("", "q4_native"), (" int8 KV", "q4_native_int8kv")):
-        if ("q4 native" + cache, "decode", 1) in by:
-            q4d, q4v = by["q4 native" + cache, "decode", 1], by["q4 native" + cache, "verify", 1]
+    if ("float32 native", "decode", 1) in by:
+        f32d = by["float32 native", "decode", 1]
+        ratios["float32_native_vs_eager_decode_speed"] = decode.wall_ms / f32d.wall_ms
+        ratios["float32_native_decode_wall_over_floor"] = f32d.wall_ms / f32d.floor_ms
+    for label, key in (("float32 native", "float32_native"), ("q4 native", "q4_native"),
+                       ("q4 native int8 KV", "q4_native_int8kv")):
+        if (label, "decode", 1) in by:
+            q4d, q4v = by[label, "decode", 1], by[label, "verify", 1]
             ratios[f"{key}_decode_non_matmul_share"] = 1 - q4d.shares["matmul"]
             ratios[f"{key}_verify_vs_decode_wall"] = q4v.wall_ms / q4d.wall_ms
             # where the verify step's excess over a decode step goes, in decode steps: 1 + these = the ratio above
@@ -69,7 +77,9 @@ def run(quick: bool = False) -> BenchResult:
                 ratios[f"{key}_verify_{term}_excess"] = (q4v.terms[term] - q4d.terms[term]) / q4d.wall_ms
             # a step at its byte floor spends at least this share reading the KV cache: attention's own floor
             ratios[f"{key}_decode_kv_byte_share"] = q4d.settings["kv_bytes"] / q4d.settings["bytes_read"]
-            targets |= {f"{key}_decode_non_matmul_share": ("<=", 0.15), f"{key}_verify_vs_decode_wall": ("<=", 1.1)}
+            if key != "float32_native":  # issue 39's targets are the 4-bit step's
+                targets |= {f"{key}_decode_non_matmul_share": ("<=", 0.15),
+                            f"{key}_verify_vs_decode_wall": ("<=", 1.1)}
     return BenchResult(name="breakdown", rows=rows, ratios=ratios, targets=targets, notes=_notes(by, dtypes, context),
                        settings={"device": device, "model": "smollm2-135m", "context": context, "k": K,
                                  "repeat": repeat, "dtypes": dtypes, "threads": torch.get_num_threads(),
@@ -77,13 +87,13 @@ def run(quick: bool = False) -> BenchResult:
                        hardware=info)
 
 
-def _q4_native():
-    """SmolLM2 on its file's 4-bit weights with every layer of a step in one C++ call, or None where the kernels
-    cannot run it (said on stderr)."""
+def _native(weights: str):
+    """SmolLM2 on `weights` (its float32 ones, "dequantized", or the file's 4-bit ones, "q4") with every layer of a
+    step in one C++ call, or None where the kernels cannot run it (said on stderr)."""
     from minillm.api import load_model
     from minillm.compile.native import why_not_native
 
-    model, _ = load_model("smollm2-135m", weights="q4", native="auto")
+    model, _ = load_model("smollm2-135m", weights=weights, native="auto")
     return model if why_not_native(model) is None else None
 
 
@@ -115,14 +125,23 @@ def _notes(by: dict[tuple, Breakdown], dtypes: list[str], context: int) -> list[
         bf = by["bfloat16", "decode", 1]
         notes.append(f"bfloat16 decode b=1: {bf.wall_ms:.1f} ms ({decode.wall_ms / bf.wall_ms:.2f}x float32's speed), "
                      f"matmul {bf.terms['matmul']:.1f} ms vs {decode.terms['matmul']:.1f} ms")
-    for cache in ("", " int8 KV"):
-        if ("q4 native" + cache, "decode", 1) not in by:
+    if ("float32 native", "decode", 1) in by:
+        f32d = by["float32 native", "decode", 1]
+        notes.append(f"float32 native decode b=1: {f32d.wall_ms:.1f} ms against eager float32's {decode.wall_ms:.1f} "
+                     f"({decode.wall_ms / f32d.wall_ms:.2f}x the speed; the same weights, read where they lie by "
+                     f"f32_matmul.cpp): matmul {f32d.terms['matmul']:.1f} ms (eager {decode.terms['matmul']:.1f}) "
+                     f"over a byte floor of {f32d.byte_floor_ms:.1f}, the rest {f32d.wall_ms - f32d.terms['matmul']:.1f} "
+                     f"ms over {f32d.n_ops} ops (eager {decode.wall_ms - decode.terms['matmul']:.1f} ms over "
+                     f"{decode.n_ops})")
+    for label in ("float32 native", "q4 native", "q4 native int8 KV"):
+        if (label, "decode", 1) not in by:
             continue
-        q4d, q4v = by["q4 native" + cache, "decode", 1], by["q4 native" + cache, "verify", 1]
+        q4d, q4v = by[label, "decode", 1], by[label, "verify", 1]
         t, kv, read = q4d.terms, q4d.settings["kv_bytes"], q4d.settings["bytes_read"]
-        notes.append(f"q4 native decode b=1 ({q4d.settings['kv_dtype']} KV cache): {q4d.wall_ms:.2f} ms, matmul "
-                     f"{t['matmul']:.2f} ms "
-                     f"({q4d.shares['matmul']:.0%}: the 4-bit layers and the 8-bit LM head), attention "
+        weights = "float32 layers and LM head" if label.startswith("float32") else "4-bit layers and 8-bit LM head"
+        notes.append(f"{label.split()[0]} native decode b=1 ({q4d.settings['kv_dtype']} KV cache): {q4d.wall_ms:.2f} "
+                     f"ms, matmul {t['matmul']:.2f} ms "
+                     f"({q4d.shares['matmul']:.0%}: the {weights}), attention "
                      f"{t['attention']:.2f}, elementwise {t['elementwise']:.2f}, sampling {t['sampling']:.2f}, Python "
                      f"around the call {t['else']:.2f} over {q4d.n_ops} ops (float32 eager: {decode.n_ops}); verify "
                      f"k={K}: {q4v.wall_ms / q4d.wall_ms:.2f}x the decode step, of which its matmuls add "

@@ -1,4 +1,4 @@
-"""`minillm bench fusion` (lesson 06): eager -> fused -> compiled batch-1 decode, with the ops each step dispatches.
+"""`minillm bench fusion` (lesson 06): eager -> fused -> compiled -> native batch-1 decode, and the ops a step issues.
 
 Every variant decodes the same prompt ids greedily in one process, one after another, and the table gives tok/s, the
 aten ops one decode step dispatches (eager and fused; a compiled step runs one generated program), and the bytes it
@@ -56,11 +56,13 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def ladder(base, ids: list[int], n_new: int, repeat: int, dtypes=(torch.float32, torch.bfloat16),
            compiled_dtypes=None) -> tuple[list[dict], dict, dict]:
-    """Eager, fused and compiled decode of `base` (a float32 model) in each dtype, measured round-robin: every round
-    times every variant once, and the roofs (read probe, matvec ceiling per dtype) once, so a noisy moment of a shared
-    machine lands on all of them; each keeps its best round. Returns table rows, greedy ids per variant, and the
-    compile seconds (first compiled call, outside the timings). `compiled_dtypes` limits which dtypes compile."""
+    """Eager, fused and compiled decode of `base` (a float32 model) in each dtype, and the native step (every layer
+    in one C++ call, minillm.compile.native) where it runs, measured round-robin: every round times every variant
+    once, and the roofs (read probe, matvec ceiling per dtype) once, so a noisy moment of a shared machine lands on
+    all of them; each keeps its best round. Returns table rows, greedy ids per variant, and the compile seconds
+    (first compiled call, outside the timings). `compiled_dtypes` limits which dtypes compile."""
     from minillm.compile.fusion import count_ops, fuse
+    from minillm.compile.native import enable_native, why_not_native
     from minillm.kv_cache import KVCache
 
     compiled_dtypes = dtypes if compiled_dtypes is None else compiled_dtypes
@@ -77,6 +79,8 @@ def ladder(base, ids: list[int], n_new: int, repeat: int, dtypes=(torch.float32,
             with timer() as t:
                 decode_tok_s(fused, ids, 4, 1, compile=True)
             compile_s[f"compiled {d}"] = t.seconds
+        if why_not_native(fused) is None:
+            variants[f"native {d}"] = (enable_native(fuse(copy.deepcopy(eager))), False, d)
     best = {k: 0.0 for k in variants}
     tokens, read_bw, copy_bw, ceiling = {}, 0.0, 0.0, {d: 0.0 for d in per_token}
     for _ in range(repeat):
@@ -129,6 +133,10 @@ def run(quick: bool = False) -> BenchResult:
         "compiled_bfloat16_of_matmul_ceiling": by["compiled bfloat16"]["of_matmul_ceiling"],
         "compiled_tokens_identical_float32": float(tokens["compiled float32"] == tokens["eager float32"]),
     }
+    if "native float32" in by:  # lesson 06's last rung: the float32 weights read by f32_matmul.cpp, not torch
+        ratios["native_vs_eager_float32"] = tok_s["native float32"] / tok_s["eager float32"]
+        ratios["native_float32_of_matmul_ceiling"] = by["native float32"]["of_matmul_ceiling"]
+        ratios["native_tokens_identical_float32"] = float(tokens["native float32"] == tokens["eager float32"])
     targets = {"compiled_vs_eager_bfloat16": (">=", 1.5), "compiled_bfloat16_of_matmul_ceiling": (">=", 0.85),
                "compiled_tokens_identical_float32": (">=", 1)}
     div = first_divergence(tokens["compiled bfloat16"], tokens["eager bfloat16"])

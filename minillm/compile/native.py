@@ -24,6 +24,7 @@ from minillm.kv_cache import Int8KVCache, KVCache
 
 FORMATS = {Int4Linear: 0, Int8Linear: 1, nn.Linear: 2}  # kernels/cpu/lowbit.h WeightFormat (2: float32 as it lies)
 SCOPE = "minillm::native_step"  # the profiler's name for the call (minillm.measure.breakdown splits it by stage)
+HEAD_SCOPE = "minillm::native_head_matmul"  # and for a float32 LM head's kernel call (charged to "matmul")
 # seconds every native call in this process spent, by stage, on its first thread (native_step.h NativeStage): the
 # call is one op to the profiler, so the breakdown reads its inside here
 STAGE_SECONDS = dict.fromkeys(("matmul", "attention", "pointwise", "total"), 0.0)
@@ -87,7 +88,8 @@ class NativeStep:
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or h.dtype != torch.float32 \
                 or weight.dtype != torch.float32 or not weight.is_contiguous() or h.device.type != "cpu":
             return None
-        return cpu_lowbit.f32_matmul(h, weight)
+        with record_function(HEAD_SCOPE):
+            return cpu_lowbit.f32_matmul(h, weight)
 
     def rebuilt(self, model: nn.Module) -> NativeStep | None:
         """After the model moved or was cast (Transformer._apply): a step over its new tensors, or None."""

@@ -22,6 +22,7 @@ import torch
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
+from minillm.compile.native import HEAD_SCOPE as NATIVE_HEAD
 from minillm.compile.native import SCOPE as NATIVE_SCOPE
 from minillm.compile.native import STAGE_SECONDS
 from minillm.measure.metrics import model_flops_per_token, timer
@@ -177,7 +178,7 @@ class Breakdown:
 
 def _is_scope(ev) -> bool:
     # record_function scopes (ours or a caller's) are annotations, not ops; older torch lacks the flag
-    if ev.name in (_KERNEL_MATMUL, NATIVE_SCOPE, _SAMPLING):  # charged as one op: sampling may run no torch op
+    if ev.name in (_KERNEL_MATMUL, NATIVE_SCOPE, NATIVE_HEAD, _SAMPLING):  # charged as one op: sampling may run no op
         return False  # (a greedy pick is numpy's argmax, sampling.argmax_rows)
     return bool(getattr(ev, "is_user_annotation", False)) or ev.name in _SCOPES or ev.name == _STEP
 
