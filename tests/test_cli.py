@@ -54,14 +54,19 @@ def test_generate_q4_says_what_its_matmuls_compute_in():
 
 
 def test_generate_native_runs_the_native_step_and_refuses_bfloat16_with_the_reason(capsys):
-    """--native with q4 weights decodes (the real model's greedy answer); with bfloat16 it is one line, exit 2,
-    naming what it needs."""
+    """--native with q4 weights decodes; with the float32 weights it prints eager's greedy answer and says what the
+    matmuls run in; with bfloat16 it is one line, exit 2, naming what it needs."""
     from minillm.compress.quant import cpu_kernels
 
     if cpu_kernels() is None:
         pytest.skip("the CPU low-bit kernels did not build here")
     proc = run_cli("generate", "Name a colour.", "--weights", "q4", "--native", "--max-new-tokens", "4")
     assert proc.returncode == 0 and "decode" in proc.stdout, proc.stderr
+    eager = run_cli("generate", "Name a colour.", "--max-new-tokens", "6")
+    proc = run_cli("generate", "Name a colour.", "--native", "--max-new-tokens", "6")  # float32 weights as they lie
+    assert proc.returncode == 0 and "native step, f32_matmul.cpp" in proc.stdout, proc.stderr
+    answer = lambda out: out.partition("\n---")[0]
+    assert answer(proc.stdout) == answer(eager.stdout)  # greedy: the eager model's tokens
     assert main(["generate", "hi", "--native", "--dtype", "bfloat16", "--device", "cpu", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after a load-average warning, if the machine is busy
     assert err.startswith("minillm: error: no native step") and "float32 activations" in err, err

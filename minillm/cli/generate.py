@@ -116,7 +116,7 @@ def cmd_generate(args) -> int:
     stats.append(f"{machine} at start")
     stats.append(f"finish_reason: {res.finish_reason}")
     print("--- " + " | ".join(stats))
-    if args.weights != "dequantized":
+    if args.weights != "dequantized" or args.native:
         from minillm.compress.quantize import describe_arithmetic
 
         print(f"--- arithmetic: {describe_arithmetic(model)}")

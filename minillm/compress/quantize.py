@@ -71,6 +71,8 @@ def describe_arithmetic(model: nn.Module) -> str:
     dtype = str(model.dtype).removeprefix("torch.")
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     if not layers:
+        if getattr(model, "native_step", None) is not None:  # float32 weights read where they lie, in C++
+            return f"weights and matmuls in {dtype} (minillm's {cpu_lowbit.load().isa} native step, f32_matmul.cpp)"
         return f"weights and matmuls in {dtype}"
     if layers[0].weight_storage.device.type == "cuda":
         formats = collections.Counter(_weight_format(m) for m in layers)
