@@ -1,4 +1,4 @@
-"""Build, probe and call the CPU low-bit matmul kernels (kernels/cpu/*.cpp): lesson 07's fast path on a CPU.
+"""Build, probe and call the CPU kernels (kernels/cpu/*.cpp): lesson 07's low-bit matmuls, lesson 06's native step.
 
 torch's CPU int4/int8 kernels widen each weight to a float; these quantize the activations to int8 per block of 32
 (as llama.cpp does) and take integer dot products on the packed bytes, one source built per instruction set (ISAS).

@@ -130,8 +130,9 @@ def _notes(by: dict[tuple, Breakdown], dtypes: list[str], context: int) -> list[
         notes.append(f"float32 native decode b=1: {f32d.wall_ms:.1f} ms against eager float32's {decode.wall_ms:.1f} "
                      f"({decode.wall_ms / f32d.wall_ms:.2f}x the speed; the same weights, read where they lie by "
                      f"f32_matmul.cpp): matmul {f32d.terms['matmul']:.1f} ms (eager {decode.terms['matmul']:.1f}) "
-                     f"over a byte floor of {f32d.byte_floor_ms:.1f}, the rest {f32d.wall_ms - f32d.terms['matmul']:.1f} "
-                     f"ms over {f32d.n_ops} ops (eager {decode.wall_ms - decode.terms['matmul']:.1f} ms over "
+                     f"over a byte floor of {f32d.byte_floor_ms:.1f}, the rest "
+                     f"{f32d.wall_ms - f32d.terms['matmul']:.1f} ms over {f32d.n_ops} ops (eager "
+                     f"{decode.wall_ms - decode.terms['matmul']:.1f} ms over "
                      f"{decode.n_ops})")
     for label in ("float32 native", "q4 native", "q4 native int8 KV"):
         if (label, "decode", 1) not in by:
