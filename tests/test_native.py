@@ -105,13 +105,17 @@ def packed_run(specs, seed):
 
 @settings(max_examples=10, deadline=None)
 @given(specs=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 6)), min_size=1, max_size=4),
-       seed=st.integers(0, 99))
-def test_native_engine_step_mixes_decodes_verifies_and_chunks(specs, seed):
-    """One packed forward: decodes (1 new token), verifies (a few, every row's logits) and prompt chunks."""
+       seed=st.integers(0, 99), float_weights=st.booleans())
+def test_native_engine_step_mixes_decodes_verifies_and_chunks(specs, seed, float_weights):
+    """One packed forward: decodes (1 new token), verifies (a few, every row's logits) and prompt chunks; on 4-bit
+    weights within the int8 rounding, on float32 ones to float32 summation order."""
     specs = [(cached, new, new if new > 1 and i % 2 else 1) for i, (cached, new) in enumerate(specs)]
-    model = quantized_tiny("int4", seed % 2)
+    model = tiny_model(seed % 2) if float_weights else quantized_tiny("int4", seed % 2)
     eager, native = both(model, packed_run(specs, seed))
-    assert_close_within_int8_rounding(native, eager)
+    if float_weights:
+        assert (native - eager).abs().mean() <= 2e-5 * max(1.0, float(eager.std()))
+    else:
+        assert_close_within_int8_rounding(native, eager)
 
 
 def test_native_catches_a_wrong_position():
