@@ -331,3 +331,36 @@ def test_breakdown_charges_a_float32_native_head_to_matmul():
         native.HEAD_SCOPE = native_head
         model.native_step = None
     assert renamed.terms["matmul"] < b.terms["matmul"] / 2, (renamed.terms, b.terms)
+
+
+def test_a_layer_replaced_after_enable_native_is_what_runs(capsys):
+    """The step must never run the weights a model held when it was built: a Linear or a weight replaced afterwards
+    is picked up (rebuilt, still native), and a layer the step cannot run hands the forward to eager, said once."""
+    model = tiny_model(0)
+    enable_native(model)
+    ids = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(0))
+
+    def forward():
+        with torch.inference_mode():
+            return model(ids, kv_cache=make_cache("contiguous", model, 8))
+
+    def eager():
+        step, model.native_step = model.native_step, None
+        try:
+            return forward()
+        finally:
+            model.native_step = step
+
+    before = forward()
+    model.layers[0].mlp.down = torch.nn.Linear(model.config.ffn_dim, model.config.dim, bias=False)
+    replaced = forward()
+    assert not torch.allclose(replaced, before) and model.native_step.off is None
+    assert (replaced - eager()).abs().max() < 1e-4
+    model.layers[1].attn.wo.weight = torch.nn.Parameter(torch.zeros_like(model.layers[1].attn.wo.weight))
+    assert (forward() - eager()).abs().max() < 1e-4
+    model.layers[1].mlp.down = torch.nn.Linear(model.config.ffn_dim, model.config.dim, bias=True)  # not native
+    torch.testing.assert_close(forward(), eager())
+    torch.testing.assert_close(forward(), eager())
+    err = capsys.readouterr().err
+    assert err.count("was replaced after enable_native") == 1 and "down projection" in err, err
+    assert model.native_step.off is not None

@@ -11,6 +11,8 @@ bf16, a cache it does not know, autograd, torch.compile) the eager layers do.
 from __future__ import annotations
 
 import functools
+import sys
+import weakref
 
 import torch
 from minillm_kernels import cpu_lowbit
@@ -59,12 +61,31 @@ def _native_weight(layer: nn.Module) -> Tensor:
     return layer.weight.detach().contiguous() if type(layer) is nn.Linear else layer._kernel_pack()
 
 
+# A step reads the tensors the layers held when it was built. A layer, weight or block replaced afterwards (quantize,
+# LoRA, pruning) registers a module or parameter on a module the step was built from: the step then rebuilds before
+# its next call, or leaves the layers to eager if they no longer run natively (said once), never the stale weights.
+_BUILT_FROM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> the NativeStep built from it
+
+
+def _on_registration(module: nn.Module, name: str, value) -> None:
+    if (step := _BUILT_FROM.get(module)) is not None:
+        step.changed = f"{type(module).__name__}.{name}"
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
+torch.nn.modules.module.register_module_parameter_registration_hook(_on_registration)
+
+
 class NativeStep:
     """The model's layers as one C++ object (weights referenced, not copied); called by Transformer.run_layers."""
 
     def __init__(self, model: nn.Module):
         if (why := why_not_native(model)) is not None:
             raise ValueError(f"no native step for this model: {why}")
+        self.off: str | None = None  # why the eager layers run now (a change the step cannot run)
+        self._build(model)
+
+    def _build(self, model: nn.Module) -> None:
         fuse(model)  # q|k|v and gate|up as one weight each, the layout the C++ step reads
         cfg, tensors, formats = model.config, [], []
         for block in model.layers:
@@ -80,6 +101,26 @@ class NativeStep:
         self.decoder = cpu_lowbit.load().NativeDecoder(sizes, self.eps, model.rope_cos, model.rope_sin, tensors,
                                                        formats)
         self.n_layers, self.dim = len(model.layers), cfg.dim
+        self.model = weakref.ref(model)
+        for module in (model, model.layers, *(m for block in model.layers for m in block.modules())):
+            _BUILT_FROM[module] = self
+        self.changed: str | None = None  # set by _on_registration: what was replaced since this build
+
+    def _refresh(self) -> bool:
+        """After a change to the layers: rebuilt over the new ones (True), or off with the reason said once."""
+        model, what = self.model(), self.changed
+        self.changed = None
+        if model is None:
+            return False
+        if (why := why_not_native(model)) is not None:
+            if self.off is None:
+                print(f"minillm: {what} was replaced after enable_native and the native step cannot run the new "
+                      f"layers ({why}); the eager layers run", file=sys.stderr)
+            self.off = why
+            return False
+        self.off = None
+        self._build(model)
+        return True
 
     @staticmethod
     def head(h: Tensor, weight: Tensor) -> Tensor | None:
@@ -98,6 +139,8 @@ class NativeStep:
     def __call__(self, h: Tensor, positions: Tensor, kv_cache) -> Tensor | None:
         """h (batch, seq, dim) after the embedding -> after the last block, or None: run the eager layers instead."""
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or h.dtype != torch.float32:
+            return None
+        if (self.changed is not None and not self._refresh()) or self.off is not None:
             return None
         b, s, dim = h.shape
         where = cache_layout(kv_cache, b, s, self.n_layers)
