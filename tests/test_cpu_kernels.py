@@ -338,6 +338,8 @@ def test_f32_matmul_threads_and_leading_dims_agree_and_bad_inputs_are_named():
         cpu_lowbit.f32_matmul(x, w[:, :32])  # K does not match
     with pytest.raises(RuntimeError, match="w must be a contiguous float32"):
         cpu_lowbit.f32_matmul(x, torch.randn(64, 1001).t())  # not contiguous
+    with pytest.raises(RuntimeError, match="w must be a contiguous float32"):
+        cpu_lowbit.f32_matmul(torch.randn(3, 0), torch.randn(5, 0))  # no inputs to sum over
 
 
 # ------------------------------------------------------------------------------------------------ the real file

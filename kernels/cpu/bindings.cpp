@@ -59,7 +59,7 @@ at::Tensor f32_matmul(const at::Tensor& x_in, const at::Tensor& w) {
   TORCH_CHECK(x_in.dim() >= 1 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
               "x must be a float32 CPU (..., K) tensor, got ", x_in.scalar_type(), " ", x_in.sizes());
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.device().is_cpu() &&
-                  w.size(1) == x_in.size(-1) && w.size(0) > 0,
+                  w.size(1) == x_in.size(-1) && w.size(0) > 0 && w.size(1) > 0,
               "w must be a contiguous float32 CPU (N, ", x_in.size(-1), ") tensor, got ", w.scalar_type(), " ",
               w.sizes());
   const int64_t K = w.size(1), N = w.size(0), M = x_in.numel() / std::max<int64_t>(K, 1);
