@@ -69,14 +69,14 @@ def run(quick: bool = False) -> BenchResult:
     for label, key in (("float32 native", "float32_native"), ("q4 native", "q4_native"),
                        ("q4 native int8 KV", "q4_native_int8kv")):
         if (label, "decode", 1) in by:
-            q4d, q4v = by[label, "decode", 1], by[label, "verify", 1]
-            ratios[f"{key}_decode_non_matmul_share"] = 1 - q4d.shares["matmul"]
-            ratios[f"{key}_verify_vs_decode_wall"] = q4v.wall_ms / q4d.wall_ms
+            nd, nv = by[label, "decode", 1], by[label, "verify", 1]
+            ratios[f"{key}_decode_non_matmul_share"] = 1 - nd.shares["matmul"]
+            ratios[f"{key}_verify_vs_decode_wall"] = nv.wall_ms / nd.wall_ms
             # where the verify step's excess over a decode step goes, in decode steps: 1 + these = the ratio above
             for term in ("matmul", "attention"):
-                ratios[f"{key}_verify_{term}_excess"] = (q4v.terms[term] - q4d.terms[term]) / q4d.wall_ms
+                ratios[f"{key}_verify_{term}_excess"] = (nv.terms[term] - nd.terms[term]) / nd.wall_ms
             # a step at its byte floor spends at least this share reading the KV cache: attention's own floor
-            ratios[f"{key}_decode_kv_byte_share"] = q4d.settings["kv_bytes"] / q4d.settings["bytes_read"]
+            ratios[f"{key}_decode_kv_byte_share"] = nd.settings["kv_bytes"] / nd.settings["bytes_read"]
             if key != "float32_native":  # issue 39's targets are the 4-bit step's
                 targets |= {f"{key}_decode_non_matmul_share": ("<=", 0.15),
                             f"{key}_verify_vs_decode_wall": ("<=", 1.1)}
@@ -137,24 +137,24 @@ def _notes(by: dict[tuple, Breakdown], dtypes: list[str], context: int) -> list[
     for label in ("float32 native", "q4 native", "q4 native int8 KV"):
         if (label, "decode", 1) not in by:
             continue
-        q4d, q4v = by[label, "decode", 1], by[label, "verify", 1]
-        t, kv, read = q4d.terms, q4d.settings["kv_bytes"], q4d.settings["bytes_read"]
+        nd, nv = by[label, "decode", 1], by[label, "verify", 1]
+        t, kv, read = nd.terms, nd.settings["kv_bytes"], nd.settings["bytes_read"]
         weights = "float32 layers and LM head" if label.startswith("float32") else "4-bit layers and 8-bit LM head"
-        notes.append(f"{label.split()[0]} native decode b=1 ({q4d.settings['kv_dtype']} KV cache): {q4d.wall_ms:.2f} "
+        notes.append(f"{label.split()[0]} native decode b=1 ({nd.settings['kv_dtype']} KV cache): {nd.wall_ms:.2f} "
                      f"ms, matmul {t['matmul']:.2f} ms "
-                     f"({q4d.shares['matmul']:.0%}: the {weights}), attention "
+                     f"({nd.shares['matmul']:.0%}: the {weights}), attention "
                      f"{t['attention']:.2f}, elementwise {t['elementwise']:.2f}, sampling {t['sampling']:.2f}, Python "
-                     f"around the call {t['else']:.2f} over {q4d.n_ops} ops (float32 eager: {decode.n_ops}); verify "
-                     f"k={K}: {q4v.wall_ms / q4d.wall_ms:.2f}x the decode step, of which its matmuls add "
-                     f"{(q4v.terms['matmul'] - t['matmul']) / q4d.wall_ms:.2f}x ({q4v.terms['matmul']:.2f} vs "
+                     f"around the call {t['else']:.2f} over {nd.n_ops} ops (float32 eager: {decode.n_ops}); verify "
+                     f"k={K}: {nv.wall_ms / nd.wall_ms:.2f}x the decode step, of which its matmuls add "
+                     f"{(nv.terms['matmul'] - t['matmul']) / nd.wall_ms:.2f}x ({nv.terms['matmul']:.2f} vs "
                      f"{t['matmul']:.2f} ms: {K + 1} rows through kernels that one row leaves memory-bound), its "
-                     f"attention {(q4v.terms['attention'] - t['attention']) / q4d.wall_ms:.2f}x "
-                     f"({q4v.terms['attention']:.2f} vs {t['attention']:.2f} ms): were its other terms a decode "
+                     f"attention {(nv.terms['attention'] - t['attention']) / nd.wall_ms:.2f}x "
+                     f"({nv.terms['attention']:.2f} vs {t['attention']:.2f} ms): were its other terms a decode "
                      f"step's, its matmuls alone would put it at "
-                     f"{1 + (q4v.terms['matmul'] - t['matmul']) / q4d.wall_ms:.2f}x. "
+                     f"{1 + (nv.terms['matmul'] - t['matmul']) / nd.wall_ms:.2f}x. "
                      f"The cache is {kv / 1e6:.1f} MB of the {read / 1e6:.1f} MB the step "
                      f"reads ({kv / read:.0%}): a step at its byte floor spends at least that share in attention "
-                     f"(measured: {q4d.shares['attention']:.0%})")
+                     f"(measured: {nd.shares['attention']:.0%})")
     overhead = [bd.profiled_wall_ms / bd.wall_ms - 1 for bd in by.values()]
     notes.append(f"under the profiler steps took {min(overhead):+.0%} to {max(overhead):+.0%} of their un-profiled "
                  "wall; each row keeps the profiled step's proportions, scaled to the un-profiled median wall, and "
