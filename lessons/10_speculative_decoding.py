@@ -528,6 +528,42 @@ print(f"Tokens per step is acceptance's ceiling: at a = {best_native['acceptance
       f"{max(r['speedup'] for r in nat['rows'] if r['draft'] == 'student'):.2f}x at best.")
 
 # %% [markdown]
+# ### Float32 on the native step: a verify at about one decode step
+#
+# The 4-bit step is short (a few ms), so the head's guess and the extra rows' arithmetic are large next to it. The
+# float32 model on the same native step is the other corner: each decode step streams ~0.5 GB of weights from DRAM,
+# and a few more activation rows ride along with bytes that are read anyway — the condition lesson 10's rule needs
+# (v near 1, c near 0). `minillm bench speculative --target float32-native` measures every drafter against it:
+
+# %%
+f32n = recorded_run("speculative-float32-native", quick_run=False,
+                    rerun="minillm bench speculative --target float32-native")
+hc32 = f32n["series"]["head_cost"]
+v32 = {c["q_tokens"]: c["vs_decode"] for c in f32n["series"]["verify_cost"]}
+print(f"float32 native target: {f32n['notes'][-1]}")
+print(f"timed apart: a head guess {hc32['head_ms']:.2f} ms vs a decode step {hc32['step_ms']:.2f} ms (c = "
+      f"{hc32['c']:.3f}); v(2) = {v32[2]:.2f}, v(3) = {v32[3]:.2f}, v(5) = {v32[5]:.2f} (4-bit: v(5) = "
+      f"{vq.get(5, float('nan')):.2f})")
+print(f"\n{'draft':<18}{'workload':<10}{'k':>3}{'a':>7}{'tok/step':>10}{'v in loop':>11}{'rest':>7}"
+      f"{'measured':>10}")
+for r in f32n["rows"]:
+    print(f"{r['draft']:<18}{r['workload']:<10}{r['k']:>3}{r['acceptance']:>7.2f}{r['tokens_per_step']:>10.2f}"
+          f"{r['loop_v']:>11.2f}{r['loop_rest']:>7.2f}{r['speedup']:>9.2f}x")
+b32 = max((r for r in f32n["rows"] if r["draft"].startswith("learned") and r["workload"] == "chat"),
+          key=lambda r: r["speedup"])
+need = 1.3 * (b32["loop_v"] + b32["loop_rest"])
+print(f"\nBest learned head on open chat: {b32['draft']} k={b32['k']}, {b32['speedup']:.2f}x measured, "
+      f"{b32['loop_predicted_speedup']:.2f}x by the rule with the loop's own costs (4-bit target: "
+      f"{best_native['speedup']:.2f}x). Inside the loop a verify of {b32['k'] + 1} tokens cost {b32['loop_v']:.2f} "
+      f"decode steps of {b32['loop_decode_ms']:.1f} ms and everything else {b32['loop_rest']:.2f} (4-bit target: "
+      f"{best_native['loop_v']:.2f} and {best_native['loop_rest']:.2f} of its {best_native['loop_decode_ms']:.1f} ms "
+      f"steps). What is left is "
+      f"acceptance: 1.3x at these costs needs {need:.2f} tokens per step, the head yields "
+      f"{b32['tokens_per_step']:.2f} (a = {b32['acceptance']:.2f}: a guess passes {b32['acceptance']:.0%} of the time "
+      f"when the ones before it did). Prompt lookup on "
+      f"grounded prompts, where a is high: {f32n['ratios']['ngram_grounded_speedup']:.2f}x.")
+
+# %% [markdown]
 # ### By domain: the same head, tuned on one narrow job
 #
 # Acceptance is a property of the head *and the text*. On open chat the target's next words are many, and a 3.3M-weight

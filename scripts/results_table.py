@@ -11,9 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ORDER = ["decode", "kv-cache", "gqa", "attention", "paged", "batching", "fusion", "quant", "lowbit", "sparsity",
-         "pruning", "codebook", "distill", "speculative", "speculative-q4-native", "drafter-domains", "parallel",
-         "prefix-cache",
-         "chunked-prefill", "serve", "disagg", "cascade", "http-router"]
+         "pruning", "codebook", "distill", "speculative", "speculative-q4-native", "speculative-float32-native",
+         "drafter-domains", "parallel", "prefix-cache", "chunked-prefill", "serve", "disagg", "cascade", "http-router"]
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 

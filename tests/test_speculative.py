@@ -1109,3 +1109,20 @@ def test_beside_a_low_bit_target_the_head_runs_in_int8_and_keeps_greedy_output()
         agree = (drafter.head(f, tokens)[1].argmax(-1) == float_head(f, tokens)[1].argmax(-1)).float().mean()
     assert agree >= 0.75, f"the int8 head's first guess agrees with the float head's on {agree:.0%} of rows"
     assert_learned_drafts_keep_greedy_output(model, tok)
+
+
+def test_beside_a_native_float32_target_the_head_runs_in_int8_and_beside_eager_in_float32(real_model):
+    """The int8 copy follows the target's step, not its weights: a float32 target on the native step (a decode step
+    of ~20 ms, the head's float32 guess 1.4 ms of it) gets the int8 head, the eager float32 target keeps the float
+    head it was trained as; greedy output is the target's own with either."""
+    from minillm.api import load_model
+    from minillm.compress.quant import Int8Linear
+    from minillm.speculative.learned import load_draft_head
+
+    eager, _ = real_model
+    assert not isinstance(LearnedDrafter(eager, load_draft_head()).head.fc, Int8Linear)
+    model, tok = load_model("smollm2-135m", dtype="float32", native="auto")
+    if model.native_step is None:
+        pytest.skip("the native step is not built on this machine")
+    assert isinstance(LearnedDrafter(model, load_draft_head()).head.fc, Int8Linear)
+    assert_learned_drafts_keep_greedy_output(model, tok)

@@ -105,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--part", dest="parts", action="append", default=None,
                        help="bench disagg: run only this part (pd, routing, cascade; repeat for several)")
     bench.add_argument("--target", default=None,
-                       help="bench speculative: the model drafts are verified by, float32 (default) or q4-native "
-                            "(the file's 4-bit weights on the native step; saved as speculative-q4-native.json)")
+                       help="bench speculative: the model drafts are verified by, float32 (default), q4-native "
+                            "(the file's 4-bit weights on the native step) or float32-native (saved as "
+                            "speculative-<target>.json)")
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (streaming) around the engine "
                                        "(pip install 'minillm[serve]')")
