@@ -23,7 +23,7 @@ from torch import Tensor
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
 SOURCES = ("bindings.cpp", "q4_1_matmul.cpp", "int8_matmul.cpp", "int8_kv_attention.cpp", "native_step.cpp",
-           "f32_matmul.cpp")
+           "f32_matmul.cpp", "codebook_matmul.cpp")
 
 # instruction set -> (cpu flags it needs, compiler flags), best first
 ISAS = {
@@ -402,6 +402,15 @@ def f32_matmul(x: Tensor, w: Tensor) -> Tensor:
     if _module is None:
         raise RuntimeError(f"the CPU kernels are not loaded ({status()}): call load() first")
     return _module.f32_matmul(x, w)
+
+
+def codebook_matmul(x: Tensor, codes: Tensor, tables: Tensor, bits: int, k: int) -> Tensor:
+    """x (..., k) float32 @ W.T -> (..., N), W a shared-codebook weight as CodebookLinear holds it: codes uint8
+    (N, ceil(k / 8) * bits) from pack_codes, tables float32 (groups of rows, 2**bits); bits 3 or 4. The table
+    lookup happens in registers (codebook_matmul.cpp): a token reads the packed codes, not a dense weight."""
+    if _module is None:
+        raise RuntimeError(f"the CPU kernels are not loaded ({status()}): call load() first")
+    return _module.codebook_matmul(x, codes, tables, bits, k)
 
 
 def paged_int8_decode(q: Tensor, k_pool: Tensor, k_scale: Tensor, v_pool: Tensor, v_scale: Tensor,

@@ -424,9 +424,55 @@ plt.show()
 # minimise the squared error follow the bulk of a row, and the few very large weights — the ones lesson 07 showed
 # matter most — land in a cluster with ordinary ones, while uniform min/max levels always keep each group's
 # extremes. The printed rows measure both cures: keep those weights exact, or let the loss's sensitivity weight
-# the clustering. A codebook stores fewer bits but this implementation is not faster: it looks a dense weight up on
-# every step (`decode_tok_s` in the JSON); a LUT kernel that multiplies through the table is what turns its bytes
-# into speed. Sharing whole blocks without retraining destroys the model: ALBERT trains the shared weights.
+# the clustering. Sharing whole blocks without retraining destroys the model: ALBERT trains the shared weights.
+#
+# **Stored bits become speed only when the kernel reads them.** The first implementation looked the dense float32
+# weight up from the codes on every step and called torch's matmul: 3 bits stored, more than 32 read. The LUT kernel
+# (`kernels/cpu/codebook_matmul.cpp`) never builds the weight: a group of 8 codes is one 32-bit load, a variable shift
+# spreads them to 8 lanes, and `vpermps` looks each up in the row's table held in one register (a 16-value table is
+# two registers and a blend), then one FMA per 8 weights. The bench times both, and here one MLP matrix is timed
+# three ways on this machine:
+
+# %%
+from minillm.compress.codebook import CodebookLinear, pack_codes  # noqa: E402
+from minillm.compress.quant import cpu_kernels, cpu_kernels_disabled  # noqa: E402
+from minillm.measure.harness import time_fn  # noqa: E402
+
+print(f"decode tok/s at batch 1 (the bench's run, {cb['settings']['threads']} thread): fp32 "
+      f"{crow['fp32 (reference)']['decode_tok_s']:.1f}; codebook 3-bit with the LUT kernel {c3['decode_tok_s']:.1f}, "
+      f"with the dense lookup {c3['decode_tok_s_dense_lookup']:.1f} "
+      f"({cb['ratios']['codebook3_lut_vs_dense_lookup_decode']:.1f}x); int4 on lesson 07's kernel "
+      f"{crow['int4 g64 RTN']['decode_tok_s']:.1f}")
+if cpu_kernels() is not None:
+    # the 30 up projections in a row (106 MB in float32: more than the caches hold, as in a decode step), against 30
+    # 3-bit codebook layers of the same shape (random codes and tables: the kernel's time does not depend on them)
+    ups = [layer.mlp.up.weight.detach() for layer in model.layers]
+    n_out, n_in = ups[0].shape
+    luts = [CodebookLinear(pack_codes(torch.randint(0, 8, (n_out, n_in)), 3), torch.randn(1, 8), 3, n_in)
+            for _ in ups]
+    x1 = torch.randn(1, n_in)
+    with torch.inference_mode():
+        t_lut = time_fn(lambda: [m(x1) for m in luts], warmup=2, repeat=pick(20, 3)).median
+        t_f32 = time_fn(lambda: [torch.nn.functional.linear(x1, w) for w in ups], warmup=2,
+                        repeat=pick(20, 3)).median
+        with cpu_kernels_disabled():
+            t_dense = time_fn(lambda: [m(x1) for m in luts], warmup=1, repeat=pick(3, 1)).median
+    code_bytes, f32_bytes = sum(m.qweight.numel() for m in luts), 4 * sum(w.numel() for w in ups)
+    groups = sum(w.numel() for w in ups) / 8
+    print(f"30 matrices of {n_out}x{n_in}, 1 row, {torch.get_num_threads()} threads: float32 matmul "
+          f"{t_f32 * 1e3:.2f} ms ({f32_bytes / t_f32 / 1e9:.1f} GB/s of weights), LUT kernel {t_lut * 1e3:.2f} ms "
+          f"({code_bytes / t_lut / 1e9:.1f} GB/s of codes, {t_lut * 1e9 / groups * torch.get_num_threads():.2f} "
+          f"thread-ns per group of 8), dense lookup + matmul {t_dense * 1e3:.1f} ms")
+    print(f"The LUT kernel reads {f32_bytes / code_bytes:.1f}x fewer bytes than float32 and runs at "
+          f"{t_f32 / t_lut:.2f}x its speed: it moves {code_bytes / t_lut / 1e9:.1f} GB/s where float32 streams "
+          f"{f32_bytes / t_f32 / 1e9:.1f}, so its time is the lookup's instructions per group, not the memory")
+else:
+    print("the CPU kernels did not build here: CodebookLinear uses the dense lookup")
+
+# %% [markdown]
+# A 4-bit uniform weight runs faster still on lesson 07's kernel (integer dot products, no lookup); what a codebook
+# buys is the quality at a given number of bits (the table above), and on the CPU its lookup is a handful of
+# instructions per 8 weights.
 
 # %% [markdown]
 # ## 7. A pruned model through every path, saved for lesson 09

@@ -521,11 +521,12 @@ best_native = max((r for r in nat["rows"] if r["draft"].startswith("learned") an
 print(f"\nBest learned head on open chat: {best_native['draft']} k={best_native['k']}, "
       f"{best_native['speedup']:.2f}x measured, {best_native.get('predicted_speedup', float('nan')):.2f}x predicted "
       f"(float32 target: {result['ratios']['learned_chat_speedup']:.2f}x).")
+stud = next(r for r in nat["rows"] if r["draft"] == "student" and r["workload"] == "chat")
 print(f"Tokens per step is acceptance's ceiling: at a = {best_native['acceptance']:.2f} a step yields "
       f"{best_native['tokens_per_step']:.2f} tokens, and even at c = 0 speculation needs v(k + 1) below that; this run "
       f"measured v(3) = {vq.get(3, float('nan')):.2f} and v(5) = {vq.get(5, float('nan')):.2f}. The student drafts "
-      f"in float32 eager beside the 4-bit target, so its c is several target steps: "
-      f"{max(r['speedup'] for r in nat['rows'] if r['draft'] == 'student'):.2f}x at best.")
+      f"in float32, 16 blocks reading more bytes a token than the whole 4-bit target: its guess and the rest of a "
+      f"step cost {stud['loop_rest']:.2f} target decode steps, so {stud['speedup']:.2f}x on chat.")
 
 # %% [markdown]
 # ### Float32 on the native step: a verify at about one decode step

@@ -634,3 +634,13 @@ def test_the_speculative_loop_clock_splits_a_run_into_forwards_and_the_rest():
     assert got["loop_head"] == pytest.approx(0.1) and got["loop_head_ms"] == pytest.approx(0.5)
     assert got["loop_guesses_per_step"] == pytest.approx(2.0)
     assert _in_loop(loop, SpecStats()) == {}
+
+
+def test_bench_speculative_names_its_targets_when_given_another():
+    """--target takes float32, q4-native or float32-native; anything else is refused with the list, before any
+    model loads."""
+    from minillm.bench.speculative import TARGETS, run
+
+    assert set(TARGETS) == {"float32", "q4-native", "float32-native"}
+    with pytest.raises(ValueError, match="target must be one of .*float32-native"):
+        run(quick=True, target="bf16-native")

@@ -22,7 +22,7 @@ from minillm.compress.codebook import (
     pack_codes,
     unpack_codes,
 )
-from minillm.compress.quant import dequantize_int4, pack_int4, quantize_int4
+from minillm.compress.quant import cpu_kernels, cpu_kernels_disabled, dequantize_int4, pack_int4, quantize_int4
 from minillm.compress.quantize import quantize
 from minillm.config import ModelConfig
 from minillm.model import Transformer, model_bytes
@@ -212,13 +212,84 @@ def test_8_bits_on_integer_weights_is_lossless():
 
 
 def test_forward_is_f_linear_with_the_dequantized_weight():
+    """Without our kernels the forward is the dense lookup then torch's matmul, exactly; with them (3 and 4 bits on
+    the CPU) the LUT kernel, equal within float32 summation."""
     g = torch.Generator().manual_seed(1)
     w, b, x = torch.randn(24, 48, generator=g), torch.randn(24, generator=g), torch.randn(3, 5, 48, generator=g)
     for bits, rows in ((3, 1), (4, 6), (2, None)):
         layer = CodebookLinear.from_linear(_linear(w, b), bits, rows_per_codebook=rows)
-        assert torch.equal(layer(x), F.linear(x, layer.dequantize(), b))
+        dense = F.linear(x, layer.dequantize(), b)
+        with cpu_kernels_disabled():
+            assert torch.equal(layer(x), dense)
+        torch.testing.assert_close(layer(x), dense, rtol=1e-5, atol=1e-5)
         assert layer.codebook.shape == (24 if rows == 1 else 24 // (rows or 24), 2 ** bits)
         assert layer.codes().max() < 2 ** bits
+
+
+needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels do not build on this machine")
+
+
+@needs_kernels
+@given(st.sampled_from([3, 4]), st.integers(1, 40), st.integers(1, 90), st.integers(0, 5), st.booleans(),
+       st.floats(0.0, 0.05), st.randoms(use_true_random=False))
+def test_the_lut_kernel_equals_the_dense_weight(bits, n, k, m, per_layer, outliers, rnd):
+    """codebook_matmul.cpp against float64 over the dequantized weight: any K (whole groups of 8 or not), any rows,
+    one table per row or per layer, outliers added back, batch shapes of (..., K) including no rows."""
+    g = torch.Generator().manual_seed(rnd.randint(0, 2 ** 31))
+    layer = CodebookLinear.from_linear(_linear(torch.randn(n, k, generator=g)), bits,
+                                       rows_per_codebook=None if per_layer else 1, outliers=outliers, max_iter=5)
+    x = torch.randn(m, 2, k, generator=g)
+    want = (x.double() @ layer.dequantize().double().T).float()
+    got = layer(x)
+    assert got.shape == (m, 2, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * (1 + k ** 0.5))
+
+
+@needs_kernels
+def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads():
+    """Each output's sum runs in one order: a row alone, the same row among 5, and 1 or 2 threads give the same
+    bits (a verify step equals its decode steps)."""
+    g = torch.Generator().manual_seed(3)
+    layer = CodebookLinear.from_linear(_linear(torch.randn(96, 200, generator=g)), 3, outliers=0.01)
+    x = torch.randn(5, 200, generator=g)
+    batch = layer(x)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for i in range(5):
+                assert torch.equal(layer(x[i:i + 1])[0], batch[i])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
+def test_new_tables_loaded_in_place_are_the_ones_looked_up():
+    """The kernel's float32 tables are cached; load_state_dict writes into the buffers in place, and the next call
+    uses what was loaded (an oracle: a layer built from the other weight)."""
+    g = torch.Generator().manual_seed(4)
+    a = CodebookLinear.from_linear(_linear(torch.randn(16, 64, generator=g)), 4, outliers=0.02)
+    b = CodebookLinear.from_linear(_linear(torch.randn(16, 64, generator=g)), 4, outliers=0.02)
+    x = torch.randn(2, 64, generator=g)
+    a(x)
+    a.load_state_dict(b.state_dict())
+    assert torch.equal(a(x), b(x))
+
+
+@needs_kernels
+def test_the_lut_kernel_names_what_is_wrong():
+    from minillm_kernels import cpu_lowbit
+
+    codes, tables, x = torch.zeros(4, 3, dtype=torch.uint8), torch.zeros(4, 8), torch.zeros(1, 8)
+    assert cpu_lowbit.codebook_matmul(x, codes, tables, 3, 8).shape == (1, 4)
+    with pytest.raises(RuntimeError, match="3- or 4-bit"):
+        cpu_lowbit.codebook_matmul(x, codes, tables, 2, 8)
+    with pytest.raises(RuntimeError, match="codes must be contiguous uint8"):
+        cpu_lowbit.codebook_matmul(x, torch.zeros(4, 4, dtype=torch.uint8), tables, 3, 8)
+    with pytest.raises(RuntimeError, match="tables must be contiguous float32"):
+        cpu_lowbit.codebook_matmul(x, codes, torch.zeros(3, 8), 3, 8)
+    with pytest.raises(RuntimeError, match="x must be a float32"):
+        cpu_lowbit.codebook_matmul(torch.zeros(1, 9), codes, tables, 3, 8)
 
 
 @given(st.integers(1, 8), st.integers(1, 4), st.integers(1, 40), st.randoms(use_true_random=False))

@@ -73,6 +73,37 @@ at::Tensor f32_matmul(const at::Tensor& x_in, const at::Tensor& w) {
   return y.view(shape);
 }
 
+// x (..., K) @ W.T -> (..., N) float32, W given as a CodebookLinear holds it (codebook_matmul.cpp): codes uint8
+// (N, (K + 7) / 8 * bits), tables float32 (groups of rows, 2**bits). The dense weight is never built.
+at::Tensor codebook_matmul(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& tables, int64_t bits,
+                           int64_t K) {
+  TORCH_CHECK(bits == 3 || bits == 4, "the codebook kernel takes 3- or 4-bit codes, got ", bits, " bits");
+  TORCH_CHECK(K > 0 && x_in.dim() >= 1 && x_in.size(-1) == K && x_in.scalar_type() == at::kFloat &&
+                  x_in.device().is_cpu(),
+              "x must be a float32 CPU (..., ", K, ") tensor, got ", x_in.scalar_type(), " ", x_in.sizes());
+  const int64_t row_bytes = (K + 7) / 8 * bits;
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.device().is_cpu() &&
+                  codes.size(1) == row_bytes && codes.size(0) > 0,
+              "codes must be contiguous uint8 CPU (N, ", row_bytes, ") (", bits, "-bit codes of ", K,
+              " inputs packed by pack_codes), got ", codes.scalar_type(), " ", codes.sizes());
+  const int64_t N = codes.size(0);
+  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kFloat && tables.is_contiguous() &&
+                  tables.device().is_cpu() && tables.size(1) == (int64_t{1} << bits) && tables.size(0) > 0 &&
+                  N % tables.size(0) == 0,
+              "tables must be contiguous float32 CPU (groups of rows dividing ", N, ", ", (1 << bits), "), got ",
+              tables.scalar_type(), " ", tables.sizes());
+  const int64_t M = x_in.numel() / K, per_table = N / tables.size(0);
+  const at::Tensor x = x_in.reshape({M, K}).contiguous();
+  at::Tensor y = at::empty({M, N}, at::kFloat);
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    codebook_matmul_rows(x.data_ptr<float>(), M, K, codes.data_ptr<uint8_t>(), static_cast<int>(bits),
+                         tables.data_ptr<float>(), per_table, N, n0, n1, y.data_ptr<float>());
+  });
+  std::vector<int64_t> shape = x_in.sizes().vec();
+  shape.back() = N;
+  return y.view(shape);
+}
+
 // rows `ids` (any shape, int64, each in [0, N)) of an (N, K) repack_int8 weight as float32 (*ids.shape, K)
 at::Tensor int8_embedding(const at::Tensor& packed, const at::Tensor& ids_in, int64_t N, int64_t K) {
   const int64_t groups = (N + kRows - 1) / kRows;
@@ -291,6 +322,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_matmul", &minillm::q4_1_matmul, "x (..., K) @ repacked Q4_1 weights.T -> (..., N), x's dtype");
   m.def("int8_matmul", &minillm::int8_matmul, "x (..., K) @ repacked int8 weights.T -> (..., N), x's dtype");
   m.def("f32_matmul", &minillm::f32_matmul, "x (..., K) float32 @ w.T, w float32 (N, K) as it lies -> (..., N)");
+  m.def("codebook_matmul", &minillm::codebook_matmul,
+        "x (..., K) float32 @ W.T, W as 3/4-bit codes (N, (K + 7) / 8 * bits) and float32 tables -> (..., N)");
   m.def("int8_embedding", &minillm::int8_embedding,
         "rows ids of an (N, K) repacked int8 weight as float32 (*ids.shape, K): a tied embedding's lookup");
   m.def("paged_int8_decode", &minillm::paged_int8_decode,

@@ -23,6 +23,11 @@ int64_t f32_tiles(int64_t N);
 void f32_matmul_tiles(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64_t tile0, int64_t tile1,
                       float* y);
 
+// y (M, N) columns [n0, n1) = x (M, K) @ W.T, W a shared-codebook weight (codebook_matmul.cpp): `bits` (3 or 4)-bit
+// codes, (K + 7) / 8 * bits bytes a row, row n looking its values up in tables[n / rows_per_table] (2**bits floats)
+void codebook_matmul_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, int bits, const float* tables,
+                          int64_t rows_per_table, int64_t N, int64_t n0, int64_t n1, float* y);
+
 // rows ids[0..n) of a repack_int8 weight with `blocks` blocks of 32 inputs, as floats: out (n, blocks * 32)
 void int8_rows_float(const uint8_t* w, int64_t blocks, const int64_t* ids, int64_t n, float* out);
 

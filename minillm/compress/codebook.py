@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from minillm.compress.calibration import run_windows, watch_inputs
-from minillm.compress.quant import QuantizedLinear, is_quantized
+from minillm.compress.quant import QuantizedLinear, cpu_kernels, is_quantized
 
 SENSITIVITIES = {None: "plain k-means (every weight counts the same)",
                  "fisher": "squared gradients of the calibration loss summed over its windows (SqueezeLLM)",
@@ -157,8 +157,9 @@ class CodebookLinear(QuantizedLinear):
     per group of `rows_per_codebook` output rows (1: per output channel, as SqueezeLLM; out_features: one per layer),
     plus optionally a few outlier weights kept exactly (float16 value + int32 position: SqueezeLLM's dense-and-sparse).
 
-    forward looks the dense weight up and calls the existing matmul: fewer bytes stored, not fewer read per token. A
-    LUT kernel would read the packed indices and look the table up in registers (y += x_j * table[idx])."""
+    forward on the CPU, 3 or 4 bits: the LUT kernel (kernels/cpu/codebook_matmul.cpp) reads the packed codes and looks
+    each group of 8 up in a table held in registers, the outliers added as a sparse correction. Elsewhere it looks
+    the dense weight up and calls the existing matmul: fewer bytes stored, not fewer read per token."""
 
     def __init__(self, qweight: Tensor, codebook: Tensor, bits: int, in_features: int, bias: Tensor | None = None,
                  sparse_index: Tensor | None = None, sparse_value: Tensor | None = None):
@@ -218,7 +219,30 @@ class CodebookLinear(QuantizedLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.bits in (3, 4) and x.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
+            tables, rows, cols, delta = self._lut()
+            y = kernels.codebook_matmul(x.float(), self.qweight, tables, self.bits, self.in_features)
+            if rows.numel():  # an outlier's weight is its kept value, not its code's: add the difference
+                flat = y.view(-1, self.out_features)
+                flat.index_add_(1, rows, x.float().reshape(-1, self.in_features)[:, cols] * delta)
+            y = y.to(x.dtype)
+            return y if bias is None else y + bias
         return F.linear(x, self.dequantize().to(x.dtype), bias)
+
+    def _lut(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(float32 tables, outliers' rows, columns, kept value minus their code's value): once, not per token, and
+        again when a buffer changes (load_state_dict writes into them in place: their version counters move)."""
+        key = tuple((t.data_ptr(), t._version) for t in (self.qweight, self.codebook, self.sparse_index,
+                                                        self.sparse_value))
+        if getattr(self, "_lut_key", None) != key:
+            self._lut_key = key
+            tables = self.codebook.float().contiguous()
+            where = self.sparse_index.long()
+            rows, cols = where // self.in_features, where % self.in_features
+            code = self.codes()[rows, cols] if where.numel() else where
+            looked_up = tables[rows // self.rows_per_codebook, code]
+            self._lut_cache = (tables, rows, cols, self.sparse_value.float() - looked_up)
+        return self._lut_cache
 
     def _apply(self, fn, recurse=True):  # a cast of the model leaves the float16 tables and outliers as they are
         kept = {"codebook": self.codebook, "sparse_value": self.sparse_value}
