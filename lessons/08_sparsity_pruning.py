@@ -459,7 +459,7 @@ if cpu_kernels() is not None:
             t_dense = time_fn(lambda: [m(x1) for m in luts], warmup=1, repeat=pick(3, 1)).median
     code_bytes, f32_bytes = sum(m.qweight.numel() for m in luts), 4 * sum(w.numel() for w in ups)
     groups = sum(w.numel() for w in ups) / 8
-    print(f"30 matrices of {n_out}x{n_in}, 1 row, {torch.get_num_threads()} threads: float32 matmul "
+    print(f"30 matrices of {n_out}x{n_in}, 1 row, {torch.get_num_threads()} thread(s): float32 matmul "
           f"{t_f32 * 1e3:.2f} ms ({f32_bytes / t_f32 / 1e9:.1f} GB/s of weights), LUT kernel {t_lut * 1e3:.2f} ms "
           f"({code_bytes / t_lut / 1e9:.1f} GB/s of codes, {t_lut * 1e9 / groups * torch.get_num_threads():.2f} "
           f"thread-ns per group of 8), dense lookup + matmul {t_dense * 1e3:.1f} ms")

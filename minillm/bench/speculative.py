@@ -192,7 +192,7 @@ def run(quick: bool = False, target: str = "float32") -> BenchResult:
     model, tok = load_model("smollm2-135m", device="cpu", **TARGETS[target])
     loads = workloads(tok, b)
     notes = []
-    # beside a native target the student drafts on the native step too (eager, it cost 6x a 4-bit target's step)
+    # beside a native target the student drafts on the native step too (eager, a guess cost several target steps)
     student = (load_model(STUDENT, dtype="float32", device="cpu", native=TARGETS[target].get("native", False))[0]
                if b["student_k"] else None)
     variants = [("ngram", k, SpeculativeConfig("ngram", k=k)) for k in b["ngram_k"]]
