@@ -439,6 +439,8 @@ if curve_path.exists():
     rate = (pts[-1]["tokens"] - pts[0]["tokens"]) / (pts[-1]["train_s"] - pts[0]["train_s"])
     print(f"answer match moved {gain:+.3f} per million tokens past the ship, at {rate:,.0f} training tokens/s on "
           f"this CPU ({sc['threads']} threads): another million tokens is {1e6 / rate / 3600:.1f} hours here")
+    if sc.get("note"):
+        print(f"({sc['note']})")
     fig, ax = plt.subplots(figsize=(6.5, 3.5))
     ax.plot([c["tokens"] for c in pts], [c["answer_match"] for c in pts], marker="o", label="answer match")
     ax.plot([c["tokens"] for c in pts], [c["top1"] for c in pts], marker=".", label="top-1 on answers")
