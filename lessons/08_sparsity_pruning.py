@@ -441,8 +441,9 @@ from minillm.measure.harness import time_fn  # noqa: E402
 print(f"decode tok/s at batch 1 (the bench's run, {cb['settings']['threads']} thread): fp32 "
       f"{crow['fp32 (reference)']['decode_tok_s']:.1f}; codebook 3-bit with the LUT kernel {c3['decode_tok_s']:.1f}, "
       f"with the dense lookup {c3['decode_tok_s_dense_lookup']:.1f} "
-      f"({cb['ratios']['codebook3_lut_vs_dense_lookup_decode']:.1f}x); int4 on lesson 07's kernel "
-      f"{crow['int4 g64 RTN']['decode_tok_s']:.1f}")
+      f"({cb['ratios']['codebook3_lut_vs_dense_lookup_decode']:.1f}x); codebook 4-bit "
+      f"{crow['codebook 4-bit']['decode_tok_s']:.1f} against int4 on lesson 07's kernel (integer dot products, no "
+      f"lookup) {crow['int4 g64 RTN']['decode_tok_s']:.1f} ({cb['ratios']['codebook4_decode_vs_int4']:.2f}x)")
 if cpu_kernels() is not None:
     # the 30 up projections in a row (106 MB in float32: more than the caches hold, as in a decode step), against 30
     # 3-bit codebook layers of the same shape (random codes and tables: the kernel's time does not depend on them)
@@ -470,9 +471,8 @@ else:
     print("the CPU kernels did not build here: CodebookLinear uses the dense lookup")
 
 # %% [markdown]
-# A 4-bit uniform weight runs faster still on lesson 07's kernel (integer dot products, no lookup); what a codebook
-# buys is the quality at a given number of bits (the table above), and on the CPU its lookup is a handful of
-# instructions per 8 weights.
+# What a codebook buys is the quality at a given number of bits (the table above); its speed is set by the lookup's
+# instructions per group of 8, compared with lesson 07's int4 kernel in the first line printed above.
 
 # %% [markdown]
 # ## 7. A pruned model through every path, saved for lesson 09

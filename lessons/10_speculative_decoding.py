@@ -532,16 +532,20 @@ print(f"Tokens per step is acceptance's ceiling: at a = {best_native['acceptance
 # ### Float32 on the native step: a verify at about one decode step
 #
 # The 4-bit step is short (a few ms), so the head's guess and the extra rows' arithmetic are large next to it. The
-# float32 model on the same native step is the other corner: each decode step streams ~0.5 GB of weights from DRAM,
-# and a few more activation rows ride along with bytes that are read anyway — the condition lesson 10's rule needs
-# (v near 1, c near 0). `minillm bench speculative --target float32-native` measures every drafter against it:
+# float32 model on the same native step is the other corner: each decode step streams every float32 weight from
+# DRAM (the bytes are printed below), and a few more activation rows ride along with bytes that are read anyway —
+# the condition lesson 10's rule needs (v near 1, c near 0). `minillm bench speculative --target float32-native`
+# measures every drafter against it:
 
 # %%
+from minillm.model import model_bytes  # noqa: E402
+
 f32n = recorded_run("speculative-float32-native", quick_run=False,
                     rerun="minillm bench speculative --target float32-native")
 hc32 = f32n["series"]["head_cost"]
 v32 = {c["q_tokens"]: c["vs_decode"] for c in f32n["series"]["verify_cost"]}
-print(f"float32 native target: {f32n['notes'][-1]}")
+print(f"float32 native target: {f32n['notes'][-1]}; a decode step reads {model_bytes(model) / 1e9:.2f} GB of "
+      f"float32 weights")
 print(f"timed apart: a head guess {hc32['head_ms']:.2f} ms vs a decode step {hc32['step_ms']:.2f} ms (c = "
       f"{hc32['c']:.3f}); v(2) = {v32[2]:.2f}, v(3) = {v32[3]:.2f}, v(5) = {v32[5]:.2f} (4-bit: v(5) = "
       f"{vq.get(5, float('nan')):.2f})")

@@ -221,10 +221,10 @@ class CodebookLinear(QuantizedLinear):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self.bits in (3, 4) and x.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
             tables, rows, cols, delta = self._lut()
-            y = kernels.codebook_matmul(x.float(), self.qweight, tables, self.bits, self.in_features)
+            xf = x.float()
+            y = kernels.codebook_matmul(xf, self.qweight, tables, self.bits, self.in_features)
             if rows.numel():  # an outlier's weight is its kept value, not its code's: add the difference
-                flat = y.view(-1, self.out_features)
-                flat.index_add_(1, rows, x.float().reshape(-1, self.in_features)[:, cols] * delta)
+                y.view(-1, self.out_features).index_add_(1, rows, xf.reshape(-1, self.in_features)[:, cols] * delta)
             y = y.to(x.dtype)
             return y if bias is None else y + bias
         return F.linear(x, self.dequantize().to(x.dtype), bias)
