@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from minillm.compress.ability import (AbilityConfig, chat_batch_at, distill_ability, first_sentence, masked_step,
                                       top1_agreement)
-from minillm.recipes.small_model import teacher_answers
+from minillm.recipes.small_model import open_prompts, teacher_answers
 from minillm.compress.chat_data import (ALWAYS_HELD_OUT, CASCADE_QUESTIONS, SPECULATIVE_CHAT, chat_prompts,
                                         is_held_out, split)
 from minillm.compress.distill import distillation_loss
@@ -65,6 +65,66 @@ def test_teacher_answers_are_generated_once_then_read_from_the_cache(tmp_path, m
     assert teacher_answers(t, _Tok(), ["ab", "cde"], 5, cache=cache, progress=False) == answers
     with pytest.raises(AssertionError, match="engine ran"):  # another prompt set is another key: it regenerates
         teacher_answers(t, _Tok(), ["ab"], 5, cache=cache, progress=False)
+
+
+class _ChatTok:
+    """A template with the SmolLM2 markers: a character is a token, <|im_start|> 1, <|im_end|> 2."""
+    special_tokens = {"<|im_start|>": 1, "<|im_end|>": 2}
+
+    def encode_chat(self, messages):
+        return self.encode(f"<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n{messages[0]['content']}"
+                           "<|im_end|>\n<|im_start|>assistant\n", allow_special=True)
+
+    def encode(self, text, allow_special=False):
+        out = []
+        while text:
+            for mark, i in self.special_tokens.items():
+                if allow_special and text.startswith(mark):
+                    out.append(i)
+                    text = text[len(mark):]
+                    break
+            else:
+                out.append(ord(text[0]) + 10)
+                text = text[1:]
+        return out
+
+    def decode(self, ids):
+        names = {v: k for k, v in self.special_tokens.items()}
+        return "".join(names.get(i, chr(i - 10) if i >= 10 else "?") for i in ids)
+
+
+def test_open_prompts_keep_closed_new_printable_questions_and_cache_them(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from minillm.engine.llm import LLM
+
+    tok, seen = _ChatTok(), []
+    turns = ["What is a good book to read?", "What is a good book to read?", "ok then",  # a repeat, two words
+             "Write a short poem about the sea.", "Say h\u00e9llo to everyone please", "Open turn never closed",
+             "How do I bake bread at home?", "Tell me about\x07 bells now"]
+
+    class Engine:
+        def generate(self, prompts, params):
+            seen.append((prompts, params))
+            outs = []
+            for j, p in enumerate(params):
+                text = turns[(len(seen) - 1) * len(params) + j] if (len(seen) - 1) * len(params) + j < len(turns) \
+                    else f"Question number {len(seen)} {j} here?"
+                ids = tok.encode(text) + ([] if text.startswith("Open") else [2])
+                outs.append(SimpleNamespace(token_ids=ids))
+            return outs
+
+    monkeypatch.setattr(LLM, "from_model", lambda *a, **k: Engine())
+    got = open_prompts(None, tok, 3, seed=5, cache=tmp_path / "open.json", progress=False)
+    # closed, 3+ words, ASCII and printable, new, and never a prompt a lesson measures on
+    assert got == ["What is a good book to read?", "How do I bake bread at home?", "Question number 1 8 here?"]
+    prompts, params = seen[0]
+    assert tok.decode(prompts[0]).endswith("<|im_start|>user\n") and "assistant" not in tok.decode(prompts[0])
+    assert {p.seed for p in params} == set(range(5, 5 + len(params))) and all(p.temperature == 1.0 for p in params)
+    monkeypatch.setattr(LLM, "from_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("the engine ran")))
+    assert open_prompts(None, tok, 3, seed=5, cache=tmp_path / "open.json", progress=False) == got
+    with pytest.raises(AssertionError, match="engine ran"):  # another seed is another set
+        open_prompts(None, tok, 3, seed=6, cache=tmp_path / "open.json", progress=False)
 
 
 @settings(max_examples=25, deadline=None)

@@ -1124,5 +1124,7 @@ def test_beside_a_native_float32_target_the_head_runs_in_int8_and_beside_eager_i
     model, tok = load_model("smollm2-135m", dtype="float32", native="auto")
     if model.native_step is None:
         pytest.skip("the native step is not built on this machine")
-    assert isinstance(LearnedDrafter(model, load_draft_head()).head.fc, Int8Linear)
+    head = LearnedDrafter(model, load_draft_head()).head
+    assert isinstance(head.fc, Int8Linear)
+    assert head.info["sha256"] == load_draft_head().info["sha256"]  # the copy still says which head it is
     assert_learned_drafts_keep_greedy_output(model, tok)

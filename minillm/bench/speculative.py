@@ -317,4 +317,6 @@ def run(quick: bool = False, target: str = "float32") -> BenchResult:
     return BenchResult(name="speculative" if target == "float32" else f"speculative-{target}", rows=rows,
                        ratios=ratios, targets=targets,
                        settings={**{k: v for k, v in b.items() if not isinstance(v, list)}, "dtype": "float32",
-                                 "target": target, "threads": torch.get_num_threads()}, notes=notes, series=curves)
+                                 "target": target, "threads": torch.get_num_threads(),
+                                 "draft_head_sha256": draft_head_for(model).info.get("sha256")},
+                       notes=notes, series=curves)

@@ -217,10 +217,13 @@ def prepare(target, head: DraftHead) -> DraftHead:
     ready = getattr(head, "_ready_for", None)
     if ready is not None and ready() is target:
         return head
+    info = getattr(head, "info", None)
     head = head.bind(target).eval()
     fast_target = hasattr(target.lm_head, "embedding") or getattr(target, "native_step", None) is not None
     if fast_target and target.device.type == "cpu":
         head = head.int8_copy()
+    if info is not None:  # the record it was loaded with (sha256, recipe): benches cite which head drafted
+        head.info = info
     head._ready_for = weakref.ref(target)
     return head
 
@@ -256,7 +259,7 @@ def load_draft_head(name_or_path: str | Path = DRAFTER) -> DraftHead:
     meta_path = Path(str(path) + ".json")
     if not path.exists() or not meta_path.exists():
         raise FileNotFoundError(f"no draft head at {path}: train one with `python -m minillm.recipes.small_model "
-                                f"drafter` (~25 min on 2 CPU cores)")
+                                f"drafter` (~1 h on 2 CPU cores)")
     raw, meta = read_verified(path, meta_path, f"restore it from git (`git checkout -- {path.name}`) or retrain it")
     blob = torch.load(io.BytesIO(raw), weights_only=True)
     head = DraftHead(blob["dim"], blob["hidden"], blob["state"]["vocab_ids"])

@@ -1,6 +1,6 @@
 """Train lesson 10's learned drafter (learned.py's DraftHead) on the teacher's own answers.
 
-    python -m minillm.recipes.small_model drafter          # ~25 min on 2 CPU cores; writes minillm/assets/
+    python -m minillm.recipes.small_model drafter   # ~1 h on 2 AVX2 cores (half of it cached after); minillm/assets/
 
 The target runs once over every training sequence (its features and greedy choices); the head learns to predict
 the next feature and choice, unrolled on its own predictions as it drafts, with EAGLE's regularisers against
