@@ -585,6 +585,17 @@ def test_median_run_keeps_the_median_headline_and_the_spread_of_every_ratio():
     assert "spread" in chosen.to_dict()
 
 
+def test_median_run_skips_a_check_every_run_passes_alike():
+    from minillm.bench import median_key, median_run
+
+    runs = [BenchResult(name="x", rows=[{"run": i}], ratios={"identical": 1.0, "speedup": s},
+                        targets={"identical": (">=", 1.0), "speedup": (">=", 1.3)})
+            for i, s in enumerate([1.35, 1.29, 1.31])]
+    assert median_key(runs) == "speedup" and median_run(runs).rows == [{"run": 2}]
+    runs[0].ratios["identical"] = 0.0  # once it differs, the headline picks again
+    assert median_key(runs) == "identical"
+
+
 def test_run_entry_refuses_zero_runs():
     from minillm.bench import run_entry
 

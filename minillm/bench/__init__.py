@@ -83,7 +83,7 @@ def run_entry(name: str, quick: bool = False, save: bool = True, out: str | os.P
     if runs > 1:
         result = median_run(results)
         result.notes.append(f"{runs} whole runs of this benchmark one after another; the rows are those of the run "
-                            f"with the median {headline(result)}")
+                            f"with the median {median_key(results)}")
     result.quick = quick
     result.print_table()
     if save:
@@ -97,9 +97,18 @@ def headline(result: BenchResult) -> str | None:
     return next(iter(result.targets), next(iter(result.ratios), None))
 
 
+def median_key(results: list[BenchResult]) -> str | None:
+    """The ratio whose median picks the run: the headline, unless every run has the same value of it (a check all
+    pass alike, such as greedy_identical = 1, picks no median), then the first targeted ratio that varies."""
+    key = headline(results[0])
+    if key is not None and len({r.ratios.get(key) for r in results}) == 1:
+        key = next((k for k in results[0].targets if len({r.ratios.get(k) for r in results}) > 1), key)
+    return key
+
+
 def median_run(results: list[BenchResult]) -> BenchResult:
     """The run whose headline ratio is the median of `results`, with `spread` filled from all of them."""
-    key = headline(results[0])
+    key = median_key(results)
     ordered = sorted(results, key=lambda r: r.ratios.get(key, float("nan"))) if key else results
     chosen = ordered[(len(ordered) - 1) // 2]
     for k in chosen.ratios:
