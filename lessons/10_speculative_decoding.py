@@ -258,9 +258,10 @@ plt.show()
 # LM head turns into the next token — already says a lot about the tokens after it. `DraftHead` maps (f_t, the token
 # the target just chose) to a predicted f_{t+1} with one linear layer and one SwiGLU MLP (no attention: the feature
 # carries the context), scores only the few thousand tokens the target actually writes with the target's own LM-head
-# rows, and chains: the predicted feature feeds the next guess. It trained for a few CPU minutes on the teacher's
-# answers to lesson 09's training prompts (`python -m minillm.recipes.small_model drafter`), unrolled on its own
-# predictions as it will draft; the result ships in `minillm/assets/` with its sha256.
+# rows, and chains: the predicted feature feeds the next guess. It trained on the teacher's answers to lesson 09's
+# training prompts and to open-chat prompts the teacher wrote itself (`python -m minillm.recipes.small_model
+# drafter`; section 5 shows what those added), unrolled on its own predictions as it will draft; the result ships in
+# `minillm/assets/` with its sha256.
 #
 # The drafter reads f from a forward hook on the target's final norm; after each target forward the engine (or the
 # single-sequence loop) tells it which sequence and position each row was (`observe`), and `propose` drafts from the
