@@ -260,7 +260,7 @@ plt.show()
 # carries the context), scores only the few thousand tokens the target actually writes with the target's own LM-head
 # rows, and chains: the predicted feature feeds the next guess. It trained on the teacher's answers to lesson 09's
 # training prompts and to open-chat prompts the teacher wrote itself (`python -m minillm.recipes.small_model
-# drafter`; section 5 shows what those added), unrolled on its own predictions as it will draft; the result ships in
+# drafter`; section 6 shows what those added), unrolled on its own predictions as it will draft; the result ships in
 # `minillm/assets/` with its sha256.
 #
 # The drafter reads f from a forward hook on the target's final norm; after each target forward the engine (or the

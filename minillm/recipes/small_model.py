@@ -28,6 +28,28 @@ def answers_path(name: str = "teacher_answers.json"):
     return cache_dir() / "distill" / name
 
 
+def _key(*inputs) -> str:
+    """What a cached generation was made from (a changed input set regenerates)."""
+    return hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]
+
+
+def _read_cache(cache: Path | None, key: str) -> dict | None:
+    if cache is None or not Path(cache).exists():
+        return None
+    data = json.loads(Path(cache).read_text())
+    return data if data.get("key") == key else None
+
+
+def _write_cache(cache: Path | None, data: dict) -> None:
+    """Written whole, then renamed: an interrupted run leaves the old file, never half of a new one."""
+    if cache is None:
+        return
+    Path(cache).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(str(cache) + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, cache)
+
+
 def teacher_answers(teacher, tokenizer, prompts: list[str], max_tokens: int = 64, cache: Path | None = None,
                     max_num_seqs: int = 32, progress: bool = True) -> list[list[int]]:
     """The teacher's greedy answer (token ids, its stop token included if reached) to each prompt, generated with
@@ -35,11 +57,9 @@ def teacher_answers(teacher, tokenizer, prompts: list[str], max_tokens: int = 64
     from minillm.engine.llm import LLM
     from minillm.sampling import SamplingParams
 
-    key = hashlib.sha256(json.dumps([prompts, max_tokens]).encode()).hexdigest()[:16]
-    if cache is not None and Path(cache).exists():
-        data = json.loads(Path(cache).read_text())
-        if data.get("key") == key:
-            return data["answers"]
+    key = _key(prompts, max_tokens)
+    if (data := _read_cache(cache, key)) is not None:
+        return data["answers"]
     llm = LLM.from_model(teacher, tokenizer, max_num_seqs=max_num_seqs)
     answers: list[list[int]] = []
     chunk = 256
@@ -51,11 +71,7 @@ def teacher_answers(teacher, tokenizer, prompts: list[str], max_tokens: int = 64
             print(f"\rteacher answers: {len(answers)}/{len(prompts)}", end="", flush=True)
     if progress:
         print()
-    if cache is not None:
-        Path(cache).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(str(cache) + ".tmp")
-        tmp.write_text(json.dumps({"key": key, "max_tokens": max_tokens, "prompts": prompts, "answers": answers}))
-        os.replace(tmp, cache)
+    _write_cache(cache, {"key": key, "max_tokens": max_tokens, "prompts": prompts, "answers": answers})
     return answers
 
 
@@ -68,11 +84,9 @@ def open_prompts(model, tokenizer, n: int, seed: int = 0, max_tokens: int = 48, 
     from minillm.engine.llm import LLM
     from minillm.sampling import SamplingParams
 
-    key = hashlib.sha256(json.dumps([n, seed, max_tokens]).encode()).hexdigest()[:16]
-    if cache is not None and Path(cache).exists():
-        data = json.loads(Path(cache).read_text())
-        if data.get("key") == key:
-            return data["prompts"]
+    key = _key(n, seed, max_tokens)
+    if (data := _read_cache(cache, key)) is not None:
+        return data["prompts"]
     text = tokenizer.decode(chat_ids(tokenizer, "x"))
     user = "<|im_start|>user\n"
     ids = tokenizer.encode(text[:text.index(user) + len(user)], allow_special=True)
@@ -96,11 +110,7 @@ def open_prompts(model, tokenizer, n: int, seed: int = 0, max_tokens: int = 48, 
     if progress:
         print(file=sys.stderr)
     prompts = prompts[:n]
-    if cache is not None:
-        Path(cache).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(str(cache) + ".tmp")
-        tmp.write_text(json.dumps({"key": key, "sampled": i, "prompts": prompts}))
-        os.replace(tmp, cache)
+    _write_cache(cache, {"key": key, "sampled": i, "prompts": prompts})
     return prompts
 
 
@@ -167,7 +177,7 @@ def train_drafter(size: int = 4096, hidden: int = 1536, steps: int = 800, seed: 
     if (ASSETS / f"{DRAFTER}.pt").exists():
         old = load_draft_head(DRAFTER).bind(target)
         previous = {"sha256": old.info.get("sha256"), "heldout_chained_top1": guess_accuracy(old, report_on),
-                    "heldout_open_chained_top1": guess_accuracy(old, report_open) if report_open else None,
+                    "heldout_open_chained_top1": guess_accuracy(old, report_open) if report_open is not None else None,
                     "train_prompts": old.info.get("train_prompts"), "steps": old.info.get("steps")}
     head = DraftHead(target.config.dim, hidden, vocab).bind(target)
     hist = train_draft_head(head, data, steps=steps, seed=seed, noise=noise, weight_decay=weight_decay,
